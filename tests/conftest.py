@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny random-weight Llama- and Qwen2-style models built in the test (no files)."""
+
+import pytest
+import torch
+
+from verispec.models import CausalLM
+
+VOCAB = 97
+
+
+def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, vocab: int = VOCAB) -> CausalLM:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    if kind == "llama":
+        hf = LlamaForCausalLM(LlamaConfig(**common))
+    elif kind == "qwen2":
+        hf = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        raise ValueError(kind)
+    hf = hf.float().eval()
+    # Sharpen the output a little so that greedy decoding has clear winners and drafts get accepted.
+    with torch.no_grad():
+        hf.get_output_embeddings().weight.mul_(8.0)
+    return CausalLM(hf, tokenizer=None, name=f"tiny-{kind}-{seed}")
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def tiny(request) -> CausalLM:
+    return tiny_model(request.param)

@@ -1,0 +1,88 @@
+import pytest
+import torch
+
+from conftest import tiny_model
+from verispec.drafters import ModelDrafter, NgramDrafter, layer_skip_drafter
+from verispec.probs import Sampling, logits_to_probs
+from verispec.rng import TorchRandomness
+from verispec.tree import Tree
+
+
+def fresh_q(model, seq, sampling):
+    with torch.no_grad():
+        return logits_to_probs(model.hf(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1], sampling)
+
+
+def node_seq(draft, node):
+    path = []
+    while node > 0:
+        path.append(int(draft.tokens[node]))
+        node = draft.tree.parents[node]
+    return path[::-1]
+
+
+@pytest.mark.parametrize("kind", ["model", "layerskip"])
+@pytest.mark.parametrize("children", ["iid", "swor", "topk"])
+def test_model_drafter_laws_match_a_fresh_forward_across_steps(kind, children):
+    target = tiny_model("qwen2", layers=4)
+    drafter = ModelDrafter(tiny_model("llama", seed=3, layers=2)) if kind == "model" else layer_skip_drafter(target, [1, 3])
+    sampling, rng = Sampling(1.0), TorchRandomness(0)
+    context = [4, 9, 16, 25]
+    drafter.reset(context)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(4):
+        draft = drafter.propose(context, Tree.complete(2, 3), sampling, children, rng)
+        for node in range(draft.tree.size):
+            if draft.tree.children[node]:
+                ref = fresh_q(drafter.model, context + node_seq(draft, node), sampling)
+                assert torch.allclose(draft.q[node], ref, atol=1e-5), (step, node)
+        # accept a random root-to-node path, then a recovered token
+        end = int(torch.randint(0, draft.tree.size, (1,), generator=gen))
+        path = [n for n in range(1, draft.tree.size) if n in set(_ancestors(draft.tree, end))]
+        drafter.commit(draft, path)
+        context = context + [int(draft.tokens[n]) for n in path] + [int(torch.randint(3, 90, (1,), generator=gen))]
+
+
+def _ancestors(tree, node):
+    out = []
+    while node > 0:
+        out.append(node)
+        node = tree.parents[node]
+    return out
+
+
+def test_children_modes():
+    drafter = layer_skip_drafter(tiny_model("llama", layers=4), 2)
+    for mode, distinct in (("iid", False), ("swor", True), ("topk", True)):
+        drafter.reset([4, 9])
+        d = drafter.propose([4, 9], Tree.complete(3, 1), Sampling(1.0), mode, TorchRandomness(1))
+        toks = d.tokens[1:].tolist()
+        assert len(toks) == 3
+        if distinct:
+            assert len(set(toks)) == 3
+        q = d.q[0]
+        if mode == "iid":
+            assert d.child_prob[1:].tolist() == pytest.approx([float(q[t]) for t in toks])
+        if mode == "swor":  # q(x2) / (1 - q(x1)), ...
+            assert float(d.child_prob[2]) == pytest.approx(float(q[toks[1]] / (1 - q[toks[0]])))
+        if mode == "topk":
+            assert toks == torch.topk(q, 3).indices.tolist() and d.child_prob[1:].tolist() == [1, 1, 1]
+        drafter.commit(d, [])
+
+
+def test_ngram_lookup_uses_the_longest_earlier_match():
+    ng = NgramDrafter(vocab_size=10, max_n=2)
+    # suffix (3, 4) occurred once, followed by 5; the 1-gram (4) was followed by 5 and 7: the 2-gram wins
+    logits = ng._root_logits([3, 4, 5, 1, 4, 7, 3, 4])
+    assert torch.isfinite(logits).nonzero().flatten().tolist() == [5]
+    # no earlier occurrence of 9: no draft at all
+    assert ng._root_logits([1, 2, 9]) is None
+    d = ng.propose([1, 2, 9], Tree.chain(3), Sampling(1.0), "iid", TorchRandomness(0))
+    assert d.tree.size == 1
+
+
+def test_ngram_draft_continues_the_repeated_pattern():
+    ng = NgramDrafter(vocab_size=10, max_n=3)
+    ctx = [1, 2, 3, 4, 1, 2]
+    d = ng.propose(ctx, Tree.chain(3), Sampling(0.0), "topk", TorchRandomness(0))
+    assert d.tokens.tolist() == [2, 3, 4, 1]  # root 2, then the tokens that followed "1 2" before

@@ -1,0 +1,98 @@
+import pytest
+import torch
+
+from conftest import VOCAB, tiny_model
+from verispec.tree import Tree
+
+PROMPT = [5, 17, 33, 8, 9, 41]
+SHAPES = [Tree.chain(4), Tree.complete(2, 3), Tree.from_branching([3, 1, 1]), Tree.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0, 0)])]
+
+
+def fresh_logits(model, seq):
+    with torch.no_grad():
+        return model.hf(input_ids=torch.tensor([seq])).logits[0, -1].float()
+
+
+def random_tokens(tree, root, seed):
+    toks = torch.randint(3, VOCAB, (tree.size,), generator=torch.Generator().manual_seed(seed))
+    toks[0] = root
+    return toks
+
+
+def node_seq(tree, toks, node):
+    path = []
+    while node > 0:
+        path.append(int(toks[node]))
+        node = tree.parents[node]
+    return path[::-1]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda t: t.describe())
+def test_tree_forward_equals_path_by_path_forward(tiny, shape):
+    state = tiny.new_state()
+    tiny.prefill(state, PROMPT[:-1])
+    toks = random_tokens(shape, PROMPT[-1], 1)
+    out = tiny.forward(state, toks, state.committed + torch.tensor(shape.depths), shape.ancestors_mask())
+    for node in range(shape.size):
+        ref = fresh_logits(tiny, PROMPT + node_seq(shape, toks, node))
+        assert torch.allclose(out.logits[node], ref, atol=1e-5, rtol=1e-5), node
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda t: t.describe())
+def test_commit_path_then_next_step_equals_fresh_forward(tiny, shape):
+    state = tiny.new_state()
+    tiny.prefill(state, PROMPT[:-1])
+    seq = list(PROMPT)
+    for step, path in enumerate([shape.paths[-1], shape.paths[0][:1], ()]):
+        toks = random_tokens(shape, seq[-1], 10 + step)
+        tiny.forward(state, toks, state.committed + torch.tensor(shape.depths), shape.ancestors_mask())
+        tiny.commit(state, [0, *path])
+        seq += [int(toks[n]) for n in path] + [60 + step]  # accepted path, then a recovered token
+        assert state.committed == len(seq) - 1
+        # next step: a single root forward must see exactly the committed sequence
+        one = tiny.forward(state, torch.tensor([seq[-1]]), torch.tensor([state.committed]), torch.ones(1, 1, dtype=torch.bool))
+        assert torch.allclose(one.logits[0], fresh_logits(tiny, seq), atol=1e-5, rtol=1e-5)
+        tiny.commit(state, [])  # drop it again: the next loop iteration feeds the root itself
+
+
+def test_layer_subset_shares_weights_and_matches_a_truncated_model():
+    target = tiny_model("llama", layers=4)
+    sub = target.layer_subset([0, 1])
+    assert sub.num_layers == 2 and target.num_layers == 4
+    assert len(target.hf.base_model.layers) == 4  # the target is untouched
+    assert sub.hf.base_model.layers[1].mlp.up_proj.weight is target.hf.base_model.layers[1].mlp.up_proj.weight
+    # reference: a real 2-layer model with the same weights
+    ref = tiny_model("llama", layers=2)
+    ref.hf.load_state_dict({k: v for k, v in target.hf.state_dict().items() if ".layers.2." not in k and ".layers.3." not in k})
+    state = sub.new_state()
+    logits = sub.prefill(state, PROMPT)
+    assert torch.allclose(logits, fresh_logits(ref, PROMPT), atol=1e-5)
+
+
+def test_layer_subset_non_contiguous_runs_with_a_cache():
+    target = tiny_model("qwen2", layers=4)
+    sub = target.layer_subset([0, 2])
+    state = sub.new_state()
+    a = sub.prefill(state, PROMPT[:-1])
+    b = sub.prefill(state, PROMPT[-1:])
+    whole = sub.prefill(sub.new_state(), PROMPT)
+    assert a is not None and torch.allclose(b, whole, atol=1e-5)
+
+
+def test_layer_subset_rejects_bad_indices():
+    from verispec.errors import VerispecError
+
+    target = tiny_model("llama", layers=4)
+    for bad in ([], [4], [2, 1], [1, 1]):
+        with pytest.raises(VerispecError):
+            target.layer_subset(bad)
+
+
+def test_nan_logits_raise_a_clear_error():
+    from verispec.errors import VerispecError
+
+    m = tiny_model("llama")
+    with torch.no_grad():
+        m.hf.get_output_embeddings().weight[7, 0] = float("nan")
+    with pytest.raises(VerispecError, match="NaN"):
+        m.prefill(m.new_state(), PROMPT)

@@ -1,0 +1,45 @@
+import pytest
+import torch
+
+from verispec.errors import VerispecError
+from verispec.probs import Sampling, logits_to_probs, residual
+
+
+def test_temperature_and_greedy():
+    logits = torch.tensor([1.0, 3.0, 2.0, 3.0])
+    g = logits_to_probs(logits, Sampling(0))
+    assert g.tolist() == [0, 1, 0, 0]  # first maximal index, like argmax
+    p = logits_to_probs(logits, Sampling(2.0))
+    assert torch.allclose(p, torch.softmax(logits / 2, -1))
+
+
+def test_top_k_and_top_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert logits_to_probs(logits, Sampling(1.0, top_k=2)).tolist() == pytest.approx([0.625, 0.375, 0, 0])
+    # top_p 0.8: mass before token 2 is 0.8, not < 0.8, so only the first two stay
+    assert logits_to_probs(logits, Sampling(1.0, top_p=0.8)).tolist() == pytest.approx([0.625, 0.375, 0, 0])
+    assert logits_to_probs(logits, Sampling(1.0, top_p=0.81)).tolist() == pytest.approx([0.5 / .95, 0.3 / .95, .15 / .95, 0])
+
+
+def test_nan_and_inf_logits_raise():
+    with pytest.raises(VerispecError):
+        logits_to_probs(torch.tensor([0.0, float("nan")]), Sampling())
+    with pytest.raises(VerispecError):
+        logits_to_probs(torch.tensor([0.0, float("inf")]), Sampling())
+    with pytest.raises(VerispecError):
+        logits_to_probs(torch.tensor([float("-inf"), float("-inf")]), Sampling())
+    # -inf alone marks an impossible token and is fine
+    assert logits_to_probs(torch.tensor([0.0, float("-inf")]), Sampling()).tolist() == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1)])
+def test_bad_sampling_settings(kw):
+    with pytest.raises(VerispecError):
+        Sampling(**kw)
+
+
+def test_residual():
+    p = torch.tensor([0.4, 0.3, 0.3], dtype=torch.float64)
+    q = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)
+    assert residual(p, q).tolist() == pytest.approx([0, 0, 1])
+    assert residual(p, p).tolist() == pytest.approx(p.tolist())  # no mass: fall back to p

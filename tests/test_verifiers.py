@@ -1,0 +1,81 @@
+"""Exactness of the verifiers, by their exact output law (enumeration in float64)."""
+
+import pytest
+import torch
+
+from verispec.audit import random_tables, step_law, target_law, tv_and_kl, verifier_law
+from verispec.drafters.base import Draft
+from verispec.probs import residual
+from verispec.tree import Tree
+from verispec.verifiers import get_verifier
+from verispec.verifiers.base import Verdict, VerifierSpec, first_child_law
+
+V = 4
+CASES = [(seed, mode, g) for seed in range(12) for mode in ("iid", "swor", "topk") for g in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("seed,mode,g", CASES)
+def test_chain_speculative_sampling_is_exact(seed, mode, g):
+    p, q = random_tables(V, seed, concentration=0.7, sparsity=0.3 if seed % 2 else 0.0)
+    law = verifier_law(get_verifier("chain"), p, q, Tree.chain(g), V, children=mode)
+    tv, kl = tv_and_kl(target_law(p, (0,), g + 1, V), law)
+    assert tv < 1e-12 and abs(kl) < 1e-12
+
+
+def _chain_without_residual(draft, p, rng):
+    """Negative control: after a rejection draw from p itself instead of norm((p - q)_+)."""
+    g = draft.num_drafted
+    x = draft.tokens[1:]
+    for i in range(g):
+        law = first_child_law(draft, i)
+        if not bool(rng.bernoulli(torch.clamp(p[i, x[i]] / law[x[i]], max=1.0))):
+            return Verdict(tuple(range(1, i + 1)), int(rng.categorical(p[i])), (1,) * (i + 1))
+    return Verdict(tuple(range(1, g + 1)), int(rng.categorical(p[g])), (1,) * g)
+
+
+def test_audit_flags_a_verifier_that_skips_the_residual():
+    broken = VerifierSpec("no-residual", _chain_without_residual, exact=False, note="negative control")
+    p, q = random_tables(V, 0)
+    law = verifier_law(broken, p, q, Tree.chain(2), V)
+    tv, _ = tv_and_kl(target_law(p, (0,), 3, V), law)
+    assert tv > 1e-3
+
+
+def test_published_one_position_numbers():
+    # p = (.4, .3, .3), q = (.6, .3, .1): accept mass min(p, q) = (.4, .3, .1), residual (0, 0, 1)
+    p_ = torch.tensor([0.4, 0.3, 0.3], dtype=torch.float64)
+    q_ = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)
+    law = step_law(get_verifier("chain"), lambda s: p_, lambda s: q_, Tree.chain(1))
+    first = {}
+    for seq, w in law.items():
+        first[seq[0]] = first.get(seq[0], 0) + w
+    assert [first[i] for i in range(3)] == pytest.approx([0.4, 0.3, 0.3], abs=1e-15)
+    assert residual(p_, q_).tolist() == [0, 0, 1]
+
+
+def _draft(tokens, parents, vocab):
+    tree = Tree(tuple(parents))
+    return Draft(tree, torch.tensor(tokens), torch.full((tree.size, vocab), 1.0 / vocab), torch.ones(tree.size), "iid")
+
+
+def test_greedy_walks_the_argmax_child_on_a_tree():
+    # root children: 1 (node 1), 3 (node 2); node 2 has child 0 (node 3). argmax: root->3, node2->0, node3->2
+    draft = _draft([9, 1, 3, 0], [-1, 0, 0, 2], 4)
+    p = torch.nn.functional.one_hot(torch.tensor([3, 1, 0, 2]), 4).float()
+    v = get_verifier("greedy")(draft, p, None)
+    assert v.path == (2, 3) and v.token == 2 and v.tested == (2, 1)
+
+
+def test_chain_verifier_refuses_trees():
+    from verispec.errors import VerispecError
+
+    draft = _draft([9, 1, 3], [-1, 0, 0], 4)
+    with pytest.raises(VerispecError, match="chains"):
+        get_verifier("chain")(draft, torch.full((3, 4), 0.25), None)
+
+
+def test_unknown_method_is_a_clear_error():
+    from verispec.errors import VerispecError
+
+    with pytest.raises(VerispecError, match="unknown method"):
+        get_verifier("nope")

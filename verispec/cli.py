@@ -1,0 +1,157 @@
+"""Command-line interface: ``verispec generate`` (more subcommands join as they are built)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from . import __version__
+from .drafters import CHILD_MODES, ModelDrafter, NgramDrafter, NoDrafter, layer_skip_drafter
+from .errors import VerispecError
+from .models import BUILTIN_MODELS, DEFAULT_TARGET, CausalLM
+from .tree import Tree
+from .verifiers import VERIFIERS, get_verifier
+
+DEFAULT_DRAFT = "layerskip:8"
+
+DRAFT_HELP = (
+    "draft to use: 'none' (plain autoregressive decoding), 'layerskip:L' (first L layers of the target) or "
+    "'layerskip:0,2,4' (a chosen subset), 'ngram' or 'ngram:N' (prompt lookup, n-grams up to N), or "
+    "'model:SPEC' (a separate draft model: alias, .gguf file, folder or hub id; must share the tokenizer). "
+    f"Default: {DEFAULT_DRAFT}"
+)
+
+
+def build_drafter(spec: str, target: CausalLM, dtype: str = "float32"):
+    """Turn a ``--draft`` string into a drafter for ``target``."""
+    kind, _, arg = spec.partition(":")
+    if kind == "none":
+        return NoDrafter()
+    if kind == "layerskip":
+        try:
+            layers = [int(x) for x in arg.split(",")] if arg else [target.num_layers // 4]
+        except ValueError:
+            raise VerispecError(f"bad layer list in --draft {spec!r}; use layerskip:L or layerskip:0,2,4") from None
+        return layer_skip_drafter(target, layers[0] if len(layers) == 1 else layers)
+    if kind == "ngram":
+        try:
+            n = int(arg) if arg else 3
+        except ValueError:
+            raise VerispecError(f"bad n in --draft {spec!r}; use ngram:N") from None
+        return NgramDrafter(target.vocab_size, max_n=n)
+    if kind == "model" and arg:
+        drafter = ModelDrafter(CausalLM.load(arg, dtype=dtype))
+        drafter.check_compatible(target)
+        return drafter
+    raise VerispecError(f"unknown --draft {spec!r}. {DRAFT_HELP}")
+
+
+def _add_generate(sub):
+    g = sub.add_parser(
+        "generate",
+        help="generate text with speculative decoding",
+        description="Generate text from a prompt with speculative decoding; streams the text, then prints a summary.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g.add_argument("--prompt", required=True, help="the user prompt (sent through the chat template if the model has one)")
+    g.add_argument("--target", default=DEFAULT_TARGET,
+                   help=f"target model: built-in alias ({', '.join(BUILTIN_MODELS)}), .gguf file, local folder or hub id")
+    g.add_argument("--draft", default=DEFAULT_DRAFT, help=DRAFT_HELP)
+    g.add_argument("--method", default="chain", choices=sorted([*VERIFIERS, "ar"]),
+                   help="verification rule; 'ar' is plain autoregressive decoding of the target (same as --draft none). "
+                        + "; ".join(f"{v.name}: {v.note}" for v in VERIFIERS.values()))
+    g.add_argument("--tree", default="chain:5",
+                   help="draft tree: chain:G, BxD (complete, e.g. 3x5), b1,b2,... (per-depth branching, e.g. 3,1,1) "
+                        "or paths:0;1;0.0 (Medusa-style rank paths)")
+    g.add_argument("--children", default="iid", choices=CHILD_MODES,
+                   help="how the children of a tree node are drawn: iid from q, without replacement, or the top-k")
+    g.add_argument("--temperature", type=float, default=0.6, help="sampling temperature; 0 means greedy")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1: off)")
+    g.add_argument("--max-new-tokens", type=int, default=128, help="stop after this many new tokens")
+    g.add_argument("--seed", type=int, default=0, help="random seed (same seed, same output on the same machine)")
+    g.add_argument("--dtype", default="float32", help="model weights dtype: float32, bfloat16, float16")
+    g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON record (text, ids, summary, per-step records)")
+    g.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args) -> int:
+    from .decode import generate  # noqa: PLC0415
+
+    tree = Tree.parse(args.tree)
+    draft_spec = "none" if args.method == "ar" else args.draft
+    method = "chain" if args.method == "ar" else args.method
+    verifier = get_verifier(method)
+    info = (lambda *a: None) if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    t = time.perf_counter()
+    info(f"loading target {args.target} ...")
+    target = CausalLM.load(args.target, dtype=args.dtype)
+    drafter = build_drafter(draft_spec, target, dtype=args.dtype)
+    if isinstance(drafter, NoDrafter):
+        tree = Tree.root_only()
+    info(f"loaded in {time.perf_counter() - t:.1f}s; draft {drafter.name}, method {verifier.name}, {tree.describe()}")
+
+    shown = {"ids": [], "text": ""}
+
+    def stream(tokens):
+        if args.json:
+            return
+        shown["ids"].extend(tokens)
+        text = target.decode(shown["ids"])
+        sys.stdout.write(text[len(shown["text"]):] if text.startswith(shown["text"]) else "")
+        sys.stdout.flush()
+        shown["text"] = text
+
+    result = generate(
+        target, drafter, verifier, args.prompt, tree=tree, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, children=args.children,
+        seed=args.seed, chat=not args.no_chat, on_tokens=stream,
+    )
+    if args.json:
+        print(json.dumps(result.to_dict()))
+        return 0
+    s = result.summary()
+    total = max(s["draft_s"] + s["target_s"] + s["verify_s"], 1e-12)
+    print("\n")
+    print(
+        f"[{s['tokens']} tokens in {s['steps']} steps | mean accepted length {s['mean_accepted_length']:.2f} | "
+        f"{s['tokens_per_s']:.1f} tokens/s | drafting {100 * s['draft_s'] / total:.0f}% "
+        f"target {100 * s['target_s'] / total:.0f}% verify {100 * s['verify_s'] / total:.0f}% | "
+        f"prefill {s['prefill_s']:.2f}s | stop: {s['stop_reason']}]"
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="verispec",
+        description="Speculative decoding whose verification you can trust. "
+                    "Run 'verispec COMMAND --help' for the options of a command.",
+    )
+    parser.add_argument("--version", action="version", version=f"verispec {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_generate(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except VerispecError as exc:
+        print(f"verispec: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nverispec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

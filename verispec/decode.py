@@ -1,0 +1,221 @@
+"""The decoding loop: propose -> one target forward over the tree -> verify -> commit -> update policy.
+
+Accepted length per step counts the accepted drafted tokens plus the one recovered/bonus token, so
+plain autoregressive decoding (``NoDrafter``) scores exactly 1.0 per step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from .drafters.base import Drafter
+from .errors import VerispecError
+from .models import CausalLM
+from .policies import Fixed
+from .probs import Sampling, logits_to_probs
+from .rng import TorchRandomness
+from .tree import Tree
+from .verifiers.base import VerifierSpec
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    drafted: int  # drafted tokens (tree nodes) this step
+    draft_depth: int
+    accepted_length: int  # accepted drafted tokens + 1 (recovered/bonus), before EOS/budget truncation
+    accepted_ranks: tuple[int, ...]  # candidate index accepted at each depth
+    tested: tuple[int, ...]  # candidates tested at each depth reached
+    emitted: tuple[int, ...]  # tokens appended to the output (after EOS/budget truncation)
+    draft_s: float
+    target_s: float
+    verify_s: float
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # generated tokens (EOS included when it stopped on EOS)
+    prompt_ids: list[int]
+    steps: list[StepRecord]
+    stop_reason: str  # "eos" or "max_new_tokens"
+    prefill_s: float
+    wall_s: float  # whole generation, prefill included
+    config: dict = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return sum(s.accepted_length for s in self.steps) / max(len(self.steps), 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        decode_s = self.wall_s - self.prefill_s
+        return self.num_tokens / decode_s if decode_s > 0 else float("nan")
+
+    def time_split(self) -> dict[str, float]:
+        return {k: sum(getattr(s, k) for s in self.steps) for k in ("draft_s", "target_s", "verify_s")}
+
+    def summary(self) -> dict:
+        return {
+            "tokens": self.num_tokens,
+            "steps": len(self.steps),
+            "mean_accepted_length": self.mean_accepted_length,
+            "tokens_per_s": self.tokens_per_s,
+            "prefill_s": self.prefill_s,
+            "wall_s": self.wall_s,
+            **self.time_split(),
+            "stop_reason": self.stop_reason,
+        }
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "prompt_ids": self.prompt_ids,
+            "config": self.config,
+            "summary": self.summary(),
+            "steps": [asdict(s) for s in self.steps],
+        }
+
+
+def _check_args(target, drafter, verifier, prompt_ids, tree, max_new_tokens, sampling):
+    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise VerispecError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
+    if not prompt_ids:
+        raise VerispecError("the prompt is empty")
+    if any(not 0 <= t < target.vocab_size for t in prompt_ids):
+        raise VerispecError(f"prompt token ids must lie in [0, {target.vocab_size})")
+    need = len(prompt_ids) + max_new_tokens + tree.max_depth
+    if need > target.max_context:
+        raise VerispecError(
+            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) + draft depth ({tree.max_depth}) "
+            f"exceeds the model's context of {target.max_context} tokens"
+        )
+    if verifier.greedy_only and not sampling.greedy:
+        raise VerispecError(f"verifier {verifier.name!r} is for temperature 0 only; got temperature {sampling.temperature}")
+    if verifier.chain_only and not tree.is_chain:
+        raise VerispecError(f"verifier {verifier.name!r} only verifies chains, not {tree.describe()}")
+    drafter.check_compatible(target)
+
+
+def generate_steps(
+    target: CausalLM,
+    drafter: Drafter,
+    verifier: VerifierSpec,
+    prompt_ids: list[int],
+    *,
+    tree: Tree,
+    max_new_tokens: int,
+    sampling: Sampling,
+    children: str = "iid",
+    policy=None,
+    seed: int = 0,
+    stats: dict | None = None,
+) -> Iterator[StepRecord]:
+    """Yield one ``StepRecord`` per step; the emitted tokens of all steps are the generated text.
+
+    ``stats``, if given, receives ``prefill_s`` (the target's prefill of the prompt).
+    """
+    _check_args(target, drafter, verifier, prompt_ids, tree, max_new_tokens, sampling)
+    policy = policy or Fixed()
+    rng = TorchRandomness(seed)
+    t = time.perf_counter()
+    state = target.new_state()
+    target.prefill(state, prompt_ids[:-1])
+    drafter.reset(prompt_ids)
+    if stats is not None:
+        stats["prefill_s"] = time.perf_counter() - t
+    context = list(prompt_ids)
+    produced = 0
+    while True:
+        t0 = time.perf_counter()
+        draft = drafter.propose(context, tree, sampling, children, rng, policy)
+        t1 = time.perf_counter()
+        positions = state.committed + torch.tensor(draft.tree.depths)
+        logits = target.forward(state, draft.tokens, positions, draft.tree.ancestors_mask()).logits
+        t2 = time.perf_counter()
+        p = logits_to_probs(logits, sampling)  # [N, V]
+        verdict = verifier(draft, p, rng)
+        t3 = time.perf_counter()
+        target.commit(state, [0, *verdict.path])
+        t4 = time.perf_counter()
+        drafter.commit(draft, list(verdict.path))
+        t5 = time.perf_counter()
+        new = [int(draft.tokens[n]) for n in verdict.path] + [verdict.token]
+        emitted, stop = [], False
+        for tok in new:
+            emitted.append(tok)
+            produced += 1
+            if tok in target.eos_token_ids or produced >= max_new_tokens:
+                stop = True
+                break
+        context.extend(new)
+        policy.update(draft.tree.max_depth, len(verdict.path))
+        ranks = draft.tree.ranks
+        yield StepRecord(
+            drafted=draft.num_drafted,
+            draft_depth=draft.tree.max_depth,
+            accepted_length=len(verdict.path) + 1,
+            accepted_ranks=tuple(ranks[n] for n in verdict.path),
+            tested=verdict.tested,
+            emitted=tuple(emitted),
+            draft_s=(t1 - t0) + (t5 - t4),
+            target_s=(t2 - t1) + (t4 - t3),
+            verify_s=t3 - t2,
+        )
+        if stop:
+            return
+
+
+def generate(
+    target: CausalLM,
+    drafter: Drafter,
+    verifier: VerifierSpec,
+    prompt: str | list[int],
+    *,
+    tree: Tree | None = None,
+    max_new_tokens: int = 128,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    children: str = "iid",
+    policy=None,
+    seed: int = 0,
+    chat: bool = True,
+    on_tokens: Callable[[list[int]], None] | None = None,
+) -> GenerationResult:
+    """Generate from ``prompt`` (text, through the chat template if any, or token ids).
+
+    ``on_tokens`` is called with each step's emitted tokens as soon as they are verified (streaming).
+    """
+    sampling = Sampling(temperature, top_k, top_p)
+    tree = tree if tree is not None else Tree.chain(5)
+    prompt_ids = target.encode_prompt(prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
+    start = time.perf_counter()
+    steps, out, stats = [], [], {}
+    for rec in generate_steps(
+        target, drafter, verifier, prompt_ids, tree=tree, max_new_tokens=max_new_tokens,
+        sampling=sampling, children=children, policy=policy, seed=seed, stats=stats,
+    ):
+        steps.append(rec)
+        out.extend(rec.emitted)
+        if on_tokens is not None:
+            on_tokens(list(rec.emitted))
+    wall = time.perf_counter() - start
+    stop = "eos" if out and out[-1] in target.eos_token_ids else "max_new_tokens"
+    config = {
+        "target": target.name, "drafter": drafter.name, "method": verifier.name, "tree": list(tree.parents),
+        "children": children, "temperature": temperature, "top_k": top_k, "top_p": top_p,
+        "max_new_tokens": max_new_tokens, "seed": seed, "policy": getattr(policy, "name", "fixed"),
+    }
+    return GenerationResult(
+        text=target.decode(out), token_ids=out, prompt_ids=prompt_ids, steps=steps, stop_reason=stop,
+        prefill_s=stats.get("prefill_s", 0.0), wall_s=wall, config=config,
+    )

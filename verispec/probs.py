@@ -1,0 +1,100 @@
+"""Logits -> probabilities and the small distribution helpers every verifier shares.
+
+Glossary (used in the whole package): ``p`` is the target distribution at a position after
+temperature / top-k / top-p, ``q`` the draft distribution. ``(v)_+ = max(v, 0)`` and
+``norm(v) = v / sum(v)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import VerispecError
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How logits become a distribution. ``temperature == 0`` means greedy (a point mass on the argmax).
+
+    ``top_k == 0`` disables top-k; ``top_p == 1`` disables nucleus filtering.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
+            raise VerispecError(f"temperature must be >= 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise VerispecError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise VerispecError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def check_finite(logits: torch.Tensor, what: str = "logits", allow_masked: bool = False) -> None:
+    """Raise a clear error instead of letting NaN/inf logits turn into a silently wrong token.
+
+    With ``allow_masked``, ``-inf`` marks an impossible token (n-gram drafts, audit tables), but a row
+    must keep at least one finite entry; NaN and ``+inf`` are never allowed.
+    """
+    if allow_masked:
+        bad = torch.isnan(logits) | (logits == float("inf"))
+        empty = ~torch.isfinite(logits).any(-1)
+        if bad.any() or empty.any():
+            raise VerispecError(f"{what} contain NaN/+inf values or a row with no finite entry")
+        return
+    if not torch.isfinite(logits).all():
+        bad = (~torch.isfinite(logits)).sum().item()
+        raise VerispecError(
+            f"{what} contain {bad} NaN/inf value(s); refusing to sample from them "
+            "(check the model weights, dtype, or inputs)"
+        )
+
+
+def logits_to_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """Turn logits ``[..., V]`` into probabilities ``[..., V]`` under ``sampling``.
+
+    Computation is done in at least float32; float64 input stays float64 (the audit uses it).
+    Greedy gives a one-hot row on the first maximal index (the same tie rule as ``argmax``).
+    ``-inf`` entries are impossible tokens; NaN and ``+inf`` raise ``VerispecError``.
+    """
+    check_finite(logits, allow_masked=True)
+    x = logits if logits.dtype == torch.float64 else logits.float()
+    if sampling.greedy:
+        return torch.nn.functional.one_hot(x.argmax(-1), x.shape[-1]).to(x.dtype)
+    x = x / sampling.temperature
+    if sampling.top_k and sampling.top_k < x.shape[-1]:
+        kth = torch.topk(x, sampling.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if sampling.top_p < 1:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        # keep a token if the mass strictly before it is below top_p (the first token is always kept)
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        keep_sorted = before < sampling.top_p
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = normalize(probs * keep)
+    return probs
+
+
+def normalize(v: torch.Tensor) -> torch.Tensor:
+    """``norm(v)`` along the last axis."""
+    return v / v.sum(-1, keepdim=True)
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``norm((p - q)_+)``: the law to draw from after a rejection.
+
+    If ``(p - q)_+`` has no mass (``p == q`` up to rounding), a rejection has probability zero
+    and any law is correct; ``p`` is returned so that a rounding-induced rejection stays sane.
+    """
+    r = (p - q).clamp_min(0)
+    total = r.sum(-1, keepdim=True)
+    return torch.where(total > 0, r / total.clamp_min(torch.finfo(r.dtype).tiny), p)

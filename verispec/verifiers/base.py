@@ -1,0 +1,79 @@
+"""What a verifier receives and returns, and the registry that names verifiers.
+
+A verifier is a pure function ``fn(draft, p, rng) -> Verdict``:
+
+* ``draft`` -- the drafted tree, its tokens, the draft law ``q`` at each node and how children were drawn;
+* ``p [N, V]`` -- the target distribution after each node (row 0: after the root), from one target forward;
+* ``rng`` -- the randomness to use (see ``verispec.rng``); a verifier never creates its own.
+
+It walks from the root, accepting at most one child per node, and ends by emitting one token: the
+*recovered* token (drawn from a residual after a rejection) or the *bonus* token (drawn from ``p``
+after a leaf). The accepted length of a step is ``len(path) + 1``.
+
+Adding a verifier is one small module with a function decorated by ``@register(...)`` and an import
+line in ``verispec/verifiers/__init__.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..drafters.base import Draft
+from ..errors import VerispecError
+from ..rng import Randomness
+
+
+@dataclass(frozen=True)
+class Verdict:
+    path: tuple[int, ...]  # accepted drafted nodes, root-to-leaf (root excluded)
+    token: int  # recovered token after a rejection, or bonus token after a leaf
+    tested: tuple[int, ...]  # per depth reached: candidates tested there (accepted rank + 1, or all of them)
+
+
+VerifyFn = Callable[[Draft, torch.Tensor, Randomness], Verdict]
+
+
+@dataclass(frozen=True)
+class VerifierSpec:
+    name: str
+    fn: VerifyFn
+    exact: bool  # claims that the output law equals the target's (the audit checks the claim)
+    note: str  # one line: what it is, or why it is not exact
+    chain_only: bool = False
+    greedy_only: bool = False  # only meaningful at temperature 0
+
+    def __call__(self, draft: Draft, p: torch.Tensor, rng: Randomness) -> Verdict:
+        if self.chain_only and not draft.tree.is_chain:
+            raise VerispecError(f"verifier {self.name!r} only verifies chains; use a tree verifier for {draft.tree.describe()}")
+        return self.fn(draft, p, rng)
+
+
+VERIFIERS: dict[str, VerifierSpec] = {}
+
+
+def register(name: str, *, exact: bool, note: str, chain_only: bool = False, greedy_only: bool = False):
+    def wrap(fn: VerifyFn) -> VerifyFn:
+        if name in VERIFIERS:
+            raise ValueError(f"verifier {name!r} registered twice")
+        VERIFIERS[name] = VerifierSpec(name, fn, exact, note, chain_only, greedy_only)
+        return fn
+
+    return wrap
+
+
+def get_verifier(name: str) -> VerifierSpec:
+    try:
+        return VERIFIERS[name]
+    except KeyError:
+        raise VerispecError(f"unknown method {name!r}; choose from {', '.join(sorted(VERIFIERS))}") from None
+
+
+def first_child_law(draft: Draft, node: int) -> torch.Tensor:
+    """The law the first child of ``node`` was drawn from: ``q`` for random draws, a point mass for top-k."""
+    if draft.sampling == "topk":
+        child = draft.tree.children[node][0]
+        return torch.nn.functional.one_hot(draft.tokens[child], draft.q.shape[-1]).to(draft.q.dtype)
+    return draft.q[node]
