@@ -51,7 +51,8 @@ def test_speculative_greedy_equals_autoregressive_greedy(target, shape_name, chi
     reference = run(target, NoDrafter(), Tree.root_only(), n=24).token_ids
     for name, drafter in drafters(target).items():
         shape = SHAPES[shape_name]
-        for method in ("greedy", "chain") if shape.is_chain else ("greedy",):
+        tree_rule = {"iid": "specinfer", "swor": "swor", "topk": "topk"}[children]
+        for method in ("greedy", tree_rule, *(("chain",) if shape.is_chain else ())):
             out = run(target, drafter, shape, method=method, children=children)
             assert out.token_ids == reference, (name, method)
             assert len(out.token_ids) == 24
@@ -71,6 +72,13 @@ def test_same_seed_same_output(target, temperature):
     c = run(target, layer_skip_drafter(target, 2), Tree.chain(3), method="chain", temperature=temperature, children="iid", seed=8)
     assert a.token_ids == b.token_ids
     assert a.token_ids != c.token_ids
+
+
+@pytest.mark.parametrize("method,children", [("specinfer", "iid"), ("swor", "swor"), ("topk", "topk")])
+def test_tree_verifiers_sample_through_the_loop(target, method, children):
+    out = run(target, layer_skip_drafter(target, 2), Tree.complete(2, 2), method=method, temperature=0.8,
+              children=children, n=20, seed=3)
+    assert out.num_tokens == 20 and out.mean_accepted_length >= 1.0
 
 
 def test_stops_at_eos_and_at_max_new_tokens_exactly():

@@ -18,10 +18,22 @@ DEFAULT_DRAFT = "layerskip:8"
 
 DRAFT_HELP = (
     "draft to use: 'none' (plain autoregressive decoding), 'layerskip:L' (first L layers of the target) or "
-    "'layerskip:0,2,4' (a chosen subset), 'ngram' or 'ngram:N' (prompt lookup, n-grams up to N), or "
+    "'layerskip:0,2,4' or 'layerskip:0-9,20-29' (a chosen subset), 'ngram' or 'ngram:N' (prompt lookup, n-grams up to N), or "
     "'model:SPEC' (a separate draft model: alias, .gguf file, folder or hub id; must share the tokenizer). "
     f"Default: {DEFAULT_DRAFT}"
 )
+
+
+def parse_layers(text: str, spec: str) -> list[int]:
+    """``0,2,4`` or ranges ``0-9,20-29`` -> sorted layer indices."""
+    out = []
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            out.extend(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise VerispecError(f"bad layer list in --draft {spec!r}; use layerskip:L, layerskip:0,2,4 or layerskip:0-9,20-29") from None
+    return out
 
 
 def build_drafter(spec: str, target: CausalLM, dtype: str = "float32"):
@@ -30,11 +42,11 @@ def build_drafter(spec: str, target: CausalLM, dtype: str = "float32"):
     if kind == "none":
         return NoDrafter()
     if kind == "layerskip":
-        try:
-            layers = [int(x) for x in arg.split(",")] if arg else [target.num_layers // 4]
-        except ValueError:
-            raise VerispecError(f"bad layer list in --draft {spec!r}; use layerskip:L or layerskip:0,2,4") from None
-        return layer_skip_drafter(target, layers[0] if len(layers) == 1 else layers)
+        if not arg:
+            return layer_skip_drafter(target, target.num_layers // 4)
+        if arg.isdigit():
+            return layer_skip_drafter(target, int(arg))
+        return layer_skip_drafter(target, parse_layers(arg, spec))
     if kind == "ngram":
         try:
             n = int(arg) if arg else 3
@@ -65,8 +77,9 @@ def _add_generate(sub):
     g.add_argument("--tree", default="chain:5",
                    help="draft tree: chain:G, BxD (complete, e.g. 3x5), b1,b2,... (per-depth branching, e.g. 3,1,1) "
                         "or paths:0;1;0.0 (Medusa-style rank paths)")
-    g.add_argument("--children", default="iid", choices=CHILD_MODES,
-                   help="how the children of a tree node are drawn: iid from q, without replacement, or the top-k")
+    g.add_argument("--children", default=None, choices=CHILD_MODES,
+                   help="how the children of a tree node are drawn: iid from q, without replacement, or the top-k "
+                        "(default: what the method needs; iid for methods that take any)")
     g.add_argument("--temperature", type=float, default=0.6, help="sampling temperature; 0 means greedy")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1: off)")

