@@ -11,27 +11,11 @@ the ratio to autoregressive decoding measured in the same run. The full benchmar
 from __future__ import annotations
 
 import argparse
-import json
 from collections import defaultdict
-from pathlib import Path
 
 from verispec import CausalLM, Tree, generate, get_verifier
 from verispec.cli import build_drafter
-
-DATA = Path(__file__).resolve().parent.parent / "data" / "spec_bench" / "question.jsonl"
-GROUPS = ["writing", "translation", "summarization", "qa", "math_reasoning", "rag"]
-
-
-def prompts(n: int) -> list[str]:
-    rows = [json.loads(line) for line in DATA.open()]
-    by_cat = defaultdict(list)
-    for r in rows:
-        by_cat[r["category"]].append(r["turns"][0])
-    out, i = [], 0
-    while len(out) < n:
-        out.append(by_cat[GROUPS[i % len(GROUPS)]][i // len(GROUPS)])
-        i += 1
-    return out
+from verispec.datasets import spec_bench_prompts
 
 
 def main() -> None:
@@ -49,7 +33,7 @@ def main() -> None:
     configs = [("ar", "none")] + [(f"chain+{d}", d) for d in args.drafts]
     totals = defaultdict(lambda: [0, 0.0, 0, 0])  # tokens, seconds, steps, accepted
     for T in args.temperatures:
-        for i, prompt in enumerate(prompts(args.prompts)):
+        for i, prompt in enumerate(text for _, text in spec_bench_prompts(args.prompts)):
             for name, spec in configs:
                 drafter = build_drafter(spec, target)
                 tree = Tree.root_only() if spec == "none" else Tree.chain(args.gamma)

@@ -6,6 +6,7 @@ import torch
 from verispec.audit import random_tables, step_law, target_law, tv_and_kl, verifier_law
 from verispec.drafters.base import Draft
 from verispec.probs import residual
+from verispec.rng import TorchRandomness
 from verispec.tree import Tree
 from verispec.verifiers import get_verifier
 from verispec.verifiers.base import Verdict, VerifierSpec, first_child_law
@@ -62,7 +63,7 @@ def test_greedy_walks_the_argmax_child_on_a_tree():
     # root children: 1 (node 1), 3 (node 2); node 2 has child 0 (node 3). argmax: root->3, node2->0, node3->2
     draft = _draft([9, 1, 3, 0], [-1, 0, 0, 2], 4)
     p = torch.nn.functional.one_hot(torch.tensor([3, 1, 0, 2]), 4).float()
-    v = get_verifier("greedy")(draft, p, None)
+    v = get_verifier("greedy")(draft, p, TorchRandomness(0))
     assert v.path == (2, 3) and v.token == 2 and v.tested == (2, 1)
 
 

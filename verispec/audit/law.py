@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from ..drafters.base import Drafter, _Growing
+from ..drafters.base import Draft, Drafter, _draw_children, _Growing
 from ..probs import Sampling
 from ..rng import enumerate_outcomes
 from ..tree import Tree
@@ -48,6 +48,7 @@ class TableDrafter(Drafter):
                 n = g.parents[n]
             rows.append(self.q(self._context + tuple(reversed(path))).log())
         return torch.stack(rows)
+
 
 
 def random_tables(vocab: int, seed: int, concentration: float = 1.0, sparsity: float = 0.0):
@@ -81,19 +82,20 @@ def step_law(
     verifier: VerifierSpec, p: Table, q: Table, tree: Tree, children: str = "iid",
     context: tuple[int, ...] = (0,),
 ) -> dict[tuple[int, ...], float]:
-    """Exact law of the tokens one step emits after ``context``: ``{emitted tokens: probability}``."""
+    """Exact law of the tokens one step emits after ``context``: ``{emitted tokens: probability}``.
+
+    Verifiers given by a per-node rule are audited node by node (children draws and the rule's own
+    randomness enumerated at each node, subtree laws memoised by prefix and subtree shape, since
+    subtrees draw independently); any other verifier is run end to end on every outcome.
+    """
+    if verifier.node_rule is not None:
+        return _node_law(verifier.node_rule, p, q, tree, 0, children, tuple(context), {})
     drafter = TableDrafter(q)
     sampling = Sampling(1.0)
 
     def run(rng):
         draft = drafter.propose(list(context), tree, sampling, children, rng)
-        paths = []
-        for node in range(draft.tree.size):
-            path, n = [], node
-            while n > 0:
-                path.append(int(draft.tokens[n]))
-                n = draft.tree.parents[n]
-            paths.append(tuple(reversed(path)))
+        paths = [_path_tokens(draft.tree, draft.tokens, n) for n in range(draft.tree.size)]
         probs = torch.stack([p(tuple(context) + path) for path in paths])  # [N, V]
         verdict = verifier(draft, probs, rng)
         return tuple(int(draft.tokens[n]) for n in verdict.path) + (verdict.token,)
@@ -102,6 +104,62 @@ def step_law(
     for weight, emitted in enumerate_outcomes(run):
         law[emitted] = law.get(emitted, 0.0) + weight
     return law
+
+
+def _path_tokens(tree: Tree, tokens: torch.Tensor, node: int) -> tuple[int, ...]:
+    path = []
+    while node > 0:
+        path.append(int(tokens[node]))
+        node = tree.parents[node]
+    return tuple(reversed(path))
+
+
+def _shape_key(tree: Tree, node: int):
+    return tuple(_shape_key(tree, c) for c in tree.children[node])
+
+
+def node_outcomes(rule, p_row: torch.Tensor, q_row: torch.Tensor, k: int, children: str):
+    """Every outcome at one node: ``[(probability, child tokens, accepted rank or None, recovery law)]``."""
+    out = []
+    for w_draw, (xs, cps) in enumerate_outcomes(lambda rng: _draw_children(q_row, q_row.log(), k, children, rng)):
+        tree = Tree(tuple([-1] + [0] * len(xs)))
+        q = torch.zeros(tree.size, q_row.numel(), dtype=q_row.dtype)
+        q[0] = q_row
+        draft = Draft(tree, torch.tensor([0, *xs]), q, torch.tensor([1.0, *cps], dtype=torch.float64), children)
+        for w_rule, (rank, law, _) in enumerate_outcomes(lambda rng: rule(draft, 0, p_row, rng)):
+            out.append((w_draw * w_rule, tuple(xs), rank, law))
+    return out
+
+
+def _node_law(rule, p, q, tree, node, children, prefix, memo):
+    key = (prefix, _shape_key(tree, node))
+    if key in memo:
+        return memo[key]
+    kids = tree.children[node]
+    law: dict[tuple[int, ...], float] = {}
+    p_row = p(prefix)
+    if not kids:
+        for y in torch.nonzero(p_row > 0).flatten().tolist():
+            law[(y,)] = float(p_row[y])
+    else:
+        for w, xs, rank, rec in node_outcomes(rule, p_row, q(prefix), len(kids), children):
+            if rank is None:
+                for y in torch.nonzero(rec > 0).flatten().tolist():
+                    law[(y,)] = law.get((y,), 0.0) + w * float(rec[y])
+                continue
+            x = xs[rank]
+            for seq, w_sub in _node_law(rule, p, q, tree, kids[rank], children, prefix + (x,), memo).items():
+                law[(x,) + seq] = law.get((x,) + seq, 0.0) + w * w_sub
+    memo[key] = law
+    return law
+
+
+def node_acceptance(verifier: VerifierSpec, p_row: torch.Tensor, q_row: torch.Tensor, k: int, children: str = "iid") -> float:
+    """Probability that one node with k children accepts one of them (exact, by enumeration)."""
+    if verifier.node_rule is not None:
+        return sum(w for w, _, rank, _ in node_outcomes(verifier.node_rule, p_row, q_row, k, children) if rank is not None)
+    law = step_law(verifier, lambda s: p_row, lambda s: q_row, Tree.chain(1), children)
+    return sum(w for seq, w in law.items() if len(seq) == 2)
 
 
 def _complete(law: dict[tuple, float], p: Table, context: tuple, length: int, vocab: int) -> torch.Tensor:
@@ -144,4 +202,3 @@ def tv_and_kl(target: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
     return tv, kl
 
 
-__all__ = ["TableDrafter", "random_tables", "step_law", "target_law", "tv_and_kl", "verifier_law"]

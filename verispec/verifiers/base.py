@@ -17,7 +17,7 @@ line in ``verispec/verifiers/__init__.py``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -30,7 +30,7 @@ from ..rng import Randomness
 class Verdict:
     path: tuple[int, ...]  # accepted drafted nodes, root-to-leaf (root excluded)
     token: int  # recovered token after a rejection, or bonus token after a leaf
-    tested: tuple[int, ...]  # per depth reached: candidates tested there (accepted rank + 1, or all of them)
+    tested: tuple[int, ...]  # per depth reached: candidates tested there (the accepted one is the last tested)
 
 
 VerifyFn = Callable[[Draft, torch.Tensor, Randomness], Verdict]
@@ -45,6 +45,7 @@ class VerifierSpec:
     chain_only: bool = False
     greedy_only: bool = False  # only meaningful at temperature 0
     children: str | None = None  # the child-sampling mode it needs (None: any)
+    node_rule: "NodeRule | None" = None  # set for verifiers that are a walk of per-node rules (the audit recurses)
 
     def __call__(self, draft: Draft, p: torch.Tensor, rng: Randomness) -> Verdict:
         if self.chain_only and not draft.tree.is_chain:
@@ -69,6 +70,20 @@ def register(
     return wrap
 
 
+def register_node_rule(
+    name: str, rule: "NodeRule", *, exact: bool, note: str, children: str | None = None, greedy_only: bool = False
+) -> None:
+    """Register a tree verifier given by its per-node rule (see ``walk_tree``)."""
+
+    def fn(draft, p, rng):
+        return walk_tree(draft, p, rng, rule)
+
+    fn.__doc__ = rule.__doc__
+    if name in VERIFIERS:
+        raise ValueError(f"verifier {name!r} registered twice")
+    VERIFIERS[name] = VerifierSpec(name, fn, exact, note, children=children, greedy_only=greedy_only, node_rule=rule)
+
+
 def get_verifier(name: str) -> VerifierSpec:
     try:
         return VERIFIERS[name]
@@ -84,17 +99,25 @@ def first_child_law(draft: Draft, node: int) -> torch.Tensor:
     return draft.q[node]
 
 
-NodeRule = Callable[[Draft, int, torch.Tensor, Randomness], "tuple[int | None, torch.Tensor | None]"]
+class NodeOutcome(NamedTuple):
+    """What a per-node rule decides: the accepted child's rank, or ``None`` and the law to draw the
+    recovered token from; ``tests`` is how many candidates it tested (for per-candidate acceptance)."""
+
+    rank: int | None
+    law: torch.Tensor | None
+    tests: int
+
+
+NodeRule = Callable[[Draft, int, torch.Tensor, Randomness], NodeOutcome]
 
 
 def walk_tree(draft: Draft, p: torch.Tensor, rng: Randomness, node_rule: NodeRule) -> Verdict:
-    """Walk from the root; at each node ``node_rule(draft, node, p[node], rng)`` returns the rank of the
-    accepted child, or ``(None, law)`` with the law to draw the recovered token from."""
+    """Walk from the root, applying ``node_rule(draft, node, p[node], rng)`` at each node."""
     tree, node, path, tested = draft.tree, 0, [], []
     while tree.children[node]:
         kids = tree.children[node]
-        rank, law = node_rule(draft, node, p[node], rng)
-        tested.append(len(kids) if rank is None else rank + 1)
+        rank, law, tests = node_rule(draft, node, p[node], rng)
+        tested.append(tests)
         if rank is None:
             return Verdict(tuple(path), int(rng.categorical(law)), tuple(tested))
         node = kids[rank]

@@ -19,10 +19,11 @@ from __future__ import annotations
 import torch
 
 from ..probs import residual
-from .base import Verdict, register, walk_tree
+from .base import NodeOutcome, register_node_rule
 
 
-def _accept(rng, r: torch.Tensor, law: torch.Tensor, x: int) -> bool:
+def accept(rng, r: torch.Tensor, law: torch.Tensor, x: int) -> bool:
+    """One coin with probability ``min(1, r(x) / law(x))`` (0 where the law has no mass)."""
     ratio = float(r[x]) / float(law[x]) if float(law[x]) > 0 else 0.0
     return bool(rng.bernoulli(torch.tensor(min(1.0, ratio), dtype=torch.float64)))
 
@@ -31,47 +32,40 @@ def _iid_rule(draft, node, p, rng):
     q, r = draft.q[node], p
     for rank, child in enumerate(draft.tree.children[node]):
         x = int(draft.tokens[child])
-        if _accept(rng, r, q, x):
-            return rank, None
+        if accept(rng, r, q, x):
+            return NodeOutcome(rank, None, rank + 1)
         r = residual(r, q)
-    return None, r
+    return NodeOutcome(None, r, len(draft.tree.children[node]))
 
 
 def _swor_rule(draft, node, p, rng):
     law, r = draft.q[node], p
     for rank, child in enumerate(draft.tree.children[node]):
         x = int(draft.tokens[child])
-        if _accept(rng, r, law, x):
-            return rank, None
+        if accept(rng, r, law, x):
+            return NodeOutcome(rank, None, rank + 1)
         r = residual(r, law)
         law = law.clone()
         law[x] = 0
         law = law / law.sum() if float(law.sum()) > 0 else law
-    return None, r
+    return NodeOutcome(None, r, len(draft.tree.children[node]))
 
 
 def _topk_rule(draft, node, p, rng):
     r = p
     for rank, child in enumerate(draft.tree.children[node]):
         x = int(draft.tokens[child])
-        if _accept(rng, r, torch.ones_like(r), x):
-            return rank, None
+        if accept(rng, r, torch.ones_like(r), x):
+            return NodeOutcome(rank, None, rank + 1)
         r = r.clone()
         r[x] = 0
         r = r / r.sum()
-    return None, r
+    return NodeOutcome(None, r, len(draft.tree.children[node]))
 
 
-@register("specinfer", exact=True, note="multi-step speculative sampling over i.i.d. children (SpecInfer)", children="iid")
-def specinfer(draft, p, rng) -> Verdict:
-    return walk_tree(draft, p, rng, _iid_rule)
-
-
-@register("swor", exact=True, note="recursive rejection over children drawn without replacement (RSD/Sequoia)", children="swor")
-def swor(draft, p, rng) -> Verdict:
-    return walk_tree(draft, p, rng, _swor_rule)
-
-
-@register("topk", exact=True, note="deterministic top-k children, accept with p(x) (EAGLE-2 style)", children="topk")
-def topk(draft, p, rng) -> Verdict:
-    return walk_tree(draft, p, rng, _topk_rule)
+register_node_rule("specinfer", _iid_rule, exact=True, children="iid",
+                   note="multi-step speculative sampling over i.i.d. children (SpecInfer)")
+register_node_rule("swor", _swor_rule, exact=True, children="swor",
+                   note="recursive rejection over children drawn without replacement (RSD/Sequoia)")
+register_node_rule("topk", _topk_rule, exact=True, children="topk",
+                   note="deterministic top-k children, accept with p(x) (EAGLE-2 style)")

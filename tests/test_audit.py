@@ -1,0 +1,103 @@
+"""The exhaustive audit: every exact verifier passes, every known-biased rule is flagged."""
+
+import itertools
+
+import pytest
+import torch
+
+from verispec.audit.controls import NEGATIVE_CONTROLS
+from verispec.audit.law import node_acceptance, random_tables, step_law
+from verispec.audit.optimum import alpha_star_iid, sequential_acceptance
+from verispec.audit.run import audit
+from verispec.tree import Tree
+from verispec.verifiers import VERIFIERS, get_verifier
+from verispec.verifiers.resispec import resispec_residual, water_fill
+
+CASES = 200
+EXACT = [name for name, spec in VERIFIERS.items() if spec.exact]
+
+
+@pytest.fixture(scope="module")
+def rows():
+    specs = list(VERIFIERS.values()) + list(NEGATIVE_CONTROLS.values())
+    return {r.verifier: r for r in audit(specs, cases=CASES, seed=1)}
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_every_exact_verifier_matches_the_target_law(rows, name):
+    row = rows[name]
+    assert row.cases == CASES
+    assert row.max_tv < 1e-12 and abs(row.max_kl) < 1e-12
+    assert row.verdict == "exact"
+
+
+@pytest.mark.parametrize("name", ["resispec", *NEGATIVE_CONTROLS])
+def test_known_biased_rules_are_flagged(rows, name):
+    assert rows[name].max_tv > 1e-3
+    assert rows[name].verdict == "biased (as labelled)"
+
+
+def test_reserve_and_ordered_accept_more_than_specinfer(rows):
+    mss, res, ordd, star = (rows["specinfer"].mean_acceptance, rows["reserve"].mean_acceptance,
+                            rows["ordered"].mean_acceptance, rows["specinfer"].mean_alpha_star)
+    assert mss < res <= star + 1e-12 and mss < ordd <= star + 1e-12
+
+
+def test_published_counterexample_is_biased_for_resispec():
+    # p = (.4, .3, .3), q = (.6, .3, .1), one candidate then the shaped residual.
+    p_ = torch.tensor([0.4, 0.3, 0.3], dtype=torch.float64)
+    q_ = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)
+    # Only x0 = 0 can be rejected (q > p there): Z = .2, r = min(Z q, p) = (.12, .06, .02) already sums to Z;
+    # k = p - r with k(x0) = q(x0) gives (R - k)_+ = (0, .06, .02) -> (0, .75, .25).
+    assert resispec_residual(p_, q_, 0).tolist() == pytest.approx([0, 0.75, 0.25])
+    law = step_law(get_verifier("resispec"), lambda s: p_, lambda s: q_, Tree.chain(1))
+    first = [sum(w for seq, w in law.items() if seq[0] == t) for t in range(3)]
+    # accepted mass min(p, q) = (.4, .3, .1) plus rejected mass .2 spread as (0, .75, .25)
+    assert first == pytest.approx([0.4, 0.45, 0.15], abs=1e-15)
+    # the proxy k = (.6, .2, .2) of ALGORITHMS.md section 6 meets the same stated conditions and gives (.4, .4, .2)
+    alt_residual = (p_ - torch.tensor([0.6, 0.2, 0.2], dtype=torch.float64)).clamp_min(0)
+    alt = torch.minimum(p_, q_) + 0.2 * alt_residual / alt_residual.sum()
+    assert alt.tolist() == pytest.approx([0.4, 0.4, 0.2])
+
+
+def test_water_fill_meets_the_budget_without_exceeding_the_target():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        R = torch.rand(8, generator=gen, dtype=torch.float64)
+        R /= R.sum()
+        q = torch.rand(8, generator=gen, dtype=torch.float64) * (torch.rand(8, generator=gen) > 0.3)
+        q /= q.sum()
+        Z = float(torch.rand(1, generator=gen))
+        r = water_fill(R, q, Z)
+        assert float(r.sum()) == pytest.approx(Z, abs=1e-12)
+        assert bool((r <= R + 1e-15).all()) and bool((r >= 0).all())
+
+
+def test_alpha_star_prefix_rule_matches_brute_force():
+    for seed in range(40):
+        p, q = random_tables(5, seed, concentration=0.5, sparsity=0.2)
+        p, q = p(()), q(())
+        for k in (1, 2, 3):
+            brute = 1 - max(float(q[list(m)].sum()) ** k - float(p[list(m)].sum())
+                            for r in range(6) for m in itertools.combinations(range(5), r))
+            assert alpha_star_iid(p, q, k) == pytest.approx(brute, abs=1e-12)
+
+
+def test_closed_form_acceptance_matches_enumeration():
+    for seed in range(10):
+        p, q = random_tables(5, 50 + seed, concentration=0.6)
+        p, q = p(()), q(())
+        for k in (1, 2, 3):
+            assert sequential_acceptance(p, q, k, reserve=False) == pytest.approx(
+                node_acceptance(get_verifier("specinfer"), p, q, k), abs=1e-12)
+            assert sequential_acceptance(p, q, k, reserve=True) == pytest.approx(
+                node_acceptance(get_verifier("reserve"), p, q, k), abs=1e-12)
+
+
+def test_ordered_k2_closed_form_matches_enumeration():
+    from verispec.audit.optimum import ordered_acceptance_k2
+
+    for seed in range(10):
+        p, q = random_tables(5, 80 + seed, concentration=0.6, sparsity=0.2 if seed % 2 else 0.0)
+        p, q = p(()), q(())
+        assert ordered_acceptance_k2(p, q) == pytest.approx(node_acceptance(get_verifier("ordered"), p, q, 2), abs=1e-12)

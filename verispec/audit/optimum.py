@@ -1,0 +1,76 @@
+"""Acceptance optima and closed-form acceptance of the sequential rules at one node.
+
+``alpha_star_iid(p, q, k) = 1 - max_T [q(T)^k - p(T)]`` (Hu et al. 2025) is the best acceptance any
+exact rule can reach with k i.i.d. candidates from q. The maximising T is a prefix of the tokens
+sorted by ``p/q`` ascending (tokens with q = 0 last), so it costs one sort.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..verifiers.reserve import reservation
+
+
+def alpha_star_iid(p: torch.Tensor, q: torch.Tensor, k: int) -> float:
+    p, q = p.double(), q.double()
+    ratio = torch.where(q > 0, p / q.clamp_min(1e-300), torch.full_like(p, float("inf")))
+    order = torch.argsort(ratio)
+    gap = torch.cumsum(q[order], 0) ** k - torch.cumsum(p[order], 0)
+    return 1.0 - max(0.0, float(gap.max()))
+
+
+def sequential_acceptance(p: torch.Tensor, q: torch.Tensor, k: int, reserve: bool) -> float:
+    """Exact acceptance of ``specinfer`` (``reserve=False``) or ``reserve`` at a node with k i.i.d. children.
+
+    Both rules' targets after a rejection do not depend on the rejected token, so the acceptance follows
+    from one pass over the stages: mass ``M`` still owed per token and the probability ``rho`` of
+    reaching the stage; stage acceptance ``rho * q * a``.
+    """
+    p, q = p.double(), q.double()
+    M, rho = p.clone(), 1.0
+    for j in range(k):
+        if rho <= 1e-15:
+            break
+        P = M / rho
+        free = (P - reservation(P, q, k - j)).clamp_min(0) if reserve else P
+        a = torch.where(q > 0, free / q.clamp_min(1e-300), torch.zeros_like(q)).clamp(max=1.0)
+        A = rho * q * a
+        M = (M - A).clamp_min(0)
+        rho -= float(A.sum())
+    return 1.0 - rho
+
+
+def ordered_acceptance_k2(p: torch.Tensor, q: torch.Tensor, chunk: int = 256) -> float:
+    """Exact acceptance of ``ordered`` at a node with 2 i.i.d. children, in O(U V) for U rejectable tokens.
+
+    Stage 1 accepts ``sum min(p, L_1)``. Stage 2 is reached with the first tested token y with mass
+    ``(L_1 - p)_+(y)``; given y the other candidate has law ``L_2(.|y)`` and the target is
+    ``P_2 = norm((p - L_1)_+)``, so stage 2 adds ``sum_y (L_1 - p)_+(y) * sum_z min(P_2(z), L_2(z|y))``.
+    """
+    from ..verifiers.ordered import priority_order, stage_law  # noqa: PLC0415
+
+    p, q = p.double(), q.double()
+    order = priority_order(p, q)
+    P, qs = p[order], q[order]
+    above = torch.cumsum(qs, 0) - qs
+    L1 = stage_law(qs, above, 2, [])
+    first = float(torch.minimum(P, L1).sum())
+    left = (P - L1).clamp_min(0)
+    if float(left.sum()) <= 0:
+        return first
+    P2 = left / left.sum()
+    reach = (L1 - P).clamp_min(0)
+    ys = torch.nonzero(reach > 0).flatten()
+    # for n = 1, m = 1: L_2(z|y) = q(z) / W for z below y, (a/2) / W at y, W = b + a/2
+    below_mass = (1 - above - qs).clamp_min(0)
+    second = 0.0
+    for start in range(0, ys.numel(), chunk):
+        y = ys[start:start + chunk]
+        a, b = qs[y], below_mass[y]
+        W = b + a / 2
+        idx = torch.arange(P.numel())[None, :]
+        law = torch.where(idx > y[:, None], qs[None, :] / W[:, None], torch.zeros(1, dtype=P.dtype))
+        law[torch.arange(y.numel()), y] = (a / 2) / W
+        second += float((reach[y] * torch.minimum(P2[None, :], law).sum(1)).sum())
+    return first + second
