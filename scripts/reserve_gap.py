@@ -17,12 +17,10 @@ import argparse
 
 import torch
 
-from verispec import CausalLM, Sampling, Tree, generate, get_verifier
+from verispec import CausalLM
 from verispec.audit.optimum import alpha_star_iid, ordered_acceptance_k2, sequential_acceptance
+from verispec.audit.real import real_pairs
 from verispec.cli import build_drafter
-from verispec.datasets import spec_bench_prompts
-from verispec.drafters import NoDrafter
-from verispec.probs import logits_to_probs
 
 def rates(pairs, k):
     out = {"specinfer": 0.0, "reserve": 0.0, "alpha*": 0.0}
@@ -57,24 +55,6 @@ def random_pairs(vocab, n, conc, seed):
     return out
 
 
-def real_pairs(target, drafter_spec, prompts, positions, temperature, seed):
-    drafter = build_drafter(drafter_spec, target)
-    sampling = Sampling(temperature)
-    pairs = []
-    for i, prompt in enumerate(prompts):
-        out = generate(target, NoDrafter(), get_verifier("chain"), prompt, tree=Tree.root_only(),
-                       max_new_tokens=positions, temperature=temperature, seed=seed + i)
-        seq = out.prompt_ids + out.token_ids
-        n = len(out.token_ids)
-        with torch.no_grad():
-            p_logits = target.hf(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -n - 1:-1]
-            q_logits = drafter.model.hf(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -n - 1:-1]
-        p = logits_to_probs(p_logits.double(), sampling)
-        q = logits_to_probs(q_logits.double(), sampling)
-        pairs += list(zip(p, q))
-    return pairs
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m")
@@ -90,10 +70,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for vocab, conc in ((6, 1.0), (50, 0.5), (1000, 0.1)):
         report(f"random V={vocab} Dir({conc})", random_pairs(vocab, args.random_cases, conc, args.seed), (2, 3))
-    prompts = [text for _, text in spec_bench_prompts(args.prompts)]
     target = CausalLM.load(args.target)
     for T in args.temperatures:
-        pairs = real_pairs(target, args.draft, prompts, args.positions, T, args.seed)
+        pairs = real_pairs(target, build_drafter(args.draft, target), args.prompts, args.positions, T, args.seed)
         report(f"{args.target} + {args.draft}, T={T}", pairs, (2, 3))
 
 

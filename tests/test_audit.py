@@ -101,3 +101,17 @@ def test_ordered_k2_closed_form_matches_enumeration():
         p, q = random_tables(5, 80 + seed, concentration=0.6, sparsity=0.2 if seed % 2 else 0.0)
         p, q = p(()), q(())
         assert ordered_acceptance_k2(p, q) == pytest.approx(node_acceptance(get_verifier("ordered"), p, q, 2), abs=1e-12)
+
+
+def test_monte_carlo_passes_exact_rules_and_flags_resispec():
+    from verispec.audit.montecarlo import monte_carlo_node
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(400, generator=gen) * 3
+    p = torch.softmax(logits, 0).double()
+    q = torch.softmax(logits + torch.randn(400, generator=gen) * 1.5, 0).double()
+    for name in ("specinfer", "reserve", "ordered"):
+        r = monte_carlo_node(get_verifier(name), p, q, 2, n_draws=200_000)
+        assert not r.biased and r.tv < r.noise_bound, name
+    bad = monte_carlo_node(get_verifier("resispec"), p, q, 2, n_draws=200_000)
+    assert bad.biased and bad.tv > 10 * bad.noise_bound

@@ -101,3 +101,17 @@ def test_cli_streams_text_then_a_summary():
     r = cli("generate", "--prompt", "Say hello.", "--max-new-tokens", "10", "--method", "ar", "--temperature", "0")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "tokens/s" in r.stdout and "mean accepted length 1.00" in r.stdout
+
+
+@pytest.mark.slow
+def test_load_from_a_local_folder_and_refuse_an_unavailable_hub_id(smollm, monkeypatch):
+    from verispec import CausalLM, VerispecError
+    from verispec.models import _builtin_smollm2, _converted_dir
+
+    folder = _converted_dir(*_builtin_smollm2(), "float32")  # written by the first GGUF load
+    assert folder is not None and (folder / "done").exists()
+    local = CausalLM.load(str(folder))
+    assert local.vocab_size == smollm.vocab_size and local.tokenizer.chat_template
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(VerispecError, match="hub id available offline"):
+        CausalLM.load("HuggingFaceTB/no-such-model-verispec")

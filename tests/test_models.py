@@ -96,3 +96,29 @@ def test_nan_logits_raise_a_clear_error():
         m.hf.get_output_embeddings().weight[7, 0] = float("nan")
     with pytest.raises(VerispecError, match="NaN"):
         m.prefill(m.new_state(), PROMPT)
+
+
+def test_sliding_window_layers_match_hugging_face_beyond_the_window():
+    """Gemma-3-style mixed layers with a window of 4: our per-layer masks must reproduce HF's own."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from verispec.models import CausalLM
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, sliding_window=4,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    model = CausalLM(Gemma3ForCausalLM(cfg).float().eval(), None, "tiny-gemma3")
+    prompt = PROMPT + [12, 13, 14]  # longer than the window
+    state = model.new_state()
+    model.prefill(state, prompt[:-1])
+    shape = Tree.complete(2, 3)
+    toks = random_tokens(shape, prompt[-1], 1)
+    out = model.forward(state, toks, state.committed + torch.tensor(shape.depths), shape.ancestors_mask())
+    for node in range(shape.size):
+        with torch.no_grad():
+            ref = model.hf(input_ids=torch.tensor([prompt + node_seq(shape, toks, node)]), use_cache=False).logits[0, -1]
+        assert torch.allclose(out.logits[node], ref, atol=1e-5), node

@@ -155,6 +155,15 @@ def _add_audit(sub):
     a.add_argument("--seed", type=int, default=0, help="seed of the random cases")
     a.add_argument("--tol", type=float, default=1e-12, help="total variation below which a verifier counts as exact")
     a.add_argument("--json", action="store_true", help="print the rows as JSON")
+    a.add_argument("--montecarlo", type=int, default=0, metavar="PAIRS",
+                   help="also check node rules on PAIRS real (p, q) pairs from the target and --draft at full vocabulary "
+                        "size: Monte Carlo over --draws draws of --k i.i.d. children, total variation from p against a "
+                        "4-standard-error noise bound (slow: minutes per verifier and pair)")
+    a.add_argument("--target", default=DEFAULT_TARGET, help="target model for --montecarlo")
+    a.add_argument("--draft", default="layerskip:0-11,18-29", help="draft for --montecarlo (a model or layerskip draft)")
+    a.add_argument("--temperature", type=float, default=1.0, help="sampling temperature for --montecarlo")
+    a.add_argument("--k", type=int, default=2, help="children per node for --montecarlo")
+    a.add_argument("--draws", type=int, default=1_000_000, help="draws per node for --montecarlo")
     a.set_defaults(func=cmd_audit)
 
 
@@ -176,8 +185,49 @@ def cmd_audit(args) -> int:
         print(json.dumps([r.as_dict() for r in rows]))
     else:
         print(format_table(rows))
-    failed = [r for r in rows if r.verdict.startswith("FAIL")]
+    failed = [r.verifier for r in rows if r.verdict.startswith("FAIL")]
+    if args.montecarlo > 0:
+        failed += _audit_montecarlo(args, [s for s in specs if s.node_rule is not None and (s.children or "iid") == "iid"
+                                           and not s.greedy_only])
     return 1 if failed else 0
+
+
+def _audit_montecarlo(args, specs) -> list[str]:
+    from dataclasses import asdict  # noqa: PLC0415
+
+    from .audit.montecarlo import monte_carlo_node  # noqa: PLC0415
+    from .audit.optimum import alpha_star_iid  # noqa: PLC0415
+    from .audit.real import real_pairs  # noqa: PLC0415
+
+    target = CausalLM.load(args.target)
+    pairs = real_pairs(target, build_drafter(args.draft, target), 1, args.montecarlo, args.temperature, args.seed)
+    pairs = pairs[: args.montecarlo]
+    results, failed = [], []
+    bar = None if args.json else _progress(len(pairs) * len(specs), "monte carlo")
+    for i, (p, q) in enumerate(pairs):
+        star = alpha_star_iid(p, q, args.k)
+        for spec in specs:
+            r = monte_carlo_node(spec, p, q, args.k, n_draws=args.draws, seed=args.seed + i)
+            results.append({"pair": i, "alpha_star": star, "claims_exact": spec.exact, **asdict(r), "biased": r.biased})
+            if spec.exact and r.biased:
+                failed.append(spec.name)
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    if args.json:
+        print(json.dumps(results))
+        return failed
+    print(f"\nMonte Carlo on real pairs: target {args.target}, draft {args.draft}, T = {args.temperature}, "
+          f"k = {args.k}, {args.draws} draws per node")
+    print("| pair | verifier | claims exact | distinct tuples | TV from p | noise bound | verdict | acceptance | alpha*_iid |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        verdict = ("biased" if r["biased"] else "consistent with p") + ("" if r["claims_exact"] != r["biased"] else
+                                                                         (" (FAIL)" if r["claims_exact"] else ""))
+        print(f"| {r['pair']} | {r['verifier']} | {'yes' if r['claims_exact'] else 'no'} | {r['distinct_tuples']} | "
+              f"{r['tv']:.4f} | {r['noise_bound']:.4f} | {verdict} | {r['acceptance']:.4f} | {r['alpha_star']:.4f} |")
+    return failed
 
 
 def _progress(total: int, desc: str):

@@ -1,0 +1,32 @@
+"""Real (p, q) pairs: the default model's and a draft's distributions along the target's own samples."""
+
+from __future__ import annotations
+
+import torch
+
+from ..datasets import spec_bench_prompts
+from ..probs import Sampling, logits_to_probs
+
+
+def real_pairs(target, drafter, n_prompts: int, positions: int, temperature: float, seed: int = 0):
+    """``[(p, q)]`` float64 pairs at ``positions`` response positions of ``n_prompts`` Spec-Bench prompts.
+
+    The target samples its own response (plain decoding), then one forward of each model over prompt +
+    response gives both distributions at every response position. ``drafter`` must hold a ``model``.
+    """
+    from ..decode import generate  # noqa: PLC0415
+    from ..drafters import NoDrafter  # noqa: PLC0415
+    from ..tree import Tree  # noqa: PLC0415
+    from ..verifiers import get_verifier  # noqa: PLC0415
+
+    sampling = Sampling(temperature)
+    pairs = []
+    for i, (_, prompt) in enumerate(spec_bench_prompts(n_prompts)):
+        out = generate(target, NoDrafter(), get_verifier("chain"), prompt, tree=Tree.root_only(),
+                       max_new_tokens=positions, temperature=temperature, seed=seed + i)
+        seq, n = out.prompt_ids + out.token_ids, len(out.token_ids)
+        with torch.no_grad():
+            p_logits = target.hf(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -n - 1:-1]
+            q_logits = drafter.model.hf(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -n - 1:-1]
+        pairs += list(zip(logits_to_probs(p_logits.double(), sampling), logits_to_probs(q_logits.double(), sampling)))
+    return pairs
