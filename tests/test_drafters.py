@@ -86,3 +86,13 @@ def test_ngram_draft_continues_the_repeated_pattern():
     ctx = [1, 2, 3, 4, 1, 2]
     d = ng.propose(ctx, Tree.chain(3), Sampling(0.0), "topk", TorchRandomness(0))
     assert d.tokens.tolist() == [2, 3, 4, 1]  # root 2, then the tokens that followed "1 2" before
+
+
+def test_model_drafter_can_draft_twice_from_the_same_context():
+    drafter = layer_skip_drafter(tiny_model("llama", layers=4), 2)
+    context = [4, 9, 16, 25]
+    drafter.reset(context)
+    a = drafter.propose(context, Tree.complete(2, 2), Sampling(1.0), "topk", TorchRandomness(0))
+    drafter.commit(a, [])
+    b = drafter.propose(context, Tree.complete(2, 2), Sampling(1.0), "topk", TorchRandomness(0))
+    assert torch.equal(a.tokens, b.tokens) and torch.allclose(a.q, b.q, atol=1e-6)

@@ -219,6 +219,18 @@ class CausalLM:
         state.committed = c + len(keep)
         state.pending_positions = []
 
+    def rollback(self, state: KVState, n: int) -> None:
+        """Drop the last ``n`` committed entries (and any pending ones)."""
+        if not 0 <= n <= state.committed:
+            raise ValueError(f"cannot roll back {n} of {state.committed} committed entries")
+        keep = state.committed - n
+        for layer in state.cache.layers:
+            if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
+                layer.keys = layer.keys[..., :keep, :]
+                layer.values = layer.values[..., :keep, :]
+        state.committed = keep
+        state.pending_positions = []
+
     def prefill(self, state: KVState, tokens: list[int]) -> torch.Tensor | None:
         """Commit ``tokens`` after the committed prefix (causally); return the logits of the last one."""
         if state.pending:

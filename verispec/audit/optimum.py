@@ -41,12 +41,14 @@ def sequential_acceptance(p: torch.Tensor, q: torch.Tensor, k: int, reserve: boo
     return 1.0 - rho
 
 
-def ordered_acceptance_k2(p: torch.Tensor, q: torch.Tensor, chunk: int = 256) -> float:
-    """Exact acceptance of ``ordered`` at a node with 2 i.i.d. children, in O(U V) for U rejectable tokens.
+def ordered_acceptance_k2(p: torch.Tensor, q: torch.Tensor, chunk: int = 256, slack: float = 0.0) -> float:
+    """Acceptance of ``ordered`` at a node with 2 i.i.d. children, in O(U V) for U rejectable tokens.
 
     Stage 1 accepts ``sum min(p, L_1)``. Stage 2 is reached with the first tested token y with mass
     ``(L_1 - p)_+(y)``; given y the other candidate has law ``L_2(.|y)`` and the target is
     ``P_2 = norm((p - L_1)_+)``, so stage 2 adds ``sum_y (L_1 - p)_+(y) * sum_z min(P_2(z), L_2(z|y))``.
+    Exact with ``slack = 0``; with ``slack > 0`` the least likely first tokens holding at most ``slack`` of the
+    stage-2 mass are skipped, which makes the result a lower bound within ``slack`` (for full vocabularies).
     """
     from ..verifiers.ordered import priority_order, stage_law  # noqa: PLC0415
 
@@ -62,6 +64,10 @@ def ordered_acceptance_k2(p: torch.Tensor, q: torch.Tensor, chunk: int = 256) ->
     P2 = left / left.sum()
     reach = (L1 - P).clamp_min(0)
     ys = torch.nonzero(reach > 0).flatten()
+    if slack > 0:
+        by_mass = ys[torch.argsort(reach[ys], descending=True)]
+        dropped = float(reach.sum()) - torch.cumsum(reach[by_mass], 0)
+        ys = by_mass[: int((dropped > slack).sum()) + 1]
     # for n = 1, m = 1: L_2(z|y) = q(z) / W for z below y, (a/2) / W at y, W = b + a/2
     below_mass = (1 - above - qs).clamp_min(0)
     second = 0.0

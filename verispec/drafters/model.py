@@ -42,10 +42,9 @@ class ModelDrafter(Drafter):
             self.model.commit(self.state, [])
         self._slot = {}
         self._anc = [set()]
-        logits = self.model.prefill(self.state, context[self.state.committed :])
-        if logits is None:  # the whole context is cached already: cannot happen, the root is always new
-            raise RuntimeError("draft cache already holds the root token")
-        return logits
+        if self.state.committed >= len(context):  # drafting again from a context already cached: recompute the root
+            self.model.rollback(self.state, self.state.committed - len(context) + 1)
+        return self.model.prefill(self.state, context[self.state.committed :])
 
     def _node_logits(self, g: _Growing, nodes: list[int]) -> torch.Tensor:
         for node in range(len(self._anc), len(g.parents)):
