@@ -44,7 +44,7 @@ def main() -> None:
                 t[1] += r.wall_s - r.prefill_s
                 t[2] += len(r.steps)
                 t[3] += sum(s.accepted_length for s in r.steps)
-    print(f"| T | method | tokens/s | mean accepted length | speed vs ar |\n|---|---|---|---|---|")
+    print("| T | method | tokens/s | mean accepted length | speed vs ar |\n|---|---|---|---|---|")
     for T in args.temperatures:
         base = totals[(T, "ar")][0] / totals[(T, "ar")][1]
         for name, _ in configs:

@@ -40,14 +40,7 @@ class TableDrafter(Drafter):
         return self.q(self._context).log()
 
     def _node_logits(self, g: _Growing, nodes):
-        rows = []
-        for node in nodes:
-            path, n = [], node
-            while n > 0:
-                path.append(g.tokens[n])
-                n = g.parents[n]
-            rows.append(self.q(self._context + tuple(reversed(path))).log())
-        return torch.stack(rows)
+        return torch.stack([self.q(self._context + tuple(g.path(node))).log() for node in nodes])
 
 
 

@@ -50,6 +50,14 @@ class _Growing:
     q_rows: dict[int, torch.Tensor]
     child_prob: list[float]
 
+    def path(self, node: int) -> list[int]:
+        """Drafted tokens from the root's first child down to ``node``."""
+        out = []
+        while node > 0:
+            out.append(self.tokens[node])
+            node = self.parents[node]
+        return out[::-1]
+
 
 class Drafter:
     """Base class: grows a draft tree following a template shape; subclasses provide logits."""

@@ -40,10 +40,6 @@ class NgramDrafter(Drafter):
     def _node_logits(self, g: _Growing, nodes: list[int]) -> torch.Tensor:
         rows = []
         for node in nodes:
-            path, n = [], node
-            while n > 0:
-                path.append(g.tokens[n])
-                n = g.parents[n]
-            row = self._lookup(self._context + path[::-1])
+            row = self._lookup(self._context + g.path(node))
             rows.append(row if row is not None else torch.full((self.vocab_size,), float("-inf")))
         return torch.stack(rows)
