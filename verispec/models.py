@@ -211,11 +211,7 @@ class CausalLM:
         if any(not 0 <= k < p for k in keep):
             raise ValueError(f"commit indices {keep} out of range for {p} pending entries")
         if list(keep) != list(range(p)):
-            idx = torch.tensor(list(range(c)) + [c + k for k in keep], dtype=torch.long)
-            for layer in state.cache.layers:
-                if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
-                    layer.keys = layer.keys.index_select(-2, idx)
-                    layer.values = layer.values.index_select(-2, idx)
+            _select_entries(state, torch.tensor(list(range(c)) + [c + k for k in keep], dtype=torch.long))
         state.committed = c + len(keep)
         state.pending_positions = []
 
@@ -224,10 +220,7 @@ class CausalLM:
         if not 0 <= n <= state.committed:
             raise ValueError(f"cannot roll back {n} of {state.committed} committed entries")
         keep = state.committed - n
-        for layer in state.cache.layers:
-            if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
-                layer.keys = layer.keys[..., :keep, :]
-                layer.values = layer.values[..., :keep, :]
+        _select_entries(state, torch.arange(keep))
         state.committed = keep
         state.pending_positions = []
 
@@ -268,6 +261,14 @@ class CausalLM:
         top._modules[self.hf.base_model_prefix] = new_base
         top.config = cfg
         return CausalLM(top, self.tokenizer, name=f"{self.name}[layers {_ranges(layers)}]")
+
+
+def _select_entries(state: KVState, idx: torch.Tensor) -> None:
+    """Keep only the cache entries ``idx`` (positions along the sequence axis) in every cache layer."""
+    for layer in state.cache.layers:
+        if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
+            layer.keys = layer.keys.index_select(-2, idx)
+            layer.values = layer.values.index_select(-2, idx)
 
 
 def _cache_root() -> Path:
