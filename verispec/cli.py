@@ -10,7 +10,7 @@ import time
 from . import __version__
 from .drafters import CHILD_MODES, ModelDrafter, NgramDrafter, NoDrafter, layer_skip_drafter
 from .errors import VerispecError
-from .models import BUILTIN_MODELS, DEFAULT_TARGET, CausalLM
+from .models import BUILTIN_MODELS, DEFAULT_TARGET, CausalLM, quantized_copy
 from .tree import Tree
 from .verifiers import VERIFIERS, get_verifier
 
@@ -18,7 +18,8 @@ DEFAULT_DRAFT = "ngram"
 
 DRAFT_HELP = (
     "draft to use: 'none' (plain autoregressive decoding), 'layerskip:L' (first L layers of the target) or "
-    "'layerskip:0,2,4' or 'layerskip:0-9,20-29' (a chosen subset), 'ngram' or 'ngram:N' (prompt lookup, n-grams up to N), or "
+    "'layerskip:0,2,4' or 'layerskip:0-9,20-29' (a chosen subset), 'ngram' or 'ngram:N' (prompt lookup, n-grams up to N), "
+    "'int8' (a dynamically int8-quantised copy of the target), or "
     "'model:SPEC' (a separate draft model: alias, .gguf file, folder or hub id; must share the tokenizer). "
     f"Default: {DEFAULT_DRAFT}"
 )
@@ -53,6 +54,8 @@ def build_drafter(spec: str, target: CausalLM, dtype: str = "float32"):
         except ValueError:
             raise VerispecError(f"bad n in --draft {spec!r}; use ngram:N") from None
         return NgramDrafter(target.vocab_size, max_n=n)
+    if kind == "int8" and not arg:
+        return ModelDrafter(quantized_copy(target), name="int8")
     if kind == "model" and arg:
         drafter = ModelDrafter(CausalLM.load(arg, dtype=dtype))
         drafter.check_compatible(target)

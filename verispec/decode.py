@@ -15,7 +15,7 @@ import torch
 from .drafters.base import Drafter
 from .errors import VerispecError
 from .models import CausalLM
-from .policies import Fixed
+from .policies import Feedback, Fixed
 from .probs import Sampling, logits_to_probs
 from .rng import TorchRandomness
 from .tree import Tree
@@ -118,15 +118,20 @@ def generate_steps(
     sampling: Sampling,
     children: str = "iid",
     policy=None,
+    verifier_state=None,
     seed: int = 0,
     stats: dict | None = None,
 ) -> Iterator[StepRecord]:
     """Yield one ``StepRecord`` per step; the emitted tokens of all steps are the generated text.
 
+    ``policy`` and, for a learning verifier, ``verifier_state`` carry what was learned; pass the same
+    objects to later calls to keep learning across prompts (by default both start fresh).
     ``stats``, if given, receives ``prefill_s`` (the target's prefill of the prompt).
     """
     _check_args(target, drafter, verifier, prompt_ids, tree, max_new_tokens, sampling, children)
     policy = policy or Fixed()
+    if verifier.new_state is not None and verifier_state is None:
+        verifier_state = verifier.new_state()
     rng = TorchRandomness(seed)
     t = time.perf_counter()
     state = target.new_state()
@@ -144,7 +149,9 @@ def generate_steps(
         logits = target.forward(state, draft.tokens, positions, draft.tree.ancestors_mask()).logits
         t2 = time.perf_counter()
         p = logits_to_probs(logits, sampling)  # [N, V]
-        verdict = verifier(draft, p, rng)
+        verdict = verifier(draft, p, rng, verifier_state)
+        if verifier_state is not None:
+            verifier_state.update(verdict.feedback)
         t3 = time.perf_counter()
         target.commit(state, [0, *verdict.path])
         t4 = time.perf_counter()
@@ -159,7 +166,7 @@ def generate_steps(
                 stop = True
                 break
         context.extend(new)
-        policy.update(draft.tree.max_depth, len(verdict.path))
+        policy.update(Feedback.from_step(draft, verdict.path))
         ranks = draft.tree.ranks
         yield StepRecord(
             drafted=draft.num_drafted,
@@ -189,6 +196,7 @@ def generate(
     top_p: float = 1.0,
     children: str | None = None,
     policy=None,
+    verifier_state=None,
     seed: int = 0,
     chat: bool = True,
     on_tokens: Callable[[list[int]], None] | None = None,
@@ -206,7 +214,7 @@ def generate(
     steps, out, stats = [], [], {}
     for rec in generate_steps(
         target, drafter, verifier, prompt_ids, tree=tree, max_new_tokens=max_new_tokens,
-        sampling=sampling, children=children, policy=policy, seed=seed, stats=stats,
+        sampling=sampling, children=children, policy=policy, verifier_state=verifier_state, seed=seed, stats=stats,
     ):
         steps.append(rec)
         out.extend(rec.emitted)

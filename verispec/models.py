@@ -263,6 +263,14 @@ class CausalLM:
         return CausalLM(top, self.tokenizer, name=f"{self.name}[layers {_ranges(layers)}]")
 
 
+def quantized_copy(model: "CausalLM") -> "CausalLM":
+    """An int8 copy of ``model``: its ``nn.Linear`` layers (decoder and output head) dynamically quantised
+    with ``torch.ao.quantization.quantize_dynamic`` (CPU). A cheap draft that shares the target's vocabulary."""
+    hf = copy.deepcopy(model.hf)
+    hf = torch.ao.quantization.quantize_dynamic(hf, {nn.Linear}, dtype=torch.qint8)
+    return CausalLM(hf, model.tokenizer, name=f"{model.name}[int8]")
+
+
 def _select_entries(state: KVState, idx: torch.Tensor) -> None:
     """Keep only the cache entries ``idx`` (positions along the sequence axis) in every cache layer."""
     for layer in state.cache.layers:

@@ -85,18 +85,28 @@ def step_law(
         return _node_law(verifier.node_rule, p, q, tree, 0, children, tuple(context), {})
     drafter = TableDrafter(q)
     sampling = Sampling(1.0)
+    state = audit_state(verifier)
 
     def run(rng):
         draft = drafter.propose(list(context), tree, sampling, children, rng)
         paths = [_path_tokens(draft.tree, draft.tokens, n) for n in range(draft.tree.size)]
         probs = torch.stack([p(tuple(context) + path) for path in paths])  # [N, V]
-        verdict = verifier(draft, probs, rng)
+        verdict = verifier(draft, probs, rng, state)
         return tuple(int(draft.tokens[n]) for n in verdict.path) + (verdict.token,)
 
     law: dict[tuple[int, ...], float] = {}
     for weight, emitted in enumerate_outcomes(run):
         law[emitted] = law.get(emitted, 0.0) + weight
     return law
+
+
+def audit_state(verifier: VerifierSpec):
+    """The state a learning verifier is audited with: its trained ``example()`` if it has one (a fresh
+    state would often make it exact, hiding what it does once it has learned), else a fresh one."""
+    factory = verifier.new_state
+    if factory is None:
+        return None
+    return factory.example() if hasattr(factory, "example") else factory()
 
 
 def _path_tokens(tree: Tree, tokens: torch.Tensor, node: int) -> tuple[int, ...]:

@@ -108,8 +108,10 @@ class Drafter:
             if logits is None:
                 break
             laws = logits_to_probs(logits, sampling)  # [F, V]
-            if policy is not None and not policy.keep_drafting(depth, laws):
-                break
+            if policy is not None:
+                last = None if depth == 0 else torch.tensor([g.q_rows[g.parents[n]][g.tokens[n]] for n in frontier])
+                if not policy.keep_drafting(depth, laws, last):
+                    break
             new = []
             for row, node in enumerate(frontier):
                 k = len(shape.children[g.template[node]])

@@ -31,6 +31,7 @@ class Verdict:
     path: tuple[int, ...]  # accepted drafted nodes, root-to-leaf (root excluded)
     token: int  # recovered token after a rejection, or bonus token after a leaf
     tested: tuple[int, ...]  # per depth reached: candidates tested there (the accepted one is the last tested)
+    feedback: tuple = ()  # what a learning verifier learns from this step (see ``VerifierSpec.new_state``)
 
 
 VerifyFn = Callable[[Draft, torch.Tensor, Randomness], Verdict]
@@ -46,12 +47,20 @@ class VerifierSpec:
     greedy_only: bool = False  # only meaningful at temperature 0
     children: str | None = None  # the child-sampling mode it needs (None: any)
     node_rule: "NodeRule | None" = None  # set for verifiers that are a walk of per-node rules (the audit recurses)
+    # Learning verifiers (AdaSD): ``new_state()`` makes what they learn; ``fn(draft, p, rng, state)`` only
+    # reads it and returns ``Verdict.feedback``; the decoding loop then calls ``state.update(feedback)``.
+    new_state: Callable[[], object] | None = None
+    position_rule: "PositionRule | None" = None  # chain rules given per position (lossy family; exact law known)
+    param: float | None = None  # the value of a parametrised rule's parameter (``fsd:0.2``)
+    with_param: Callable[[float], "VerifierSpec"] | None = None
 
-    def __call__(self, draft: Draft, p: torch.Tensor, rng: Randomness) -> Verdict:
+    def __call__(self, draft: Draft, p: torch.Tensor, rng: Randomness, state=None) -> Verdict:
         if self.chain_only and not draft.tree.is_chain:
             raise VerispecError(f"verifier {self.name!r} only verifies chains; use a tree verifier for {draft.tree.describe()}")
         if self.children is not None and draft.tree.size > 1 and draft.sampling != self.children:
             raise VerispecError(f"verifier {self.name!r} needs children drawn {self.children!r}, got {draft.sampling!r}")
+        if self.new_state is not None:
+            return self.fn(draft, p, rng, state if state is not None else self.new_state())
         return self.fn(draft, p, rng)
 
 
@@ -59,12 +68,15 @@ VERIFIERS: dict[str, VerifierSpec] = {}
 
 
 def register(
-    name: str, *, exact: bool, note: str, chain_only: bool = False, greedy_only: bool = False, children: str | None = None
+    name: str, *, exact: bool, note: str, chain_only: bool = False, greedy_only: bool = False, children: str | None = None,
+    **extra,
 ):
+    """Decorator registering ``fn`` under ``name``; ``extra`` sets the optional ``VerifierSpec`` fields."""
+
     def wrap(fn: VerifyFn) -> VerifyFn:
         if name in VERIFIERS:
             raise ValueError(f"verifier {name!r} registered twice")
-        VERIFIERS[name] = VerifierSpec(name, fn, exact, note, chain_only, greedy_only, children)
+        VERIFIERS[name] = VerifierSpec(name, fn, exact, note, chain_only, greedy_only, children, **extra)
         return fn
 
     return wrap
@@ -85,10 +97,20 @@ def register_node_rule(
 
 
 def get_verifier(name: str) -> VerifierSpec:
+    """A registered verifier by name; parametrised rules also take ``name:value`` (e.g. ``fsd:0.2``)."""
+    base, _, arg = name.partition(":")
+    spec = VERIFIERS.get(base)
+    if spec is None:
+        raise VerispecError(f"unknown method {name!r}; choose from {', '.join(sorted(VERIFIERS))}")
+    if not arg:
+        return spec
+    if spec.with_param is None:
+        raise VerispecError(f"method {base!r} takes no parameter (got {name!r})")
     try:
-        return VERIFIERS[name]
-    except KeyError:
-        raise VerispecError(f"unknown method {name!r}; choose from {', '.join(sorted(VERIFIERS))}") from None
+        value = float(arg)
+    except ValueError:
+        raise VerispecError(f"bad parameter in method {name!r}; use {base}:NUMBER") from None
+    return spec.with_param(value)
 
 
 def first_child_law(draft: Draft, node: int) -> torch.Tensor:
@@ -109,6 +131,10 @@ class NodeOutcome(NamedTuple):
 
 
 NodeRule = Callable[[Draft, int, torch.Tensor, Randomness], NodeOutcome]
+
+# A chain rule given per position: ``rule(p [g, V], q [g, V], state) -> (accept [g, V], fallback [g, V])``,
+# the probability of accepting each token if it is the drafted one, and the law drawn from after a rejection.
+PositionRule = Callable[[torch.Tensor, torch.Tensor, object], tuple[torch.Tensor, torch.Tensor]]
 
 
 def walk_tree(draft: Draft, p: torch.Tensor, rng: Randomness, node_rule: NodeRule) -> Verdict:

@@ -1,4 +1,5 @@
-"""Chain speculative sampling (Leviathan et al. 2023; Chen et al. 2023) -- exact.
+"""Chain speculative sampling (Leviathan et al. 2023; Chen et al. 2023) -- exact -- and the walk every
+per-position chain rule shares.
 
 Drafts ``x_1..x_g`` with ``x_i ~ q_i``. Accept ``x_i`` with probability ``min(1, p_i(x_i) / q_i(x_i))``;
 at the first rejection emit ``y ~ norm((p_i - q_i)_+)``; if all are accepted emit the bonus ``y ~ p_{g+1}``.
@@ -14,23 +15,48 @@ from __future__ import annotations
 import torch
 
 from ..probs import residual
-from .base import Verdict, first_child_law, register
+from .base import PositionRule, Verdict, first_child_law, register
 
 
-@register("chain", exact=True, note="chain speculative sampling (Leviathan/Chen 2023)", chain_only=True)
-def chain(draft, p, rng) -> Verdict:
+def exact_rule(p: torch.Tensor, q: torch.Tensor, state=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position: accept ``x`` with ``min(1, p(x) / q(x))``, fall back to ``norm((p - q)_+)``."""
+    p, q = p.double(), q.double()
+    accept = torch.where(q > 0, p / q.clamp_min(1e-300), torch.zeros_like(p)).clamp(max=1.0)
+    return accept, residual(p, q)
+
+
+def position_law(rule: PositionRule, p: torch.Tensor, q: torch.Tensor, state=None) -> torch.Tensor:
+    """Exact law ``[..., V]`` of the token a per-position rule emits at one position (draft ``x ~ q``):
+    accepted mass ``q(y) a(y)`` plus the rejected mass ``1 - sum_x q(x) a(x)`` spread as the fallback law."""
+    p, q = p.double(), q.double()
+    accept, fallback = rule(p, q, state)
+    kept = q * accept
+    return kept + (1 - kept.sum(-1, keepdim=True)).clamp_min(0) * fallback
+
+
+def chain_laws(draft) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafted tokens ``x [g]`` and the laws they were drawn from ``[g, V]``."""
+    g = draft.num_drafted
+    return draft.tokens[1:], torch.stack([first_child_law(draft, i) for i in range(g)])
+
+
+def walk_chain(draft, p: torch.Tensor, rng, rule: PositionRule, state=None) -> Verdict:
+    """Verify a chain with a per-position rule: one coin per position, stop at the first rejection."""
     g = draft.num_drafted
     if g == 0:
         return Verdict((), int(rng.categorical(p[0])), ())
-    x = draft.tokens[1:]  # [g] drafted tokens; x[i] is the child of node i
-    laws = torch.stack([first_child_law(draft, i) for i in range(g)])  # [g, V]
-    px = p[:g].gather(1, x[:, None]).squeeze(1).double()
-    qx = laws.gather(1, x[:, None]).squeeze(1).double()
-    ratio = torch.where(qx > 0, px / qx.clamp_min(1e-300), torch.zeros_like(px)).clamp(max=1.0)
-    accepted = rng.bernoulli(ratio)  # [g]
+    x, laws = chain_laws(draft)
+    accept, fallback = rule(p[:g], laws, state)
+    accepted = rng.bernoulli(accept.gather(1, x[:, None]).squeeze(1))  # [g]
     n = int(accepted.long().cumprod(0).sum())  # number accepted before the first rejection
     path = tuple(range(1, n + 1))
     tested = (1,) * min(n + 1, g)
     if n == g:
         return Verdict(path, int(rng.categorical(p[g])), tested)
-    return Verdict(path, int(rng.categorical(residual(p[n], laws[n]))), tested)
+    return Verdict(path, int(rng.categorical(fallback[n])), tested)
+
+
+@register("chain", exact=True, note="chain speculative sampling (Leviathan/Chen 2023)", chain_only=True,
+          position_rule=exact_rule)
+def chain(draft, p, rng) -> Verdict:
+    return walk_chain(draft, p, rng, exact_rule)

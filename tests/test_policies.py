@@ -1,0 +1,190 @@
+"""Draft-length policies on scripted outcomes, and through the decoding loop."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from verispec import Tree, generate, get_verifier
+from verispec.drafters import ModelDrafter, layer_skip_drafter
+from verispec.drafters.base import Draft
+from verispec.errors import VerispecError
+from verispec.policies import AdaEDL, AdaSDEntropy, BiLDFallback, Feedback, HFAssisted, entropy, get_policy, roc_threshold
+
+V = 6
+
+
+def feedback(drafted, accepted, conf=None, ent=None):
+    m = min(accepted + 1, drafted)
+    conf = torch.full((m,), 0.5, dtype=torch.float64) if conf is None else torch.tensor(conf, dtype=torch.float64)
+    ent = torch.full((m,), 1.0, dtype=torch.float64) if ent is None else torch.tensor(ent, dtype=torch.float64)
+    return Feedback(drafted, accepted, ent, conf)
+
+
+def uniform(n, vocab=V):
+    q = torch.zeros(1, vocab, dtype=torch.float64)
+    q[0, :n] = 1.0 / n
+    return q
+
+
+def test_hf_heuristic_schedule_plus_two_minus_one():
+    pol = HFAssisted(schedule="heuristic", num_tokens=5, threshold=None)
+    lengths = []
+    for drafted, accepted in [(5, 5), (7, 7), (9, 3), (8, 0), (7, 6), (6, 6), (8, 0), (7, 0), (6, 0), (5, 0),
+                              (4, 0), (3, 0), (2, 0), (1, 0), (1, 0)]:
+        pol.update(feedback(drafted, accepted))
+        lengths.append(pol.num_tokens)
+    assert lengths == [7, 9, 8, 7, 6, 8, 7, 6, 5, 4, 3, 2, 1, 1, 1]
+    assert [pol.keep_drafting(d, uniform(2)) for d in range(3)] == [True, False, False]
+
+
+def test_hf_constant_keeps_its_length_and_stops_on_low_confidence():
+    pol = HFAssisted(schedule="constant", num_tokens=20, threshold=0.4, refit=False)
+    pol.update(feedback(20, 20))
+    pol.update(feedback(20, 0))
+    assert pol.num_tokens == 20
+    assert pol.keep_drafting(0, uniform(3))  # nothing drafted yet: no confidence to check
+    assert pol.keep_drafting(3, uniform(3), torch.tensor([0.41]))
+    assert not pol.keep_drafting(3, uniform(3), torch.tensor([0.39]))
+    assert not pol.keep_drafting(20, uniform(1), torch.tensor([1.0]))
+
+
+def brute_force_threshold(scores, positive, weight):
+    best, best_t = math.inf, None
+    for t in sorted(set(scores.tolist()) | {math.inf}, reverse=True):
+        pred = scores >= t
+        tpr = int((pred & positive).sum()) / int(positive.sum())
+        fpr = int((pred & ~positive).sum()) / int((~positive).sum())
+        cost = fpr + weight * (1 - tpr)
+        if cost < best - 1e-12:
+            best, best_t = cost, t
+    return best_t
+
+
+def test_roc_threshold_matches_brute_force():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        n = int(torch.randint(2, 30, (1,), generator=gen))
+        scores = torch.randint(0, 8, (n,), generator=gen).double() / 8  # ties on purpose
+        positive = torch.rand(n, generator=gen) < 0.5
+        if positive.all() or not positive.any():
+            continue
+        for w in (1.0, 3.0):
+            assert roc_threshold(scores, positive, w) == brute_force_threshold(scores, positive, w)
+
+
+def test_hf_roc_refit_follows_the_verified_tokens():
+    pol = HFAssisted(schedule="constant", num_tokens=20, threshold=0.4)
+    # step 1: 3 accepted then one rejected -> matches [1,1,1,0]; no re-fit yet (needs > 5 samples)
+    pol.update(feedback(10, 3, conf=[0.9, 0.8, 0.7, 0.2]))
+    assert pol.threshold == 0.4 and pol.matches == [1, 1, 1, 0]
+    # step 2: all of a 2-token draft accepted -> no rejected token to record
+    pol.update(feedback(2, 2, conf=[0.6, 0.65]))
+    assert pol.matches == [1, 1, 1, 0, 1, 1]
+    assert pol.threshold == 0.6  # separable: the lowest accepted probability
+    pol.update(feedback(5, 0, conf=[0.75]))
+    expected = brute_force_threshold(torch.tensor(pol.probs, dtype=torch.float64), torch.tensor(pol.matches, dtype=torch.bool), 3.0)
+    assert pol.threshold == expected
+
+
+def test_adasd_entropy_threshold_is_learned_from_outcomes():
+    pol = AdaSDEntropy()
+    assert pol.threshold == math.inf and pol.keep_drafting(0, uniform(V))  # no data: draft the whole shape
+    pol.update(feedback(3, 3, ent=[0.1, 0.2, 0.3]))  # only accepted outcomes so far
+    assert pol.threshold == math.inf
+    pol.update(feedback(4, 1, ent=[0.25, 1.0]))
+    assert pol.threshold == 1.0  # separates accepted (<= 0.3) from rejected (1.0)
+    assert pol.keep_drafting(2, uniform(2))  # H = ln 2 = 0.69 < 1
+    assert not pol.keep_drafting(2, uniform(3))  # H = ln 3 = 1.10 >= 1
+    # a tree frontier keeps drafting while any of its laws is below the threshold
+    assert pol.keep_drafting(2, torch.cat([uniform(3), uniform(2)]))
+
+
+def test_adaedl_bound_and_lambda_adaptation():
+    pol = AdaEDL()
+    q = uniform(4)
+    bound = 1 - math.sqrt(0.2 * math.log(4))  # 0.4735
+    assert pol.keep_drafting(0, q) == (bound >= pol.lam)
+    pol.lam = bound + 1e-6
+    assert not pol.keep_drafting(0, q)
+    pol = AdaEDL()
+    for _ in range(60):  # nothing is ever accepted: lambda rises towards 1 and drafting stops
+        pol.update(feedback(5, 0))
+    assert pol.lam > 0.9 and not pol.keep_drafting(0, uniform(2))
+    pol = AdaEDL()
+    for _ in range(60):  # everything accepted: lambda falls towards 0
+        pol.update(feedback(5, 5))
+    assert pol.lam < 0.1 and pol.keep_drafting(0, uniform(V))
+
+
+def test_bild_fallback_threshold():
+    pol = BiLDFallback()
+    assert not pol.keep_drafting(0, uniform(2))  # top probability 0.5 < 0.6
+    q = torch.tensor([[0.7, 0.3, 0, 0, 0, 0]], dtype=torch.float64)
+    assert pol.keep_drafting(0, q)
+
+
+def test_feedback_from_a_chain_step():
+    tree = Tree.chain(4)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.rand(5, V, generator=gen, dtype=torch.float64)
+    q = q / q.sum(-1, keepdim=True)
+    q[4] = 0
+    tokens = torch.tensor([0, 3, 1, 4, 2])
+    draft = Draft(tree, tokens, q, torch.ones(5, dtype=torch.float64), "iid")
+    fb = Feedback.from_step(draft, (1, 2))
+    assert fb.drafted == 4 and fb.accepted == 2
+    assert fb.labels.tolist() == [True, True, False]
+    assert torch.allclose(fb.confidence, torch.stack([q[0, 3], q[1, 1], q[2, 4]]))
+    assert torch.allclose(fb.entropy, entropy(q[:3]))
+    full = Feedback.from_step(draft, (1, 2, 3, 4))
+    assert full.labels.tolist() == [True] * 4
+
+
+@pytest.mark.parametrize("spec,cls", [("fixed", "Fixed"), ("fixed:3", "Fixed"), ("hf", "HFAssisted"),
+                                      ("hf:heuristic", "HFAssisted"), ("adasd-entropy", "AdaSDEntropy"),
+                                      ("adaedl", "AdaEDL"), ("bild", "BiLDFallback")])
+def test_get_policy(spec, cls):
+    pol = get_policy(spec)
+    assert type(pol).__name__ == cls
+    assert pol.name == spec.split(":")[0] or pol.name == spec
+
+
+@pytest.mark.parametrize("spec", ["nope", "fixed:0", "fixed:x", "hf:sometimes", "adaedl:2"])
+def test_bad_policy_specs(spec):
+    with pytest.raises(VerispecError, match="policy"):
+        get_policy(spec)
+
+
+@pytest.fixture(scope="module")
+def target():
+    t = tiny_model("llama", seed=0, layers=4)
+    t.eos_token_ids = frozenset()
+    return t
+
+
+PROMPT = [5, 17, 33, 8, 9, 41, 5, 17]
+
+
+@pytest.mark.parametrize("policy", ["hf", "hf:heuristic", "adasd-entropy", "adaedl", "bild", "fixed:2"])
+def test_every_policy_keeps_greedy_output_exact(target, policy):
+    ref = generate(target, layer_skip_drafter(target, 2), get_verifier("greedy"), PROMPT, tree=Tree.root_only(),
+                   max_new_tokens=24, temperature=0.0)
+    out = generate(target, ModelDrafter(tiny_model("llama", seed=1, layers=2)), get_verifier("chain"), PROMPT,
+                   tree=Tree.chain(8), max_new_tokens=24, temperature=0.0, policy=get_policy(policy))
+    assert out.token_ids == ref.token_ids
+    assert all(s.drafted <= 8 for s in out.steps)
+
+
+def test_policy_shortens_drafts_in_the_loop(target):
+    pol = HFAssisted(schedule="heuristic", num_tokens=3, threshold=None)
+    out = generate(target, ModelDrafter(tiny_model("llama", seed=1, layers=2)), get_verifier("chain"), PROMPT,
+                   tree=Tree.chain(10), max_new_tokens=40, temperature=1.0, policy=pol, seed=3)
+    lengths = [3]
+    for s in out.steps[:-1]:
+        n = lengths[-1]
+        lengths.append(n + 2 if s.accepted_length - 1 == s.drafted else max(1, n - 1))
+    assert [s.drafted for s in out.steps] == [min(n, 10) for n in lengths]
+    assert any(itertools.starmap(lambda a, b: a != b, zip(lengths, lengths[1:])))
