@@ -40,9 +40,21 @@ def test_bad_input_gives_one_line_errors(args, message, capsys):
     assert code == 2 and message in err and "Traceback" not in err
 
 
-def test_unknown_method_is_rejected_by_the_parser():
-    r = cli("generate", "--prompt", "hi", "--method", "nope")
-    assert r.returncode == 2 and "invalid choice" in r.stderr and "Traceback" not in r.stderr
+@pytest.mark.parametrize("args,message", [
+    (["--method", "nope"], "unknown method"),
+    (["--method", "fsd:abc"], "bad parameter"),
+    (["--method", "chain:3"], "takes no parameter"),
+    (["--policy", "sometimes"], "unknown draft-length policy"),
+])
+def test_unknown_method_or_policy_is_rejected(args, message):
+    r = cli("generate", "--prompt", "hi", *args)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_audit_distortion_rejects_rules_without_a_position_law(capsys):
+    code = main(["audit", "--distortion", "--verifiers", "specinfer"])
+    err = capsys.readouterr().err
+    assert code == 2 and "per position" in err
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +127,34 @@ def test_load_from_a_local_folder_and_refuse_an_unavailable_hub_id(smollm, monke
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(VerispecError, match="hub id available offline"):
         CausalLM.load("HuggingFaceTB/no-such-model-verispec")
+
+
+@pytest.mark.slow
+def test_int8_draft_keeps_greedy_exact_and_adaptive_methods_run(smollm):
+    from verispec import Tree, generate, get_verifier
+    from verispec.cli import build_drafter
+    from verispec.drafters import NoDrafter
+    from verispec.policies import get_policy
+
+    prompt = "Name two planets."
+    kw = dict(max_new_tokens=20, temperature=0.0)
+    ref = generate(smollm, NoDrafter(), get_verifier("chain"), prompt, tree=Tree.root_only(), **kw).token_ids
+    draft = build_drafter("int8", smollm)
+    for method, policy in (("chain", "hf"), ("adasd", "adasd-entropy"), ("fsd", "fixed")):
+        out = generate(smollm, draft, get_verifier(method), prompt, tree=Tree.chain(8), policy=get_policy(policy), **kw)
+        assert out.token_ids == ref, (method, policy)
+    sampled = generate(smollm, draft, get_verifier("adasd"), prompt, tree=Tree.chain(8), max_new_tokens=20,
+                       temperature=0.6, policy=get_policy("adasd-entropy"))
+    assert 1 <= sampled.num_tokens <= 20
+
+
+@pytest.mark.slow
+def test_cli_audit_distortion_on_the_default_model():
+    r = cli("audit", "--distortion", "--temperatures", "0.6", "--prompts", "1", "--positions", "6",
+            "--sequence-prompts", "1", "--sequence-tokens", "8", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    rows = {d["verifier"]: d for d in out["distortion"]}
+    assert set(rows) == {"chain", "adasd", "fsd", "typical", "bild"}
+    assert rows["chain"]["max_tv"] < 1e-12 and all(d["pairs"] == 6 for d in rows.values())
+    assert {r["rule"] for r in out["sequence_nll"]} == {"target samples", *rows}

@@ -188,3 +188,28 @@ def test_policy_shortens_drafts_in_the_loop(target):
         lengths.append(n + 2 if s.accepted_length - 1 == s.drafted else max(1, n - 1))
     assert [s.drafted for s in out.steps] == [min(n, 10) for n in lengths]
     assert any(itertools.starmap(lambda a, b: a != b, zip(lengths, lengths[1:])))
+
+
+class Recorder:
+    name = "recorder"
+
+    def __init__(self):
+        self.seen = []
+
+    def keep_drafting(self, depth, q, last):
+        self.seen.append((depth, q.clone(), None if last is None else last.clone()))
+        return True
+
+    def update(self, feedback):
+        self.feedback = feedback
+
+
+def test_greedy_drafts_show_policies_the_softmax_not_a_point_mass(target):
+    pol = Recorder()
+    out = generate(target, ModelDrafter(tiny_model("llama", seed=1, layers=2)), get_verifier("chain"), PROMPT,
+                   tree=Tree.chain(3), max_new_tokens=4, temperature=0.0, policy=pol)
+    assert out.steps
+    depth0 = [q for d, q, last in pol.seen if d == 0]
+    assert all(torch.allclose(q.sum(-1), torch.ones(1, dtype=q.dtype)) and q.max() < 1 for q in depth0)
+    assert all(last is not None and 0 < float(last.max()) < 1 for d, _, last in pol.seen if d > 0)
+    assert (pol.feedback.confidence < 1).all()  # judged by the softmax, as Hugging Face's confidence is

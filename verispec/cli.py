@@ -12,6 +12,7 @@ from .drafters import CHILD_MODES, ModelDrafter, NgramDrafter, NoDrafter, layer_
 from .errors import VerispecError
 from .models import BUILTIN_MODELS, DEFAULT_TARGET, CausalLM, quantized_copy
 from .tree import Tree
+from .policies import POLICIES, get_policy
 from .verifiers import VERIFIERS, get_verifier
 
 DEFAULT_DRAFT = "ngram"
@@ -74,9 +75,12 @@ def _add_generate(sub):
     g.add_argument("--target", default=DEFAULT_TARGET,
                    help=f"target model: built-in alias ({', '.join(BUILTIN_MODELS)}), .gguf file, local folder or hub id")
     g.add_argument("--draft", default=DEFAULT_DRAFT, help=DRAFT_HELP)
-    g.add_argument("--method", default="chain", choices=sorted([*VERIFIERS, "ar"]),
+    g.add_argument("--method", default="chain", metavar="METHOD",
                    help="verification rule; 'ar' is plain autoregressive decoding of the target (same as --draft none). "
                         + "; ".join(f"{v.name}: {v.note}" for v in VERIFIERS.values()))
+    g.add_argument("--policy", default="fixed", metavar="POLICY",
+                   help="draft-length policy (the tree still caps the depth): "
+                        + "; ".join(f"{k}: {v}" for k, v in POLICIES.items()))
     g.add_argument("--tree", default="chain:5",
                    help="draft tree: chain:G, BxD (complete, e.g. 3x5), b1,b2,... (per-depth branching, e.g. 3,1,1) "
                         "or paths:0;1;0.0 (Medusa-style rank paths)")
@@ -101,6 +105,7 @@ def cmd_generate(args) -> int:
     draft_spec = "none" if args.method == "ar" else args.draft
     method = "chain" if args.method == "ar" else args.method
     verifier = get_verifier(method)
+    policy = get_policy(args.policy)
     info = (lambda *a: None) if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
     t = time.perf_counter()
     info(f"loading target {args.target} ...")
@@ -124,7 +129,7 @@ def cmd_generate(args) -> int:
     result = generate(
         target, drafter, verifier, args.prompt, tree=tree, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, children=args.children,
-        seed=args.seed, chat=not args.no_chat, on_tokens=stream,
+        seed=args.seed, chat=not args.no_chat, on_tokens=stream, policy=policy,
     )
     if args.json:
         print(json.dumps(result.to_dict()))
@@ -163,8 +168,21 @@ def _add_audit(sub):
                         "size: Monte Carlo over --draws draws of --k i.i.d. children, total variation from p against a "
                         "4-standard-error noise bound (slow: minutes per verifier and pair)")
     a.add_argument("--target", default=DEFAULT_TARGET, help="target model for --montecarlo")
-    a.add_argument("--draft", default="layerskip:0-11,18-29", help="draft for --montecarlo (a model or layerskip draft)")
+    a.add_argument("--draft", default=None,
+                   help="draft for --montecarlo (default layerskip:0-11,18-29) and --distortion (default int8); "
+                        "a model, int8 or layerskip draft")
     a.add_argument("--temperature", type=float, default=1.0, help="sampling temperature for --montecarlo")
+    a.add_argument("--distortion", action="store_true",
+                   help="instead of the exhaustive audit: the distortion of the lossy rules (--verifiers, default all "
+                        "inexact chain rules) on real (p, q) pairs of --target and --draft at each of --temperatures: "
+                        "exact per-position total variation and KL from the target's law, overshoot, acceptance; then "
+                        "the NLL of generated text under the target against the target's own samples")
+    a.add_argument("--temperatures", type=float, nargs="+", default=[0.3, 0.6, 1.0], help="temperatures for --distortion")
+    a.add_argument("--prompts", type=int, default=8, help="Spec-Bench prompts for --distortion pairs")
+    a.add_argument("--positions", type=int, default=16, help="response positions per prompt for --distortion pairs")
+    a.add_argument("--sequence-prompts", type=int, default=3,
+                   help="prompts for the sequence-level NLL check of --distortion (0: skip it)")
+    a.add_argument("--sequence-tokens", type=int, default=64, help="tokens generated per prompt for the NLL check")
     a.add_argument("--k", type=int, default=2, help="children per node for --montecarlo")
     a.add_argument("--draws", type=int, default=1_000_000, help="draws per node for --montecarlo")
     a.set_defaults(func=cmd_audit)
@@ -176,6 +194,8 @@ def cmd_audit(args) -> int:
 
     if args.cases < 1:
         raise VerispecError(f"--cases must be >= 1, got {args.cases}")
+    if args.distortion:
+        return _audit_distortion(args)
     specs = [get_verifier(n) for n in args.verifiers] if args.verifiers else list(VERIFIERS.values())
     if args.controls:
         specs += list(NEGATIVE_CONTROLS.values())
@@ -203,7 +223,8 @@ def _audit_montecarlo(args, specs) -> list[str]:
     from .audit.real import real_pairs  # noqa: PLC0415
 
     target = CausalLM.load(args.target)
-    pairs = real_pairs(target, build_drafter(args.draft, target), 1, args.montecarlo, args.temperature, args.seed)
+    draft = build_drafter(args.draft or "layerskip:0-11,18-29", target)
+    pairs = real_pairs(target, draft, 1, args.montecarlo, args.temperature, args.seed)
     pairs = pairs[: args.montecarlo]
     results, failed = [], []
     bar = None if args.json else _progress(len(pairs) * len(specs), "monte carlo")
@@ -231,6 +252,65 @@ def _audit_montecarlo(args, specs) -> list[str]:
         print(f"| {r['pair']} | {r['verifier']} | {'yes' if r['claims_exact'] else 'no'} | {r['distinct_tuples']} | "
               f"{r['tv']:.4f} | {r['noise_bound']:.4f} | {verdict} | {r['acceptance']:.4f} | {r['alpha_star']:.4f} |")
     return failed
+
+
+def _audit_distortion(args) -> int:
+    from .audit.distortion import distortion, format_distortion, sequence_nll  # noqa: PLC0415
+    from .audit.real import real_pairs  # noqa: PLC0415
+    from .datasets import spec_bench_prompts  # noqa: PLC0415
+
+    names = args.verifiers or [v.name for v in VERIFIERS.values() if v.position_rule is not None and not v.exact]
+    specs = [get_verifier(n) for n in names]
+    missing = [s.name for s in specs if s.position_rule is None]
+    if missing:
+        raise VerispecError(f"--distortion needs chain rules given per position; not: {', '.join(missing)}")
+    if any(t < 0 for t in args.temperatures):
+        raise VerispecError("--temperatures must be >= 0")
+    specs = [get_verifier("chain"), *[s for s in specs if s.name != "chain"]]  # the exact rule as a reference
+    target = CausalLM.load(args.target)
+    draft_spec = args.draft or "int8"
+    drafter = build_drafter(draft_spec, target)
+    if not hasattr(drafter, "model"):
+        raise VerispecError(f"--distortion needs a model draft (int8, layerskip:..., model:...), not {draft_spec!r}")
+    rows = []
+    for t in args.temperatures:
+        info = _progress(1, f"pairs at T={t}") if not args.json else None
+        pairs = real_pairs(target, drafter, args.prompts, args.positions, t, args.seed)
+        rows += distortion(specs, pairs, t, args.seed)
+        if info is not None:
+            info.update(1)
+            info.close()
+    nll_rows = []
+    if args.sequence_prompts > 0:
+        prompts = [p for _, p in spec_bench_prompts(args.sequence_prompts)]
+        temps = [t for t in args.temperatures if t > 0]
+        bar = None if args.json else _progress(len(temps) * (len(specs) + 1), "sequence NLL")
+        for t in temps:
+            own = sequence_nll(target, drafter, None, prompts, t, args.sequence_tokens, seed=args.seed)
+            nll_rows.append({"temperature": t, "rule": "target samples", "nll": own, "delta": 0.0})
+            if bar is not None:
+                bar.update(1)
+            for spec in specs:
+                v = sequence_nll(target, drafter, spec, prompts, t, args.sequence_tokens, seed=args.seed)
+                nll_rows.append({"temperature": t, "rule": spec.name, "nll": v, "delta": v - own})
+                if bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+    if args.json:
+        print(json.dumps({"distortion": [r.as_dict() for r in rows], "sequence_nll": nll_rows}))
+        return 0
+    print(f"Per-position distortion on real pairs: target {args.target}, draft {draft_spec}, "
+          f"{args.prompts} prompts x {args.positions} positions per temperature")
+    print(format_distortion(rows))
+    if nll_rows:
+        print(f"\nSequence level: mean NLL per token under the target (its sampling law at T), "
+              f"{args.sequence_prompts} prompts x {args.sequence_tokens} tokens, chain of 5")
+        print("| T | text from | NLL/token | minus target's own |")
+        print("|---|---|---|---|")
+        for r in nll_rows:
+            print(f"| {r['temperature']:g} | {r['rule']} | {r['nll']:.3f} | {r['delta']:+.3f} |")
+    return 0
 
 
 def _progress(total: int, desc: str):

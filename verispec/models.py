@@ -89,7 +89,9 @@ class CausalLM:
         self.name = name
         cfg = hf_model.config.get_text_config(decoder=True)
         self.config = cfg
-        self.vocab_size = int(hf_model.get_output_embeddings().weight.shape[0])
+        head = hf_model.get_output_embeddings()
+        weight = getattr(head, "weight", None)  # a quantised head has a method here, not a tensor
+        self.vocab_size = int((weight if isinstance(weight, torch.Tensor) else hf_model.get_input_embeddings().weight).shape[0])
         self.num_layers = int(cfg.num_hidden_layers)
         layer_types = list(getattr(cfg, "layer_types", None) or [])
         self._sliding_window = getattr(cfg, "sliding_window", None) if "sliding_attention" in layer_types else None
@@ -268,7 +270,9 @@ def quantized_copy(model: "CausalLM") -> "CausalLM":
     with ``torch.ao.quantization.quantize_dynamic`` (CPU). A cheap draft that shares the target's vocabulary."""
     hf = copy.deepcopy(model.hf)
     hf = torch.ao.quantization.quantize_dynamic(hf, {nn.Linear}, dtype=torch.qint8)
-    return CausalLM(hf, model.tokenizer, name=f"{model.name}[int8]")
+    out = CausalLM(hf, model.tokenizer, name=f"{model.name}[int8]")
+    out.vocab_size, out._dtype = model.vocab_size, model._dtype
+    return out
 
 
 def _select_entries(state: KVState, idx: torch.Tensor) -> None:

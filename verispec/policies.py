@@ -57,7 +57,7 @@ class Feedback:
             return cls(tree.max_depth, 0, empty, empty)
         idx = torch.tensor(nodes)
         parents = torch.tensor([tree.parents[n] for n in nodes])
-        laws = draft.q[parents]
+        laws = draft.policy_q()[parents]
         conf = laws.gather(1, draft.tokens[idx][:, None]).squeeze(1).double()
         return cls(tree.max_depth, len(path), entropy(laws), conf)
 

@@ -15,7 +15,7 @@ and ``_node_logits(draft_so_far, nodes)`` (logits after the given drafted nodes)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,12 @@ class Draft:
     q: torch.Tensor  # [N, V] law each node's children were drawn from (zero rows for leaves)
     child_prob: torch.Tensor  # [N] P(node | parent, earlier siblings); 1 for the root
     sampling: str  # one of CHILD_MODES
+    soft_q: torch.Tensor | None = None  # at temperature 0: the draft's softmax laws (T = 1), for policies
+
+    def policy_q(self) -> torch.Tensor:
+        """The laws draft-length policies judge confidence and entropy by: ``q``, or its T = 1 softmax when
+        greedy (a greedy ``q`` is a point mass; Hugging Face's confidence uses the softmax of the raw scores)."""
+        return self.q if self.soft_q is None else self.soft_q
 
     @property
     def num_drafted(self) -> int:
@@ -49,6 +55,7 @@ class _Growing:
     template: list[int]  # node of the shape tree each node stands for
     q_rows: dict[int, torch.Tensor]
     child_prob: list[float]
+    soft_rows: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def path(self, node: int) -> list[int]:
         """Drafted tokens from the root's first child down to ``node``."""
@@ -108,9 +115,11 @@ class Drafter:
             if logits is None:
                 break
             laws = logits_to_probs(logits, sampling)  # [F, V]
+            soft = logits_to_probs(logits, Sampling(1.0)) if sampling.greedy else laws
             if policy is not None:
-                last = None if depth == 0 else torch.tensor([g.q_rows[g.parents[n]][g.tokens[n]] for n in frontier])
-                if not policy.keep_drafting(depth, laws, last):
+                rows = g.soft_rows if sampling.greedy else g.q_rows
+                last = None if depth == 0 else torch.tensor([rows[g.parents[n]][g.tokens[n]] for n in frontier])
+                if not policy.keep_drafting(depth, soft, last):
                     break
             new = []
             for row, node in enumerate(frontier):
@@ -119,6 +128,8 @@ class Drafter:
                     continue
                 q = laws[row]
                 g.q_rows[node] = q
+                if sampling.greedy:
+                    g.soft_rows[node] = soft[row]
                 xs, probs = _draw_children(q, logits[row], k, children, rng)
                 for rank, (x, cp) in enumerate(zip(xs, probs)):
                     g.parents.append(node)
@@ -135,12 +146,18 @@ class Drafter:
         q = torch.zeros(tree.size, vocab, dtype=dtype)
         for node, row in g.q_rows.items():
             q[node] = row
+        soft_q = None
+        if g.soft_rows:
+            soft_q = torch.zeros(tree.size, vocab, dtype=dtype)
+            for node, row in g.soft_rows.items():
+                soft_q[node] = row
         return Draft(
             tree=tree,
             tokens=torch.tensor(g.tokens, dtype=torch.long),
             q=q,
             child_prob=torch.tensor(g.child_prob, dtype=torch.float64),
             sampling=children,
+            soft_q=soft_q,
         )
 
 
