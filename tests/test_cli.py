@@ -18,7 +18,7 @@ def test_help_explains_every_generate_option(capsys):
         main(["generate", "--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
-    for opt in ("--prompt", "--target", "--draft", "--method", "--tree", "--children", "--temperature",
+    for opt in ("--prompt", "--target", "--draft", "--method", "--policy", "--tree", "--children", "--temperature",
                 "--top-k", "--top-p", "--max-new-tokens", "--seed", "--json"):
         assert opt in text
     assert "generate" in build_parser().format_help()
