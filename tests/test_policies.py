@@ -91,15 +91,17 @@ def test_hf_roc_refit_follows_the_verified_tokens():
 
 def test_adasd_entropy_threshold_is_learned_from_outcomes():
     pol = AdaSDEntropy()
-    assert pol.threshold == math.inf and pol.keep_drafting(0, uniform(V))  # no data: draft the whole shape
+    assert pol.threshold == math.inf and pol.keep_drafting(3, uniform(V), None, uniform(V))  # no data: whole shape
     pol.update(feedback(3, 3, ent=[0.1, 0.2, 0.3]))  # only accepted outcomes so far
     assert pol.threshold == math.inf
     pol.update(feedback(4, 1, ent=[0.25, 1.0]))
     assert pol.threshold == 1.0  # separates accepted (<= 0.3) from rejected (1.0)
-    assert pol.keep_drafting(2, uniform(2))  # H = ln 2 = 0.69 < 1
-    assert not pol.keep_drafting(2, uniform(3))  # H = ln 3 = 1.10 >= 1
-    # a tree frontier keeps drafting while any of its laws is below the threshold
-    assert pol.keep_drafting(2, torch.cat([uniform(3), uniform(2)]))
+    nxt = uniform(V)  # the next law does not matter: the last drafted token's law decides
+    assert pol.keep_drafting(2, nxt, None, uniform(2))  # H = ln 2 = 0.69 < 1
+    assert not pol.keep_drafting(2, nxt, None, uniform(3))  # H = ln 3 = 1.10 >= 1: stop after this token
+    assert pol.keep_drafting(0, nxt, None, None)  # the first token is always drafted
+    # a tree frontier keeps drafting while any of its tokens' laws is below the threshold
+    assert pol.keep_drafting(2, nxt, None, torch.cat([uniform(3), uniform(2)]))
 
 
 def test_adaedl_bound_and_lambda_adaptation():
@@ -196,7 +198,8 @@ class Recorder:
     def __init__(self):
         self.seen = []
 
-    def keep_drafting(self, depth, q, last):
+    def keep_drafting(self, depth, q, last, drawn):
+        assert (last is None) == (drawn is None) == (depth == 0)
         self.seen.append((depth, q.clone(), None if last is None else last.clone()))
         return True
 

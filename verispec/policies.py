@@ -1,9 +1,10 @@
 """Draft-length policies: decide before each drafted depth whether to keep drafting, learn from outcomes.
 
 Interface (two methods):
-    ``keep_drafting(depth, q, last) -> bool``  before drafting depth ``depth + 1``: ``q [F, V]`` are the
-        draft laws at the frontier nodes (the laws the next tokens will be drawn from) and ``last [F]``
-        the draft probability of each frontier node's own token (``None`` at depth 0);
+    ``keep_drafting(depth, q, last, drawn) -> bool``  before drafting depth ``depth + 1``: ``q [F, V]`` are
+        the draft laws at the frontier nodes (the laws the next tokens will be drawn from), ``drawn [F, V]``
+        the laws the frontier nodes' own tokens were drawn from and ``last [F]`` their probabilities under
+        those laws (both ``None`` at depth 0);
     ``update(feedback)``  after each step, with what verification said (``Feedback``).
 The tree shape bounds the depth; a policy can only stop earlier. Policies are named in ``POLICIES``
 and built from a spec string by ``get_policy`` (``fixed``, ``hf``, ``hf:heuristic``, ``adasd-entropy``,
@@ -88,7 +89,7 @@ class Fixed:
     length: int | None = None
     name = "fixed"
 
-    def keep_drafting(self, depth: int, q: torch.Tensor, last=None) -> bool:
+    def keep_drafting(self, depth: int, q: torch.Tensor, last=None, drawn=None) -> bool:
         return self.length is None or depth < self.length
 
     def update(self, feedback: Feedback) -> None:
@@ -123,7 +124,7 @@ class HFAssisted:
             raise VerispecError(f"hf schedule must be 'constant' or 'heuristic', got {self.schedule!r}")
         self.name = "hf" if self.schedule == "constant" else "hf:heuristic"
 
-    def keep_drafting(self, depth: int, q: torch.Tensor, last=None) -> bool:
+    def keep_drafting(self, depth: int, q: torch.Tensor, last=None, drawn=None) -> bool:
         if depth >= int(self.num_tokens):
             return False
         if self.threshold is not None and last is not None and float(last.max()) < self.threshold:
@@ -151,9 +152,13 @@ class AdaSDEntropy:
     The paper says the threshold is "adaptively updated based on feedback from the target model" and
     has no hand-set constants; it does not give the update. Choices made here (tested):
 
-    * the check is made *before* drawing a token, on the law it would be drawn from (a token drawn
-      from a high-entropy law is likely rejected, so it is not drafted); on a tree, drafting stops only
-      when every frontier law exceeds the threshold;
+    * the check is made on each *newly drafted* token ("if the entropy of a newly generated candidate
+      token exceeds this threshold ... the generation process is terminated"): the entropy of the law it
+      was drawn from; the token that triggers the stop is still verified (as in Hugging Face's confidence
+      stop), so at least one token is drafted per step. This matters: checking *before* drawing would
+      never verify a token above the threshold, the learned threshold would only see tokens below it and
+      ratchet down until nothing is drafted (measured: 0.26 drafted tokens per step at T = 0);
+      on a tree, drafting stops only when every frontier token exceeds the threshold;
     * the threshold is the entropy that best separates the verified tokens of all earlier steps into
       accepted and rejected: ``t`` minimising ``fpr + fnr`` of "rejected iff entropy >= t" (equal costs:
       no constant to choose), refitted after every step;
@@ -165,8 +170,8 @@ class AdaSDEntropy:
     rejected: list[bool] = field(default_factory=list)
     name = "adasd-entropy"
 
-    def keep_drafting(self, depth: int, q: torch.Tensor, last=None) -> bool:
-        return bool((entropy(q) < self.threshold).any())
+    def keep_drafting(self, depth: int, q: torch.Tensor, last=None, drawn=None) -> bool:
+        return drawn is None or bool((entropy(drawn) < self.threshold).any())
 
     def update(self, feedback: Feedback) -> None:
         self.entropies.extend(feedback.entropy.tolist())
@@ -193,7 +198,7 @@ class AdaEDL:
     acc: float = 0.6
     name = "adaedl"
 
-    def keep_drafting(self, depth: int, q: torch.Tensor, last=None) -> bool:
+    def keep_drafting(self, depth: int, q: torch.Tensor, last=None, drawn=None) -> bool:
         bound = 1 - torch.sqrt(self.gamma * entropy(q))
         return bool((bound >= self.lam).any())
 
@@ -213,7 +218,7 @@ class BiLDFallback:
     threshold: float = 0.6
     name = "bild"
 
-    def keep_drafting(self, depth: int, q: torch.Tensor, last=None) -> bool:
+    def keep_drafting(self, depth: int, q: torch.Tensor, last=None, drawn=None) -> bool:
         return bool((q.max(-1).values >= self.threshold).any())
 
     def update(self, feedback: Feedback) -> None:

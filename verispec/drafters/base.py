@@ -118,8 +118,9 @@ class Drafter:
             soft = logits_to_probs(logits, Sampling(1.0)) if sampling.greedy else laws
             if policy is not None:
                 rows = g.soft_rows if sampling.greedy else g.q_rows
-                last = None if depth == 0 else torch.tensor([rows[g.parents[n]][g.tokens[n]] for n in frontier])
-                if not policy.keep_drafting(depth, soft, last):
+                drawn = None if depth == 0 else torch.stack([rows[g.parents[n]] for n in frontier])
+                last = None if drawn is None else drawn.gather(1, torch.tensor([[g.tokens[n]] for n in frontier]))[:, 0]
+                if not policy.keep_drafting(depth, soft, last, drawn):
                     break
             new = []
             for row, node in enumerate(frontier):
