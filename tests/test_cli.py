@@ -51,10 +51,15 @@ def test_unknown_method_or_policy_is_rejected(args, message):
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
 
 
-def test_audit_distortion_rejects_rules_without_a_position_law(capsys):
-    code = main(["audit", "--distortion", "--verifiers", "specinfer"])
+@pytest.mark.parametrize("args,message", [
+    (["--verifiers", "specinfer"], "per position"),
+    (["--temperatures", "-1"], "--temperatures"),
+    (["--positions", "0"], "--positions"),
+])
+def test_audit_distortion_rejects_bad_input(args, message, capsys):
+    code = main(["audit", "--distortion", *args])
     err = capsys.readouterr().err
-    assert code == 2 and "per position" in err
+    assert code == 2 and message in err
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ from . import __version__
 from .drafters import CHILD_MODES, ModelDrafter, NgramDrafter, NoDrafter, layer_skip_drafter
 from .errors import VerispecError
 from .models import BUILTIN_MODELS, DEFAULT_TARGET, CausalLM, quantized_copy
-from .tree import Tree
 from .policies import POLICIES, get_policy
+from .tree import Tree
 from .verifiers import VERIFIERS, get_verifier
 
 DEFAULT_DRAFT = "ngram"
@@ -266,6 +266,8 @@ def _audit_distortion(args) -> int:
         raise VerispecError(f"--distortion needs chain rules given per position; not: {', '.join(missing)}")
     if any(t < 0 for t in args.temperatures):
         raise VerispecError("--temperatures must be >= 0")
+    if args.prompts < 1 or args.positions < 1 or args.sequence_prompts < 0 or args.sequence_tokens < 1:
+        raise VerispecError("--prompts, --positions and --sequence-tokens must be >= 1, --sequence-prompts >= 0")
     specs = [get_verifier("chain"), *[s for s in specs if s.name != "chain"]]  # the exact rule as a reference
     target = CausalLM.load(args.target)
     draft_spec = args.draft or "int8"
