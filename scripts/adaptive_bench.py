@@ -8,13 +8,16 @@ hits them alike. A method's policy and learning state persist across its prompts
 Columns: tokens/s (tokens / wall time, prefill included, for every method alike), speedup over `fixed`,
 #cand and #match (drafted and accepted draft tokens per verification), acceptance rate (#match / #cand),
 accuracy (GSM8K exact match, HumanEval pass@1), distortion (mean per-position total variation of the
-rule's exact law from the target's, on real (p, q) pairs of this target and draft at this temperature),
+rule's exact law from the target's, on real (p, q) pairs of this target and draft at this temperature,
+from Spec-Bench prompts; and the same TV at every position the run itself tested, with the learning
+state of that moment),
 and NLL (mean negative log-likelihood per generated token under the target's sampling law; T > 0).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -38,6 +41,7 @@ from verispec.peers import hf_generate  # noqa: E402
 from verispec.probs import Sampling, logits_to_probs  # noqa: E402
 from verispec.tasks import gsm8k, humaneval, score  # noqa: E402
 from verispec.verifiers import get_verifier  # noqa: E402
+from verispec.verifiers.chain import chain_laws, position_law  # noqa: E402
 
 GREEDY_SAME = {"adasd": "adasd-gen-only", "adasd-verify-only": "fixed", "adasd-hybrid": "hf", "fsd": "fixed",
                "typical": "fixed"}  # at T = 0 these produce exactly the output of the method named (tested)
@@ -53,6 +57,25 @@ def nll(target, prompt_ids, out_ids, temperature):
     return float(-p.gather(1, torch.tensor(out_ids)[:, None]).clamp_min(1e-300).log().mean())
 
 
+def recording(spec, tvs: list):
+    """``spec`` with the exact per-position TV of its law from p recorded at every position it tests
+    (with the learning state as it is at that step): the distortion on the decoded positions themselves."""
+    rule = spec.position_rule
+    if rule is None:
+        return spec
+
+    def fn(draft, p, rng, *state):
+        verdict = spec.fn(draft, p, rng, *state)
+        g, tested = draft.num_drafted, len(verdict.tested)
+        if g and tested:
+            _, laws = chain_laws(draft)
+            law = position_law(rule, p[:tested], laws[:tested], state[0] if state else None)
+            tvs.extend((0.5 * (law - p[:tested].double()).abs().sum(-1)).tolist())
+        return verdict
+
+    return dataclasses.replace(spec, fn=fn)
+
+
 def run_one(method, target, drafter, state, problem, prompt_ids, args, temperature, seed):
     if method.peer is not None:
         res = hf_generate(target, prompt_ids, args.max_new_tokens, temperature, seed=seed,
@@ -62,12 +85,14 @@ def run_one(method, target, drafter, state, problem, prompt_ids, args, temperatu
             if t in target.eos_token_ids:
                 ids = ids[: i + 1]
                 break
-        return ids, res.wall_s, res.drafted, res.accepted
+        return ids, res.wall_s, res.drafted, res.accepted, []
     spec, policy, vstate = state
     drafter_used = NoDrafter() if method.max_depth == 0 else drafter
-    out = generate(target, drafter_used, spec, prompt_ids, tree=method.tree(), max_new_tokens=args.max_new_tokens,
-                   temperature=temperature, policy=policy, verifier_state=vstate, seed=seed)
-    return out.token_ids, out.wall_s, [s.drafted for s in out.steps], [s.accepted_length - 1 for s in out.steps]
+    tvs = []
+    out = generate(target, drafter_used, recording(spec, tvs), prompt_ids, tree=method.tree(),
+                   max_new_tokens=args.max_new_tokens, temperature=temperature, policy=policy, verifier_state=vstate,
+                   seed=seed)
+    return out.token_ids, out.wall_s, [s.drafted for s in out.steps], [s.accepted_length - 1 for s in out.steps], tvs
 
 
 def main():
@@ -115,12 +140,13 @@ def main():
             bar = tqdm(total=len(problems) * len(run_methods), desc=f"T={temperature}", file=sys.stderr)
             for i, (problem, prompt_ids) in enumerate(zip(problems, prompts)):
                 for m in run_methods:
-                    ids, wall, drafted, accepted = run_one(m, target, drafter, states[m.name], problem, prompt_ids,
+                    ids, wall, drafted, accepted, tvs = run_one(m, target, drafter, states[m.name], problem, prompt_ids,
                                                            args, temperature, args.seed + i)
                     text = target.decode([t for t in ids if t not in target.eos_token_ids])
                     rec = {"T": temperature, "method": m.name, "problem": problem.id, "task": problem.task,
                            "tokens": len(ids), "wall_s": wall, "drafted": drafted, "accepted": accepted,
                            "correct": score(problem, text), "nll": nll(target, prompt_ids, ids, temperature),
+                           "tv_decoded": tvs,
                            "text": text}
                     records.append(rec)
                     f.write(json.dumps(rec) + "\n")
@@ -136,8 +162,8 @@ def table(records, methods, temperatures, tv, draft_name, args) -> str:
              f"max {args.max_new_tokens} new tokens",
              "",
              "| T | method | tokens/s | speedup vs fixed | vs HF generate | vs HF assisted | #cand | #match | acc. rate "
-             "| GSM8K | HumanEval | distortion (TV) | NLL/token |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| GSM8K | HumanEval | distortion (TV) | TV on decoded positions | NLL/token |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for temperature in temperatures:
         rows = {}
         for m in methods:
@@ -156,6 +182,7 @@ def table(records, methods, temperatures, tv, draft_name, args) -> str:
             acc = {t: [r["correct"] for r in rs if r["task"] == t] for t in ("gsm8k", "humaneval")}
             nlls = [r["nll"] for r in rs if not math.isnan(r["nll"])]
             dist = tv.get((temperature, m.verifier)) if m.verifier else None
+            decoded = [t for r in rs for t in r.get("tv_decoded", [])]
 
             def ratio(key):
                 return f"{tps / base[key]:.2f}x" if key in base else "-"
@@ -168,6 +195,7 @@ def table(records, methods, temperatures, tv, draft_name, args) -> str:
                 f"{ratio('hf-assisted')} | {fmt(cand)} | {fmt(match)} | {fmt(rate)} | "
                 f"{sum(acc['gsm8k'])}/{len(acc['gsm8k'])} | {sum(acc['humaneval'])}/{len(acc['humaneval'])} | "
                 f"{'0 (exact)' if m.verifier in (None, 'chain') else fmt(dist, '.4f')} | "
+                f"{fmt(statistics.mean(decoded), '.4f') if decoded else '-'} | "
                 f"{fmt(statistics.mean(nlls) if nlls else None, '.3f')} |"
             )
     return "\n".join(lines)
