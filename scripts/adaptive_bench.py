@@ -161,8 +161,8 @@ def table(records, methods, temperatures, tv, draft_name, args) -> str:
     lines = [f"target {args.target}, draft {draft_name}; {args.gsm8k} GSM8K + {args.humaneval} HumanEval problems, "
              f"max {args.max_new_tokens} new tokens",
              "",
-             "| T | method | tokens/s | speedup vs fixed | vs HF generate | vs HF assisted | #cand | #match | acc. rate "
-             "| GSM8K | HumanEval | distortion (TV) | TV on decoded positions | NLL/token |",
+             "| T | method | tokens/s | speedup vs fixed | vs HF generate | vs HF assisted | #cand | #match "
+             "| acc. rate | GSM8K | HumanEval | distortion (TV) | TV on decoded positions | NLL/token |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for temperature in temperatures:
         rows = {}

@@ -177,7 +177,8 @@ class AdaSDEntropy:
         self.entropies.extend(feedback.entropy.tolist())
         self.rejected.extend((~feedback.labels).tolist())
         if any(self.rejected) and not all(self.rejected):
-            self.threshold = roc_threshold(torch.tensor(self.entropies, dtype=torch.float64), torch.tensor(self.rejected), 1.0)
+            scores = torch.tensor(self.entropies, dtype=torch.float64)
+            self.threshold = roc_threshold(scores, torch.tensor(self.rejected), 1.0)
 
 
 @dataclass
