@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from verispec.audit.distortion import distortion  # noqa: E402
+from verispec.audit.distortion import distortion, target_nll  # noqa: E402
 from verispec.audit.real import real_pairs  # noqa: E402
 from verispec.cli import build_drafter  # noqa: E402
 from verispec.decode import generate  # noqa: E402
@@ -38,23 +38,12 @@ from verispec.drafters import NoDrafter  # noqa: E402
 from verispec.methods import METHODS, get_method  # noqa: E402
 from verispec.models import CausalLM  # noqa: E402
 from verispec.peers import hf_generate  # noqa: E402
-from verispec.probs import Sampling, logits_to_probs  # noqa: E402
 from verispec.tasks import gsm8k, humaneval, score  # noqa: E402
 from verispec.verifiers import get_verifier  # noqa: E402
 from verispec.verifiers.chain import chain_laws, position_law  # noqa: E402
 
 GREEDY_SAME = {"adasd": "adasd-gen-only", "adasd-verify-only": "fixed", "adasd-hybrid": "hf", "fsd": "fixed",
                "typical": "fixed"}  # at T = 0 these produce exactly the output of the method named (tested)
-
-
-def nll(target, prompt_ids, out_ids, temperature):
-    if temperature == 0 or not out_ids:
-        return float("nan")
-    seq = torch.tensor([prompt_ids + out_ids])
-    with torch.no_grad():
-        logits = target.hf(input_ids=seq, use_cache=False).logits[0, len(prompt_ids) - 1:-1]
-    p = logits_to_probs(logits.double(), Sampling(temperature))
-    return float(-p.gather(1, torch.tensor(out_ids)[:, None]).clamp_min(1e-300).log().mean())
 
 
 def recording(spec, tvs: list):
@@ -145,7 +134,7 @@ def main():
                     text = target.decode([t for t in ids if t not in target.eos_token_ids])
                     rec = {"T": temperature, "method": m.name, "problem": problem.id, "task": problem.task,
                            "tokens": len(ids), "wall_s": wall, "drafted": drafted, "accepted": accepted,
-                           "correct": score(problem, text), "nll": nll(target, prompt_ids, ids, temperature),
+                           "correct": score(problem, text), "nll": target_nll(target, prompt_ids, ids, temperature),
                            "tv_decoded": tvs,
                            "text": text}
                     records.append(rec)
