@@ -28,14 +28,21 @@ def accept(rng, r: torch.Tensor, law: torch.Tensor, x: int) -> bool:
     return bool(rng.bernoulli(torch.tensor(min(1.0, ratio), dtype=torch.float64)))
 
 
-def _iid_rule(draft, node, p, rng):
+def sequential_tests(draft, node, p, rng, update) -> NodeOutcome:
+    """Test the i.i.d. children of ``node`` in draw order against a running law ``r`` (``p`` at first):
+    accept child ``x`` with ``min(1, r(x) / q(x))``; after a rejection ``r = update(r, q, x)``. The law
+    left after the last rejection is where the recovered token is drawn from."""
     q, r = draft.q[node], p
     for rank, child in enumerate(draft.tree.children[node]):
         x = int(draft.tokens[child])
         if accept(rng, r, q, x):
             return NodeOutcome(rank, None, rank + 1)
-        r = residual(r, q)
+        r = update(r, q, x)
     return NodeOutcome(None, r, len(draft.tree.children[node]))
+
+
+def _iid_rule(draft, node, p, rng):
+    return sequential_tests(draft, node, p, rng, lambda r, q, x: residual(r, q))
 
 
 def _swor_rule(draft, node, p, rng):

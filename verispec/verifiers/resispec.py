@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import NodeOutcome, register_node_rule
-from .multi import accept
+from .base import register_node_rule
+from .multi import sequential_tests
 
 
 def water_fill(R: torch.Tensor, q: torch.Tensor, Z: float) -> torch.Tensor:
@@ -66,13 +66,7 @@ def resispec_residual(R: torch.Tensor, q: torch.Tensor, x0: int) -> torch.Tensor
 
 
 def _resispec_rule(draft, node, p, rng):
-    q, R = draft.q[node], p
-    for rank, child in enumerate(draft.tree.children[node]):
-        x = int(draft.tokens[child])
-        if accept(rng, R, q, x):
-            return NodeOutcome(rank, None, rank + 1)
-        R = resispec_residual(R, q, x)
-    return NodeOutcome(None, R, len(draft.tree.children[node]))
+    return sequential_tests(draft, node, p, rng, resispec_residual)
 
 
 register_node_rule("resispec", _resispec_rule, exact=False, children="iid",
