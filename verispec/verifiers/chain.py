@@ -47,13 +47,18 @@ def walk_chain(draft, p: torch.Tensor, rng, rule: PositionRule, state=None) -> V
         return Verdict((), int(rng.categorical(p[0])), ())
     x, laws = chain_laws(draft)
     accept, fallback = rule(p[:g], laws, state)
-    accepted = rng.bernoulli(accept.gather(1, x[:, None]).squeeze(1))  # [g]
+    return chain_verdict(rng.bernoulli(accept.gather(1, x[:, None]).squeeze(1)), p, fallback, rng)
+
+
+def chain_verdict(accepted: torch.Tensor, p: torch.Tensor, fallback: torch.Tensor, rng, feedback=()) -> Verdict:
+    """End a chain step from its per-position decisions ``accepted [g]``: keep the accepted prefix, then
+    draw the recovered token from ``fallback`` at the first rejection, or the bonus token from ``p``."""
+    g = accepted.numel()
     n = int(accepted.long().cumprod(0).sum())  # number accepted before the first rejection
     path = tuple(range(1, n + 1))
     tested = (1,) * min(n + 1, g)
-    if n == g:
-        return Verdict(path, int(rng.categorical(p[g])), tested)
-    return Verdict(path, int(rng.categorical(fallback[n])), tested)
+    token = rng.categorical(p[g]) if n == g else rng.categorical(fallback[n])
+    return Verdict(path, int(token), tested, feedback)
 
 
 @register("chain", exact=True, note="chain speculative sampling (Leviathan/Chen 2023)", chain_only=True,

@@ -26,7 +26,7 @@ import torch
 
 from ..policies import entropy
 from .base import VERIFIERS, Verdict, VerifierSpec, register
-from .chain import chain_laws, exact_rule, walk_chain
+from .chain import chain_laws, chain_verdict, exact_rule, walk_chain
 
 LN2 = math.log(2.0)
 
@@ -146,14 +146,10 @@ def adasd(draft, p, rng, state: AdaSDState) -> Verdict:
     d = js_distance(p[:g], laws)
     b = state.accept_probability(d)
     lossless = rng.bernoulli(a0.gather(1, x[:, None]).squeeze(1))
-    bayes = rng.bernoulli(b)
-    accepted = lossless | bayes
-    n = int(accepted.long().cumprod(0).sum())
-    tested = min(n + 1, g)
+    accepted = lossless | rng.bernoulli(b)
+    tested = min(int(accepted.long().cumprod(0).sum()) + 1, g)
     feedback = tuple((float(d[i]), bool(lossless[i])) for i in range(tested) if EDGE < d[i] < 1 - EDGE)
-    path = tuple(range(1, n + 1))
-    token = rng.categorical(p[g]) if n == g else rng.categorical(fallback[n])
-    return Verdict(path, int(token), (1,) * tested, feedback)
+    return chain_verdict(accepted, p, fallback, rng, feedback)
 
 
 # ---------------------------------------------------------------- fixed-threshold rules (fall back to p)
