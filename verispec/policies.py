@@ -27,7 +27,6 @@ def entropy(q: torch.Tensor) -> torch.Tensor:
     return -torch.where(q > 0, q * q.clamp_min(1e-300).log(), torch.zeros_like(q)).sum(-1)
 
 
-@dataclass(frozen=True)
 class Feedback:
     """What one step's verification tells a policy.
 
@@ -35,32 +34,49 @@ class Feedback:
     the depth where the path stopped (the one whose rejection ended the step; for a chain, the first
     rejected token). ``labels[i]`` is True for the accepted ones. This is the labelling Hugging Face's
     assisted generation uses for its ROC re-fit (``[1] * matches + [0]``).
+
+    ``entropy`` (nats) and ``confidence`` (draft probability) of each verified token are computed from
+    the draft only when a policy reads them: the decoding loop builds a ``Feedback`` every step, and
+    most policies never look.
     """
 
-    drafted: int  # drafted depth this step
-    accepted: int  # accepted drafted tokens
-    entropy: torch.Tensor  # [m] entropy (nats) of the draft law each verified token was drawn from
-    confidence: torch.Tensor  # [m] draft probability of each verified token
+    def __init__(self, drafted: int, accepted: int, entropy: torch.Tensor | None = None,
+                 confidence: torch.Tensor | None = None, *, source=None):
+        self.drafted = drafted  # drafted depth this step
+        self.accepted = accepted  # accepted drafted tokens
+        self._entropy, self._confidence = entropy, confidence
+        self._source = source  # (draft, verified nodes) to compute them from
+        self.verified = len(entropy) if entropy is not None else len(source[1])
 
     @property
     def labels(self) -> torch.Tensor:
-        return torch.arange(len(self.entropy)) < self.accepted
+        return torch.arange(self.verified) < self.accepted
+
+    def _laws(self) -> torch.Tensor:
+        draft, nodes = self._source
+        return draft.policy_q()[torch.tensor([draft.tree.parents[n] for n in nodes], dtype=torch.long)]
+
+    @property
+    def entropy(self) -> torch.Tensor:
+        if self._entropy is None:
+            self._entropy = entropy(self._laws())
+        return self._entropy
+
+    @property
+    def confidence(self) -> torch.Tensor:
+        if self._confidence is None:
+            draft, nodes = self._source
+            tokens = draft.tokens[torch.tensor(nodes, dtype=torch.long)]
+            self._confidence = self._laws().gather(1, tokens[:, None]).squeeze(1).double()
+        return self._confidence
 
     @classmethod
     def from_step(cls, draft, path: tuple[int, ...]) -> "Feedback":
-        tree = draft.tree
         nodes = list(path)
         last = nodes[-1] if nodes else 0
-        if tree.children[last]:
-            nodes.append(tree.children[last][0])
-        if not nodes:
-            empty = torch.zeros(0, dtype=torch.float64)
-            return cls(tree.max_depth, 0, empty, empty)
-        idx = torch.tensor(nodes)
-        parents = torch.tensor([tree.parents[n] for n in nodes])
-        laws = draft.policy_q()[parents]
-        conf = laws.gather(1, draft.tokens[idx][:, None]).squeeze(1).double()
-        return cls(tree.max_depth, len(path), entropy(laws), conf)
+        if draft.tree.children[last]:
+            nodes.append(draft.tree.children[last][0])
+        return cls(draft.tree.max_depth, len(path), source=(draft, nodes))
 
 
 def roc_threshold(scores: torch.Tensor, positive: torch.Tensor, fn_weight: float = 1.0) -> float:
@@ -204,7 +220,7 @@ class AdaEDL:
         return bool((bound >= self.lam).any())
 
     def update(self, feedback: Feedback) -> None:
-        verified = len(feedback.entropy)
+        verified = feedback.verified
         if verified == 0:
             return
         self.acc = self.beta * self.acc + (1 - self.beta) * feedback.accepted / verified
