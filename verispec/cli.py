@@ -1,9 +1,10 @@
-"""Command-line interface: ``verispec generate`` (more subcommands join as they are built)."""
+"""Command-line interface: ``verispec generate``, ``audit``, ``bench``, ``report`` and ``plot``."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 
@@ -315,6 +316,105 @@ def _audit_distortion(args) -> int:
     return 0
 
 
+def _add_bench(sub):
+    from .bench import BenchConfig  # noqa: PLC0415
+    from .datasets import DATASETS_HELP  # noqa: PLC0415
+    from .methods import METHODS_HELP  # noqa: PLC0415
+
+    d = BenchConfig()
+    b = sub.add_parser(
+        "bench",
+        help="benchmark methods x drafts x data sets x temperatures x seeds (resumable JSONL + tables)",
+        description="Run every method on the same prompts in one process (Hugging Face's generate and assisted "
+                    "generation included), one JSONL record per step and per prompt, then print summary tables "
+                    "(also written next to the results file as .md and .csv). An interrupted run continues with "
+                    "--resume. Speeds are ratios within the run: tokens/s of a method over plain decoding ('ar').",
+            )
+    b.add_argument("--quick", action="store_true",
+                   help="a small preset that exercises every part on the default model in under 10 minutes on 2 CPU "
+                        "cores (the other options then default to the preset's)")
+    b.add_argument("--target", default=None, help=f"target model (default {d.target})")
+    b.add_argument("--drafts", nargs="+", default=None, metavar="DRAFT", help=f"drafts (default {d.drafts}). " + DRAFT_HELP)
+    b.add_argument("--methods", nargs="+", default=None, metavar="METHOD", help=f"methods (default {d.methods}): {METHODS_HELP}")
+    b.add_argument("--datasets", nargs="+", default=None, metavar="SET", help=f"prompt sets (default {d.datasets}): {DATASETS_HELP}")
+    b.add_argument("--limit", type=int, default=None, help=f"prompts per Spec-Bench category / per other set (default {d.limit})")
+    b.add_argument("--temperatures", type=float, nargs="+", default=None, help=f"default {d.temperatures}")
+    b.add_argument("--seeds", type=int, nargs="+", default=None, help=f"default {d.seeds}")
+    b.add_argument("--max-new-tokens", type=int, default=None, help=f"default {d.max_new_tokens}")
+    b.add_argument("--audit-cases", type=int, default=None,
+                   help=f"exhaustive exactness audit of the verifiers used, cases each (default {d.audit_cases}: none)")
+    b.add_argument("--dtype", default=None, help=f"default {d.dtype}")
+    b.add_argument("--out", default="results/bench.jsonl", help="results file (JSONL)")
+    b.add_argument("--resume", action="store_true", help="continue an interrupted run of the same configuration")
+    b.add_argument("--overwrite", action="store_true", help="start again even if the results file exists")
+    b.add_argument("--no-progress", action="store_true", help="no progress bars")
+    b.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args) -> int:
+    import dataclasses  # noqa: PLC0415
+
+    from .bench import QUICK, BenchConfig, run_bench  # noqa: PLC0415
+    from .report import Results, report, rows_csv, summarize  # noqa: PLC0415
+
+    base = QUICK if args.quick else BenchConfig()
+    given = {k: getattr(args, k) for k in ("target", "drafts", "methods", "datasets", "limit", "temperatures", "seeds",
+                                            "max_new_tokens", "audit_cases", "dtype") if getattr(args, k) is not None}
+    config = dataclasses.replace(base, **given)
+    out = run_bench(config, args.out, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
+                    log=lambda msg: print(msg, file=sys.stderr), command=args.command_line)
+    res = Results.load(out)
+    text = report(res)
+    stem = out.with_suffix("")
+    stem.with_name(stem.name + ".summary.md").write_text(text + "\n", encoding="utf-8")
+    stem.with_name(stem.name + ".summary.csv").write_text(rows_csv(summarize(res)), encoding="utf-8")
+    print(text)
+    print(f"\nrecords: {out}; tables: {stem.name}.summary.md / .csv", file=sys.stderr)
+    return 0
+
+
+def _add_report(sub):
+    r = sub.add_parser("report", help="summary tables of a results file",
+                       description="Print the summary tables (Markdown, or CSV with --csv) derived from the records "
+                                   "of a results file written by 'verispec bench'.")
+    r.add_argument("results", help="results file (JSONL) from 'verispec bench'")
+    r.add_argument("--csv", action="store_true", help="print the per-method rows as CSV instead")
+    r.add_argument("--by-category", action="store_true", help="with --csv: one row per task category too")
+    r.set_defaults(func=cmd_report)
+
+
+def cmd_report(args) -> int:
+    from .report import Results, report, rows_csv, summarize  # noqa: PLC0415
+
+    res = Results.load(args.results)
+    print(rows_csv(summarize(res, by_category=args.by_category)) if args.csv else report(res), end="\n")
+    return 0
+
+
+def _add_plot(sub):
+    p = sub.add_parser("plot", help="PNG figures from a results file",
+                       description="Write PNG figures from a results file of 'verispec bench': per-candidate acceptance "
+                                   "per verifier, accepted length vs the number of candidates N, speedup by task "
+                                   "category, per-step latency split. Figures without data in the file are skipped.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("results", help="results file (JSONL) from 'verispec bench'")
+    p.add_argument("--out", default="figures", help="folder for the PNG files")
+    p.add_argument("--prefix", default="", help="prefix of the file names")
+    p.set_defaults(func=cmd_plot)
+
+
+def cmd_plot(args) -> int:
+    from .plots import plot_all  # noqa: PLC0415
+
+    paths = plot_all(args.results, args.out, args.prefix)
+    if not paths:
+        print("no figure has data in this results file", file=sys.stderr)
+        return 1
+    for path in paths:
+        print(path)
+    return 0
+
+
 def _progress(total: int, desc: str):
     from tqdm import tqdm  # noqa: PLC0415
 
@@ -331,12 +431,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_generate(sub)
     _add_audit(sub)
+    _add_bench(sub)
+    _add_report(sub)
+    _add_plot(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.command_line = " ".join(["verispec", *(shlex.quote(a) for a in argv)])
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

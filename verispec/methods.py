@@ -1,9 +1,13 @@
-"""Named methods: a verifier, a draft-length policy and a depth cap (AdaSD's Tables 1-2 rows), plus the
-two Hugging Face peers. Benchmarks pick methods from here by name instead of wiring them again."""
+"""Named methods: a verifier, a draft-length policy and a draft tree shape (AdaSD's Tables 1-2 rows), plus
+the two Hugging Face peers. Benchmarks pick methods from here by name instead of wiring them again.
+
+``resolve_method`` also accepts any registered verifier (``specinfer``, ``fsd:0.2``) and a tree after
+``@`` (``specinfer@3x5``, ``fixed@chain:8``): a verifier alone means fixed-length drafting of a chain of 5.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .errors import VerispecError
 from .policies import get_policy
@@ -14,14 +18,23 @@ from .verifiers import get_verifier
 @dataclass(frozen=True)
 class Method:
     name: str
-    verifier: str | None  # None: a Hugging Face peer or plain decoding
+    verifier: str | None  # None: a Hugging Face peer
     policy: str
-    max_depth: int  # chain cap (0: no drafting)
+    shape: str  # draft tree (``Tree.parse`` syntax), "none" for no drafting
     note: str
     peer: str | None = None  # "generate" or "assisted" for the Hugging Face peers
 
     def tree(self) -> Tree:
-        return Tree.chain(self.max_depth) if self.max_depth else Tree.root_only()
+        return Tree.root_only() if self.shape == "none" else Tree.parse(self.shape)
+
+    @property
+    def max_depth(self) -> int:
+        return self.tree().max_depth
+
+    @property
+    def uses_draft(self) -> bool:
+        """Whether the method's output depends on the draft (plain decoding and HF generate do not)."""
+        return self.peer == "assisted" or (self.peer is None and self.shape != "none")
 
     def build(self):
         """Fresh (verifier spec, policy, verifier state) for a run; reuse them across prompts to keep learning."""
@@ -30,22 +43,30 @@ class Method:
 
 
 _ROWS = [
-    Method("hf-generate", None, "fixed", 0, "Hugging Face generate of the target (no draft)", peer="generate"),
-    Method("hf-assisted", None, "fixed", 0, "Hugging Face assisted generation with the same draft", peer="assisted"),
-    Method("target", "chain", "fixed", 0, "plain autoregressive decoding of the target in verispec's loop"),
-    Method("fixed", "chain", "fixed", 5, "exact chain speculative sampling, 5 tokens (the papers' Vanilla)"),
-    Method("hf", "chain", "hf", 20, "exact verification with Hugging Face's draft-length rules (20, confidence 0.4, ROC)"),
-    Method("hf-heuristic", "chain", "hf:heuristic", 20, "exact verification, Hugging Face +2/-1 schedule"),
-    Method("adaedl", "chain", "adaedl", 10, "exact verification, AdaEDL entropy stop (cap 10)"),
-    Method("adasd", "adasd", "adasd-entropy", 10, "AdaSD: entropy stop + Bayesian JS acceptance (cap 10; lossy)"),
-    Method("adasd-gen-only", "chain", "adasd-entropy", 10, "AdaSD generation rule only (exact verification)"),
-    Method("adasd-verify-only", "adasd", "fixed", 5, "AdaSD verification only, 5 tokens (lossy)"),
-    Method("adasd-hybrid", "adasd", "hf", 20, "AdaSD verification + Hugging Face length control (lossy)"),
-    Method("fsd", "fsd", "fixed", 5, "FSD, JS threshold 0.3, 5 tokens (lossy)"),
-    Method("typical", "typical", "fixed", 5, "Medusa typical acceptance, 5 tokens (lossy)"),
-    Method("bild", "bild", "bild", 10, "BiLD fallback 0.6 + rollback 5 (cap 10; lossy)"),
+    Method("hf-generate", None, "fixed", "none", "Hugging Face generate of the target (no draft)", peer="generate"),
+    Method("hf-assisted", None, "fixed", "none",
+           "Hugging Face assisted generation with the same draft (a model draft, or prompt lookup for ngram)",
+           peer="assisted"),
+    Method("ar", "chain", "fixed", "none", "plain autoregressive decoding of the target in verispec's loop"),
+    Method("fixed", "chain", "fixed", "chain:5", "exact chain speculative sampling, 5 tokens (the papers' Vanilla)"),
+    Method("hf", "chain", "hf", "chain:20",
+           "exact verification with Hugging Face's draft-length rules (20, confidence 0.4, ROC)"),
+    Method("hf-heuristic", "chain", "hf:heuristic", "chain:20", "exact verification, Hugging Face +2/-1 schedule"),
+    Method("adaedl", "chain", "adaedl", "chain:10", "exact verification, AdaEDL entropy stop (cap 10)"),
+    Method("adasd", "adasd", "adasd-entropy", "chain:10",
+           "AdaSD: entropy stop + Bayesian JS acceptance (cap 10; lossy)"),
+    Method("adasd-gen-only", "chain", "adasd-entropy", "chain:10", "AdaSD generation rule only (exact verification)"),
+    Method("adasd-verify-only", "adasd", "fixed", "chain:5", "AdaSD verification only, 5 tokens (lossy)"),
+    Method("adasd-hybrid", "adasd", "hf", "chain:20", "AdaSD verification + Hugging Face length control (lossy)"),
+    Method("fsd", "fsd", "fixed", "chain:5", "FSD, JS threshold 0.3, 5 tokens (lossy)"),
+    Method("typical", "typical", "fixed", "chain:5", "Medusa typical acceptance, 5 tokens (lossy)"),
+    Method("bild", "bild", "bild", "chain:10", "BiLD fallback 0.6 + rollback 5 (cap 10; lossy)"),
 ]
 METHODS = {m.name: m for m in _ROWS}
+METHODS_HELP = (
+    "a named method (" + ", ".join(METHODS) + "), or a verifier name (fixed-length chain of 5), "
+    "optionally with a draft tree after '@': specinfer@3x5, reserve@3,1,1, fixed@chain:8"
+)
 
 
 def get_method(name: str) -> Method:
@@ -53,3 +74,23 @@ def get_method(name: str) -> Method:
         return METHODS[name]
     except KeyError:
         raise VerispecError(f"unknown method {name!r}; choose from {', '.join(METHODS)}") from None
+
+
+def resolve_method(spec: str) -> Method:
+    """``NAME[@TREE]``: a named method or a verifier, with an optional draft tree (see ``METHODS_HELP``)."""
+    name, at, shape = spec.partition("@")
+    if name in METHODS:
+        method = METHODS[name]
+    else:
+        try:
+            verifier = get_verifier(name)
+        except VerispecError:
+            raise VerispecError(f"unknown method {name!r}: use {METHODS_HELP}") from None
+        method = Method(spec, name, "fixed", "chain:5",
+                        f"{verifier.name}: {verifier.note}")
+    if at:
+        if method.peer is not None or method.shape == "none":
+            raise VerispecError(f"method {name!r} drafts nothing; it takes no tree (got {spec!r})")
+        Tree.parse(shape)  # fail early on a bad tree
+        method = replace(method, name=spec, shape=shape)
+    return method

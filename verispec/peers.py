@@ -1,5 +1,5 @@
 """The systems people use today, run in the same process on the same models: Hugging Face ``generate``
-of the target, plain and assisted (``assistant_model=draft``).
+of the target, plain, assisted (``assistant_model=draft``) and with prompt lookup (the peer of the n-gram draft).
 
 Sampling settings are matched to verispec's: ``temperature`` (0 = greedy), top-k and top-p off
 (Hugging Face's default top-k of 50 is disabled). The assistant's ``generation_config`` keeps Hugging
@@ -39,25 +39,44 @@ def _sampling_kwargs(temperature: float) -> dict:
 
 @contextlib.contextmanager
 def _count_candidates(drafted: list[int], accepted: list[int]):
+    """Record (drafted, accepted) at each call of Hugging Face's ``update_candidate_strategy``: the assisted
+    generator overrides it, prompt lookup inherits the base class's; a flag keeps a nested call from counting twice."""
     from transformers.generation import candidate_generator as cg  # noqa: PLC0415
 
-    original = cg.AssistedCandidateGenerator.update_candidate_strategy
+    classes = (cg.CandidateGenerator, cg.AssistedCandidateGenerator)
+    originals = {cls: cls.__dict__["update_candidate_strategy"] for cls in classes}
+    inside = [False]
 
-    def observe(self, input_ids, scores, num_matches):
-        drafted.append(int(scores.shape[1]) - 1)
-        accepted.append(int(num_matches))
-        return original(self, input_ids, scores, num_matches)
+    def wrap(original):
+        def observe(self, input_ids, scores, num_matches):
+            if inside[0]:
+                return original(self, input_ids, scores, num_matches)
+            drafted.append(int(scores.shape[1]) - 1)
+            accepted.append(int(num_matches))
+            inside[0] = True
+            try:
+                return original(self, input_ids, scores, num_matches)
+            finally:
+                inside[0] = False
 
-    cg.AssistedCandidateGenerator.update_candidate_strategy = observe
+        return observe
+
+    for cls, original in originals.items():
+        cls.update_candidate_strategy = wrap(original)
     try:
         yield
     finally:
-        cg.AssistedCandidateGenerator.update_candidate_strategy = original
+        for cls, original in originals.items():
+            cls.update_candidate_strategy = original
 
 
 def hf_generate(target: CausalLM, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int = 0,
-                assistant: CausalLM | None = None, assistant_config: dict | None = None) -> PeerResult:
-    """Hugging Face ``generate`` of ``target`` (with ``assistant`` as draft if given); stops at EOS."""
+                assistant: CausalLM | None = None, assistant_config: dict | None = None,
+                prompt_lookup: int | None = None) -> PeerResult:
+    """Hugging Face ``generate`` of ``target``: plain, assisted by the draft model ``assistant``, or with prompt
+    lookup (``prompt_lookup`` = tokens proposed per step). Stops at EOS (kept in the output)."""
+    if assistant is not None and prompt_lookup is not None:
+        raise ValueError("give an assistant model or prompt lookup, not both")
     torch.manual_seed(seed)
     kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=sorted(target.eos_token_ids) or None,
                   pad_token_id=target.hf.generation_config.pad_token_id or 0, **_sampling_kwargs(temperature))
@@ -68,9 +87,17 @@ def hf_generate(target: CausalLM, prompt_ids: list[int], max_new_tokens: int, te
             setattr(assistant.hf.generation_config, key, value)
         kwargs["assistant_model"] = assistant.hf
         ctx = _count_candidates(drafted, accepted)
+    elif prompt_lookup is not None:
+        kwargs["prompt_lookup_num_tokens"] = int(prompt_lookup)
+        ctx = _count_candidates(drafted, accepted)
     inputs = torch.tensor([prompt_ids])
     with ctx, torch.no_grad():
         t = time.perf_counter()
         out = target.hf.generate(inputs, attention_mask=torch.ones_like(inputs), **kwargs)
         wall = time.perf_counter() - t
-    return PeerResult(out[0, len(prompt_ids):].tolist(), wall, drafted, accepted)
+    ids = out[0, len(prompt_ids):].tolist()
+    for i, tok in enumerate(ids):  # nothing after the first EOS (padding of a finished sequence)
+        if tok in target.eos_token_ids:
+            ids = ids[: i + 1]
+            break
+    return PeerResult(ids, wall, drafted, accepted)

@@ -7,59 +7,15 @@ This keeps a stray program from hanging the run or reaching the network; it is n
 
 from __future__ import annotations
 
-import gzip
-import json
 import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 
-from .datasets import DATA_DIR
-from .errors import VerispecError
+from .datasets import GSM8K_INSTRUCTION, Problem, gsm8k, humaneval  # noqa: F401  (re-exported)
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-GSM8K_INSTRUCTION = "Solve the problem step by step, then give the final answer as a number after '####'.\n\n"
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert", "\n```")
-
-
-@dataclass(frozen=True)
-class Problem:
-    task: str  # "gsm8k" or "humaneval"
-    id: str
-    prompt: str  # what the model is given
-    chat: bool  # send through the chat template
-    reference: dict  # what scoring needs
-
-
-def gsm8k(n: int) -> list[Problem]:
-    path = DATA_DIR / "gsm8k" / "test.jsonl"
-    if not path.exists():
-        raise VerispecError(f"GSM8K data not found at {path}")
-    out = []
-    for i, line in enumerate(path.open(encoding="utf-8")):
-        if i >= n:
-            break
-        row = json.loads(line)
-        gold = row["answer"].split("####")[-1].strip()
-        out.append(Problem("gsm8k", f"gsm8k/{i}", GSM8K_INSTRUCTION + row["question"], True, {"answer": gold}))
-    return out
-
-
-def humaneval(n: int) -> list[Problem]:
-    path = DATA_DIR / "humaneval" / "HumanEval.jsonl.gz"
-    if not path.exists():
-        raise VerispecError(f"HumanEval data not found at {path}")
-    out = []
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        for i, line in enumerate(f):
-            if i >= n:
-                break
-            row = json.loads(line)
-            # plain completion of the function (no chat template): the model continues the code
-            out.append(Problem("humaneval", row["task_id"], row["prompt"], False,
-                               {"prompt": row["prompt"], "test": row["test"], "entry_point": row["entry_point"]}))
-    return out
 
 
 def _as_number(text: str) -> float | None:

@@ -1,0 +1,125 @@
+"""PNG figures from a results file: per-candidate acceptance (ResiSpec Figure 1), accepted length as the
+number of candidates grows (Table 5), speedup by task category, and the per-step latency split (Figure 3).
+Each figure carries the command and machine it came from."""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from pathlib import Path
+
+from .bench import NO_DRAFT
+from .report import Results, Row, summarize, width_series
+
+
+def _pyplot():
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    return plt
+
+
+def _label(r: Row) -> str:
+    return r.method if r.draft == NO_DRAFT else f"{r.method} ({r.draft})"
+
+
+def _finish(fig, res: Results, path: Path) -> Path:
+    caption = "\n".join(textwrap.wrap("Source: " + res.describe().replace("`", ""), 150))
+    fig.text(0.01, 0.005, caption, fontsize=6, va="bottom", ha="left", color="0.35")
+    fig.tight_layout(rect=(0, 0.03 + 0.012 * caption.count("\n"), 1, 1))
+    fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
+    return path
+
+
+def _panels(temperatures):
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(temperatures), figsize=(5.2 * len(temperatures), 4.2), squeeze=False)
+    return fig, dict(zip(temperatures, axes[0]))
+
+
+def per_candidate(res: Results, path: Path, rows: list[Row]) -> Path | None:
+    rows = [r for r in rows if len(r.per_candidate) > 1]
+    if not rows:
+        return None
+    fig, ax = _panels(sorted({r.T for r in rows}))
+    for r in rows:
+        xs = [i + 1 for i, x in enumerate(r.per_candidate) if not math.isnan(x)]
+        ax[r.T].plot(xs, [r.per_candidate[i - 1] for i in xs], marker="o", label=_label(r))
+    for t, a in ax.items():
+        a.set(title=f"T = {t:g}", xlabel="candidate i", ylabel="P(accept i | 1..i-1 rejected)", ylim=(0, 1))
+        a.xaxis.get_major_locator().set_params(integer=True)
+        a.legend(fontsize=7)
+    return _finish(fig, res, path)
+
+
+def width(res: Results, path: Path, rows: list[Row]) -> Path | None:
+    series = {k: v for k, v in width_series(rows).items() if len(v) > 1}
+    if not series:
+        return None
+    fig, ax = _panels(sorted({k[0] for k in series}))
+    for (t, draft, v, depth), pts in series.items():
+        ax[t].plot([n for n, _, _ in pts], [length for _, _, length in pts], marker="o",
+                   label=f"{v}, {draft} (depth {depth})")
+    for t, a in ax.items():
+        a.set(title=f"T = {t:g}", xlabel="candidates per node N", ylabel="mean accepted length")
+        a.xaxis.get_major_locator().set_params(integer=True)
+        a.legend(fontsize=7)
+    return _finish(fig, res, path)
+
+
+def categories(res: Results, path: Path) -> Path | None:
+    rows = [r for r in summarize(res, by_category=True) if r.category != "all" and r.method != "ar"
+            and not math.isnan(r.speedup_ar)]
+    cats = list(dict.fromkeys(r.category for r in rows))
+    if len(cats) < 2:
+        return None
+    fig, ax = _panels(sorted({r.T for r in rows}))
+    for t, a in ax.items():
+        series = list(dict.fromkeys(_label(r) for r in rows if r.T == t))
+        w = 0.8 / max(len(series), 1)
+        for j, s in enumerate(series):
+            vals = {r.category: r.speedup_ar for r in rows if r.T == t and _label(r) == s}
+            a.bar([i + j * w for i in range(len(cats))], [vals.get(c, 0) for c in cats], width=w, label=s)
+        a.axhline(1.0, color="k", lw=0.8)
+        a.set_xticks([i + 0.4 - w / 2 for i in range(len(cats))], cats, rotation=30, ha="right", fontsize=8)
+        a.set(title=f"T = {t:g}", ylabel="speedup over plain decoding (ar)")
+        a.legend(fontsize=7)
+    return _finish(fig, res, path)
+
+
+def latency(res: Results, path: Path, rows: list[Row]) -> Path | None:
+    rows = [r for r in rows if not math.isnan(r.target_ms)]
+    if not rows:
+        return None
+    fig, ax = _panels(sorted({r.T for r in rows}))
+    for t, a in ax.items():
+        mine = [r for r in rows if r.T == t]
+        names = [_label(r) for r in mine]
+        bottom = [0.0] * len(mine)
+        for part, color in (("draft_ms", "tab:blue"), ("target_ms", "tab:orange"), ("verify_ms", "tab:green")):
+            vals = [getattr(r, part) for r in mine]
+            a.bar(range(len(mine)), vals, bottom=bottom, color=color,
+                  label={"draft_ms": "drafting", "target_ms": "target forward", "verify_ms": "verifier"}[part])
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        a.set_xticks(range(len(mine)), names, rotation=35, ha="right", fontsize=7)
+        a.set(title=f"T = {t:g}", ylabel="ms per step")
+        a.legend(fontsize=7)
+    return _finish(fig, res, path)
+
+
+def plot_all(results: str | Path, out_dir: str | Path, prefix: str = "") -> list[Path]:
+    """Write every figure the results file has data for; returns their paths."""
+    res = Results.load(results)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [r for r in summarize(res)]
+    made = [
+        per_candidate(res, out / f"{prefix}per_candidate.png", rows),
+        width(res, out / f"{prefix}width.png", rows),
+        categories(res, out / f"{prefix}speedup_by_category.png"),
+        latency(res, out / f"{prefix}latency.png", rows),
+    ]
+    return [p for p in made if p is not None]

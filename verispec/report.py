@@ -1,0 +1,313 @@
+"""Figures and tables derived only from the records of a results file (``verispec.bench``).
+
+Definitions (the same everywhere):
+
+* accepted length per step: accepted drafted tokens + the one recovered or bonus token (plain decoding: 1.0);
+* tokens/s: generated tokens / wall time of the cell, prefill included (Hugging Face's ``generate`` gives no
+  other split), summed over the cells of a row;
+* speedup: a row's tokens/s over the baseline's, both over the (seed, prompt) cells they share, in the same run;
+  ``ar`` is the target's plain decoding in verispec's loop, ``hf-generate`` Hugging Face's, ``hf-assisted``
+  Hugging Face assisted generation with the same draft;
+* per-candidate acceptance: P(candidate i accepted | candidates 1..i-1 rejected) over all tree nodes visited;
+* draft cost: drafting time per drafted tree level over the target's time per forward in ``ar``;
+* eta (ResiSpec Table 5): marginal gain in accepted length per extra candidate, between successive widths N.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .bench import NO_DRAFT, cell_id, read_records
+from .errors import VerispecError
+from .methods import resolve_method
+from .metrics import mean_accepted_length, per_candidate_acceptance
+
+NAN = float("nan")
+
+
+@dataclass
+class Results:
+    header: dict
+    prompts: list[dict]
+    steps: dict[tuple, list[dict]]  # cell id -> its step records
+    audits: list[dict]
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Results":
+        path = Path(path)
+        if not path.is_file():
+            raise VerispecError(f"results file not found: {path}")
+        records = read_records(path)
+        if not records or records[0].get("type") != "header":
+            raise VerispecError(f"{path} is not a verispec results file (no header line)")
+        return cls.from_records(records)
+
+    @classmethod
+    def from_records(cls, records: list[dict]) -> "Results":
+        prompts = [r for r in records if r.get("type") == "prompt"]
+        done = {cell_id(r["cell"]) for r in prompts}
+        steps = defaultdict(list)
+        for r in records:
+            if r.get("type") == "step" and cell_id(r["cell"]) in done:  # steps of unfinished cells do not count
+                steps[cell_id(r["cell"])].append(r)
+        return cls(records[0], prompts, dict(steps), [r for r in records if r.get("type") == "audit"])
+
+    def describe(self) -> str:
+        """One line: the command and the machine the results came from."""
+        m = self.header.get("machine", {})
+        v = self.header.get("versions", {})
+        return (f"`{self.header.get('command', '?')}` -- {m.get('processor', '?')}, {m.get('cpu_count', '?')} cores, "
+                f"{m.get('device', 'cpu')}, torch {v.get('torch', '?')}, transformers {v.get('transformers', '?')}, "
+                f"git {str(self.header.get('git', '?'))[:12]}, {self.header.get('started', '?')}")
+
+
+@dataclass
+class Row:
+    T: float
+    draft: str
+    method: str
+    category: str  # "all" or a category
+    prompts: int
+    tokens: int
+    wall_s: float
+    tokens_per_s: float
+    steps: int
+    mean_accepted_length: float
+    drafted_per_step: float
+    speedup_ar: float = NAN
+    vs_hf_generate: float = NAN
+    vs_hf_assisted: float = NAN
+    draft_ms: float = NAN  # per step
+    target_ms: float = NAN
+    verify_ms: float = NAN
+    draft_cost: float = NAN
+    correct: str = "-"
+    per_candidate: list[float] = field(default_factory=list)
+
+    @property
+    def verifier(self) -> str:
+        return self.method.partition("@")[0]
+
+    @property
+    def tree(self) -> str:
+        return resolve_method(self.method).shape
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else NAN
+
+
+def _rate(prompts: list[dict]) -> float:
+    wall = sum(r["wall_s"] for r in prompts)
+    return sum(r["tokens"] for r in prompts) / wall if wall > 0 else NAN
+
+
+def _ratio(mine: list[dict], base: list[dict]) -> float:
+    """tokens/s of ``mine`` over ``base`` on the (seed, prompt) cells both have."""
+    key = lambda r: (r["cell"]["seed"], r["cell"]["prompt"])  # noqa: E731
+    shared = {key(r) for r in mine} & {key(r) for r in base}
+    if not shared:
+        return NAN
+    return _rate([r for r in mine if key(r) in shared]) / _rate([r for r in base if key(r) in shared])
+
+
+def summarize(res: Results, by_category: bool = False) -> list[Row]:
+    """One row per (temperature, draft, method), or per (temperature, draft, method, category)."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in res.prompts:
+        c = r["cell"]
+        groups[(c["T"], c["draft"], c["method"], r["category"] if by_category else "all")].append(r)
+    ar_target_ms = {}
+    for (t, d, m, cat), prompts in groups.items():
+        if m == "ar":
+            steps = [s for r in prompts for s in res.steps.get(cell_id(r["cell"]), [])]
+            ar_target_ms[(t, cat)] = 1000 * _mean(s["target_s"] for s in steps)
+    rows = []
+    for (t, d, m, cat), prompts in groups.items():
+        steps = [s for r in prompts for s in res.steps.get(cell_id(r["cell"]), [])]
+        timed = [s for s in steps if "draft_s" in s]
+        row = Row(
+            T=t, draft=d, method=m, category=cat, prompts=len(prompts), tokens=sum(r["tokens"] for r in prompts),
+            wall_s=sum(r["wall_s"] for r in prompts), tokens_per_s=_rate(prompts), steps=len(steps),
+            mean_accepted_length=mean_accepted_length(steps) if steps else NAN,
+            drafted_per_step=_mean(s["drafted"] for s in steps),
+            per_candidate=per_candidate_acceptance(s for s in steps if "tested" in s),
+        )
+        if timed:
+            row.draft_ms = 1000 * _mean(s["draft_s"] for s in timed)
+            row.target_ms = 1000 * _mean(s["target_s"] for s in timed)
+            row.verify_ms = 1000 * _mean(s["verify_s"] for s in timed)
+            levels = sum(s.get("depth", 0) for s in timed)
+            if levels and (t, cat) in ar_target_ms:
+                row.draft_cost = 1000 * sum(s["draft_s"] for s in timed) / levels / ar_target_ms[(t, cat)]
+        scored = [r["correct"] for r in prompts if r.get("correct") is not None]
+        if scored:
+            row.correct = f"{sum(scored)}/{len(scored)}"
+        for attr, base_method, base_draft in (("speedup_ar", "ar", NO_DRAFT), ("vs_hf_generate", "hf-generate", NO_DRAFT),
+                                              ("vs_hf_assisted", "hf-assisted", d)):
+            base = groups.get((t, base_draft, base_method, cat))
+            if base:
+                setattr(row, attr, _ratio(prompts, base))
+        rows.append(row)
+    order = {name: i for i, name in enumerate(res.header.get("config", {}).get("methods", []))}
+    drafts = {name: i for i, name in enumerate([NO_DRAFT, *res.header.get("config", {}).get("drafts", [])])}
+    rows.sort(key=lambda r: (r.T, r.category != "all", r.category, drafts.get(r.draft, 99), order.get(r.method, 99),
+                             r.method))
+    return rows
+
+
+# ---------------------------------------------------------------- formatting
+
+def _f(x, spec=".2f", suffix="") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec) + suffix
+
+
+def markdown(header: list[str], body: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in body]
+    return "\n".join(lines)
+
+
+def table_summary(rows: list[Row]) -> str:
+    k = max((len(r.per_candidate) for r in rows), default=0)
+    k = min(k, 4)
+    head = ["T", "draft", "method", "prompts", "tokens", "tokens/s", "vs ar", "vs HF generate", "vs HF assisted",
+            "accepted length", "drafted/step", "draft ms", "target ms", "verify ms", "draft cost",
+            *[f"cand. {i}" for i in range(1, k + 1)], "correct"]
+    body = []
+    for r in rows:
+        pc = [_f(x, ".3f") for x in (r.per_candidate + [NAN] * k)[:k]]
+        body.append([f"{r.T:g}", r.draft, r.method, str(r.prompts), str(r.tokens), _f(r.tokens_per_s, ".1f"),
+                     _f(r.speedup_ar, ".2f", "x"), _f(r.vs_hf_generate, ".2f", "x"), _f(r.vs_hf_assisted, ".2f", "x"),
+                     _f(r.mean_accepted_length), _f(r.drafted_per_step, ".1f"), _f(r.draft_ms, ".1f"),
+                     _f(r.target_ms, ".1f"), _f(r.verify_ms, ".1f"), _f(r.draft_cost, ".2f"), *pc, r.correct])
+    return markdown(head, body)
+
+
+def rows_csv(rows: list[Row]) -> str:
+    buf = io.StringIO()
+    names = [k for k in asdict(rows[0])] if rows else []
+    w = csv.DictWriter(buf, fieldnames=names)
+    w.writeheader()
+    for r in rows:
+        d = asdict(r)
+        d["per_candidate"] = ";".join(f"{x:.4f}" for x in r.per_candidate)
+        w.writerow(d)
+    return buf.getvalue()
+
+
+def table_verifiers_by_category(rows: list[Row]) -> str:
+    """ResiSpec Table 1 shape: per category and temperature, accepted length and tokens/s of each verifier."""
+    verifiers = list(dict.fromkeys(r.method for r in rows if r.method != "ar"))
+    head = ["category", "T", *[f"{v} L" for v in verifiers], *[f"{v} tok/s" for v in verifiers]]
+    cells = {(r.category, r.T, r.method): r for r in rows}
+    body = []
+    for cat, t in dict.fromkeys((r.category, r.T) for r in rows):
+        body.append([cat, f"{t:g}", *[_f(getattr(cells.get((cat, t, v)), "mean_accepted_length", NAN)) for v in verifiers],
+                     *[_f(getattr(cells.get((cat, t, v)), "tokens_per_s", NAN), ".2f") for v in verifiers]])
+    return markdown(head, body)
+
+
+def table_trees(rows: list[Row]) -> str:
+    """ResiSpec Table 3 shape: per tree (and its verification cost in nodes), each verifier's accepted length
+    and speed, and the accepted-length gain of each verifier over the first."""
+    rows = [r for r in rows if r.method != "ar" and r.category == "all"]
+    verifiers = list(dict.fromkeys(r.verifier for r in rows))
+    cells = {(r.T, r.tree, r.verifier): r for r in rows}
+    head = ["T", "tree", "nodes", *[f"{v} L" for v in verifiers], *[f"{v} tok/s" for v in verifiers],
+            *[f"{v} / {verifiers[0]}" for v in verifiers[1:]]]
+    body = []
+    for t, tree in dict.fromkeys((r.T, r.tree) for r in rows):
+        got = [cells.get((t, tree, v)) for v in verifiers]
+        nodes = resolve_method(f"chain@{tree}").tree().size - 1
+        ls = [getattr(g, "mean_accepted_length", NAN) for g in got]
+        body.append([f"{t:g}", tree, str(nodes), *[_f(x) for x in ls],
+                     *[_f(getattr(g, "tokens_per_s", NAN)) for g in got],
+                     *[_f(x / ls[0], ".2f", "x") for x in ls[1:]]])
+    return markdown(head, body)
+
+
+def width_series(rows: list[Row]) -> dict[tuple, list[tuple[int, int, float]]]:
+    """(T, draft, verifier, depth) -> [(N, nodes, accepted length)] for complete N x depth trees (and chains)."""
+    out = defaultdict(list)
+    for r in rows:
+        if r.method == "ar" or r.category != "all":
+            continue
+        tree = resolve_method(r.method).tree()
+        widths = {len(c) for c in tree.children if c}
+        if len(widths) != 1:
+            continue
+        n = widths.pop()
+        out[(r.T, r.draft, r.verifier, tree.max_depth)].append((n, tree.size - 1, r.mean_accepted_length))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def table_width(rows: list[Row]) -> str:
+    """ResiSpec Table 5 shape: accepted length and eta (gain per extra candidate) as the width N grows."""
+    body = []
+    for (t, draft, v, depth), series in width_series(rows).items():
+        if len(series) < 2:
+            continue
+        prev = None
+        for n, nodes, length in series:
+            eta = NAN if prev is None else (length - prev[1]) / (n - prev[0])
+            body.append([f"{t:g}", draft, v, str(depth), str(n), str(nodes), _f(length), _f(eta, ".3f")])
+            prev = (n, length)
+    return markdown(["T", "draft", "verifier", "depth", "N", "nodes", "accepted length", "eta"], body)
+
+
+def table_drafts(rows: list[Row]) -> str:
+    """Draft study: accepted length, draft cost relative to the target and speedup for each draft."""
+    body = [[f"{r.T:g}", r.draft, r.method, _f(r.mean_accepted_length), _f(r.drafted_per_step, ".1f"),
+             _f(r.draft_cost, ".2f"), _f(r.tokens_per_s, ".1f"), _f(r.speedup_ar, ".2f", "x"),
+             _f(r.vs_hf_assisted, ".2f", "x")]
+            for r in rows if r.category == "all" and r.draft != NO_DRAFT and r.method != "hf-assisted"]
+    return markdown(["T", "draft", "method", "accepted length", "drafted/step", "draft cost (x target forward)",
+                     "tokens/s", "speedup vs ar", "vs HF assisted (same draft)"], body)
+
+
+def table_peers(rows: list[Row], by_category: list[Row] | None = None) -> str:
+    """Speedup against the target's plain decoding and both Hugging Face peers."""
+    body = [[f"{r.T:g}", r.draft, r.method, _f(r.tokens_per_s, ".1f"), _f(r.mean_accepted_length),
+             _f(r.speedup_ar, ".2f", "x"), _f(r.vs_hf_generate, ".2f", "x"), _f(r.vs_hf_assisted, ".2f", "x")]
+            for r in rows if r.category == "all"]
+    return markdown(["T", "draft", "method", "tokens/s", "accepted length", "vs ar", "vs HF generate",
+                     "vs HF assisted"], body)
+
+
+def table_categories(rows: list[Row]) -> str:
+    """Speedup over ``ar`` by task category (one column per method and draft)."""
+    rows = [r for r in rows if r.category != "all" and r.method != "ar"]
+    cols = list(dict.fromkeys((r.draft, r.method) for r in rows))
+    cells = {(r.T, r.category, r.draft, r.method): r for r in rows}
+    head = ["T", "category", *[m if d == NO_DRAFT else f"{m} ({d})" for d, m in cols]]
+    body = [[f"{t:g}", c, *[_f(getattr(cells.get((t, c, d, m)), "speedup_ar", NAN), ".2f", "x") for d, m in cols]]
+            for t, c in dict.fromkeys((r.T, r.category) for r in rows)]
+    return markdown(head, body)
+
+
+def table_audit(audits: list[dict]) -> str:
+    """ResiSpec Table 4 shape: the exact law's distance from the target's, per verifier (exhaustive audit)."""
+    body = [[a["verifier"], "yes" if a["claims_exact"] else "no", str(a["cases"]), f"{a['max_tv']:.2e}",
+             f"{a['max_kl']:.2e}", a["verdict"]] for a in audits]
+    return markdown(["verifier", "claims exact", "cases", "max TV", "max KL", "verdict"], body)
+
+
+def report(res: Results) -> str:
+    """The standard summary of a results file (Markdown)."""
+    rows = summarize(res)
+    parts = [f"Results of {res.describe()}", "", table_summary(rows)]
+    cats = summarize(res, by_category=True)
+    if len({r.category for r in cats}) > 1:
+        parts += ["", "Speedup over `ar` by category:", "", table_categories(cats)]
+    if width_series(rows) and any(len(s) > 1 for s in width_series(rows).values()):
+        parts += ["", "Accepted length as the width N grows at fixed depth:", "", table_width(rows)]
+    if res.audits:
+        parts += ["", "Exactness audit (exhaustive, small random cases):", "", table_audit(res.audits)]
+    return "\n".join(parts)
