@@ -193,7 +193,7 @@ def table_summary(rows: list[Row]) -> str:
 def rows_csv(rows: list[Row]) -> str:
     buf = io.StringIO()
     names = [k for k in asdict(rows[0])] if rows else []
-    w = csv.DictWriter(buf, fieldnames=names)
+    w = csv.DictWriter(buf, fieldnames=names, lineterminator="\n")
     w.writeheader()
     for r in rows:
         d = asdict(r)

@@ -1,0 +1,277 @@
+"""The benchmark harness: metrics from hand-written records, resume, and end-to-end runs (tiny model and CLI)."""
+
+import json
+import math
+
+import pytest
+
+from verispec import cli
+from verispec.bench import BenchConfig, Runner, plan, read_records, run_bench
+from verispec.datasets import jsonl_problems, load_prompts
+from verispec.errors import VerispecError
+from verispec.methods import resolve_method
+from verispec.report import Results, report, rows_csv, summarize, table_width
+
+from conftest import tiny_model
+
+HEADER = {"type": "header", "config": {"methods": ["ar", "fixed", "hf-generate", "hf-assisted"], "drafts": ["d"]},
+          "command": "hand", "machine": {}, "versions": {}, "git": "x"}
+
+
+def cell(method, prompt, draft="-", t=0.6, seed=0):
+    return {"T": t, "seed": seed, "prompt": prompt, "draft": draft, "method": method}
+
+
+def prompt_rec(c, tokens, wall, category="qa", correct=None):
+    return {"type": "prompt", "cell": c, "dataset": "x", "category": category, "tokens": tokens, "wall_s": wall,
+            "prefill_s": 0.0, "steps": 0, "correct": correct, "text": ""}
+
+
+def step(c, acc_len, drafted=0, depth=0, ranks=(), tested=(), draft_s=0.0, target_s=0.0, verify_s=0.0):
+    return {"type": "step", "cell": c, "drafted": drafted, "depth": depth, "accepted_length": acc_len,
+            "accepted_ranks": list(ranks), "tested": list(tested), "draft_s": draft_s, "target_s": target_s,
+            "verify_s": verify_s}
+
+
+def hand_records():
+    recs = [HEADER]
+    # ar: prompt a (qa) 4 tokens in 2.0 s, prompt b (rag) 6 tokens in 2.0 s; target 0.1 s per step
+    for p, n, wall, cat in (("a", 4, 2.0, "qa"), ("b", 6, 2.0, "rag")):
+        c = cell("ar", p)
+        recs += [step(c, 1, target_s=0.1) for _ in range(n)] + [prompt_rec(c, n, wall, cat)]
+    # fixed with draft d: prompt a 4 tokens in 1.0 s (2 steps), prompt b 6 tokens in 1.0 s (2 steps)
+    c = cell("fixed", "a", "d")
+    recs += [step(c, 3, 2, 2, (0, 0), (1, 1, 1), draft_s=0.05, target_s=0.1, verify_s=0.01),
+             step(c, 1, 2, 2, (), (1,), draft_s=0.03, target_s=0.1, verify_s=0.01), prompt_rec(c, 4, 1.0, "qa")]
+    c = cell("fixed", "b", "d")
+    recs += [step(c, 3, 2, 2, (0, 0), (1, 1, 1), draft_s=0.04, target_s=0.1, verify_s=0.01),
+             step(c, 3, 2, 2, (0, 0), (1, 1, 1), draft_s=0.04, target_s=0.1, verify_s=0.01),
+             prompt_rec(c, 6, 1.0, "rag")]
+    # hf-generate: only prompt a (the ratio uses the shared prompt only); no step records
+    recs.append(prompt_rec(cell("hf-generate", "a"), 4, 1.6, "qa"))
+    # hf-assisted with d: both prompts, one verification each
+    c = cell("hf-assisted", "a", "d")
+    recs += [{"type": "step", "cell": c, "drafted": 5, "accepted_length": 4}, prompt_rec(c, 4, 0.8, "qa")]
+    c = cell("hf-assisted", "b", "d")
+    recs += [{"type": "step", "cell": c, "drafted": 5, "accepted_length": 2}, prompt_rec(c, 6, 1.6, "rag")]
+    # an unfinished cell: its steps must not count
+    recs.append(step(cell("fixed", "c", "d"), 99, 2, 2, (0, 0), (1, 1, 1), draft_s=9.0))
+    return recs
+
+
+def write(path, recs, partial_tail=True):
+    with open(path, "w") as f:
+        for r in recs:
+            f.write(json.dumps(r) + "\n")
+        if partial_tail:
+            f.write('{"type": "step", "cell": {"T": 0.6')  # a line cut short by an interruption
+
+
+def test_metrics_from_hand_written_records(tmp_path):
+    path = tmp_path / "r.jsonl"
+    write(path, hand_records())
+    res = Results.load(path)
+    rows = {(r.method, r.draft): r for r in summarize(res)}
+    ar, fixed, gen, hfa = rows["ar", "-"], rows["fixed", "d"], rows["hf-generate", "-"], rows["hf-assisted", "d"]
+    assert ar.tokens_per_s == pytest.approx(10 / 4.0) and ar.mean_accepted_length == 1.0
+    assert fixed.tokens_per_s == pytest.approx(10 / 2.0)
+    assert fixed.mean_accepted_length == pytest.approx((3 + 1 + 3 + 3) / 4)
+    assert fixed.speedup_ar == pytest.approx(2.0)
+    # against HF generate only prompt a is shared: (4 / 1.0) / (4 / 1.6)
+    assert fixed.vs_hf_generate == pytest.approx(1.6)
+    assert ar.vs_hf_generate == pytest.approx((4 / 2.0) / (4 / 1.6))
+    assert fixed.vs_hf_assisted == pytest.approx((10 / 2.0) / (10 / 2.4))
+    assert hfa.mean_accepted_length == pytest.approx(3.0) and hfa.drafted_per_step == pytest.approx(5.0)
+    assert math.isnan(gen.mean_accepted_length) and math.isnan(gen.draft_ms)
+    # time split per step, and draft cost = (0.16 s / 8 drafted levels) / 0.1 s per ar target forward
+    assert fixed.draft_ms == pytest.approx(1000 * 0.16 / 4)
+    assert fixed.target_ms == pytest.approx(100.0) and fixed.verify_ms == pytest.approx(10.0)
+    assert fixed.draft_cost == pytest.approx(0.2)
+    # candidate 1: tested at 3 + 1 + 3 + 3 depths, accepted at 2 + 0 + 2 + 2 of them
+    assert fixed.per_candidate == pytest.approx([6 / 10])
+    cats = {(r.method, r.category): r for r in summarize(res, by_category=True) if r.draft == "d"}
+    assert cats["fixed", "qa"].speedup_ar == pytest.approx((4 / 1.0) / (4 / 2.0))
+    assert cats["fixed", "rag"].speedup_ar == pytest.approx((6 / 1.0) / (6 / 2.0))
+    text = report(res)
+    assert "| 0.6 | d | fixed | 2 | 10 | 5.0 | 2.00x | 1.60x | 1.20x | 2.50 |" in text
+    assert rows_csv(summarize(res)).splitlines()[0].startswith("T,draft,method,category,prompts")
+
+
+def test_eta_from_hand_written_width_records(tmp_path):
+    recs = [dict(HEADER, config={"methods": [], "drafts": ["d"]})]
+    for method, lengths in (("specinfer@1x2", [2, 2]), ("specinfer@2x2", [3, 2]), ("specinfer@4x2", [3, 3])):
+        c = cell(method, "a", "d")
+        recs += [step(c, n, 2, 2) for n in lengths] + [prompt_rec(c, sum(lengths), 1.0)]
+    path = tmp_path / "w.jsonl"
+    write(path, recs, partial_tail=False)
+    table = table_width(summarize(Results.load(path)))
+    # N = 1: L = 2; N = 2: L = 2.5, eta = 0.5; N = 4: L = 3, eta = (3 - 2.5) / 2 = 0.25
+    assert "| 0.6 | d | specinfer | 2 | 1 | 2 | 2.00 | - |" in table
+    assert "| 0.6 | d | specinfer | 2 | 2 | 6 | 2.50 | 0.500 |" in table
+    assert "| 0.6 | d | specinfer | 2 | 4 | 20 | 3.00 | 0.250 |" in table
+
+
+def test_method_and_dataset_specs(tmp_path):
+    assert resolve_method("specinfer@3x5").tree().size == 364
+    assert resolve_method("fixed@chain:8").policy == "fixed" and resolve_method("fixed@chain:8").max_depth == 8
+    assert resolve_method("fsd:0.2").verifier == "fsd:0.2" and resolve_method("reserve").shape == "chain:5"
+    assert not resolve_method("ar").uses_draft and not resolve_method("hf-generate").uses_draft
+    assert resolve_method("hf-assisted").uses_draft
+    for bad, msg in (("nope", "unknown method"), ("ar@3x5", "takes no tree"), ("chain@3y", "cannot parse tree")):
+        with pytest.raises(VerispecError, match=msg):
+            resolve_method(bad)
+    sb = load_prompts("spec-bench:qa,rag", 2)
+    assert [p.group for p in sb] == ["qa", "qa", "rag", "rag"] and all(p.chat for p in sb)
+    assert len(load_prompts("spec-bench", 1)) == 6 and len(load_prompts("spec-bench")) == 480
+    assert not load_prompts("humaneval", 1)[0].chat and load_prompts("gsm8k", 3)[2].reference["answer"]
+    f = tmp_path / "mine.jsonl"
+    f.write_text('{"prompt": "hi", "category": "greet"}\n\n{"turns": ["two", "x"], "id": "t2", "chat": false}\n')
+    mine = load_prompts(str(f))
+    assert [(p.id, p.prompt, p.group, p.chat) for p in mine] == [("mine/0", "hi", "greet", True),
+                                                                 ("t2", "two", "mine", False)]
+    (tmp_path / "bad.jsonl").write_text('{"text": 1}\n')
+    for spec, msg in (("spec-bench:nope", "unknown Spec-Bench"), ("wiki", "unknown data set"),
+                      (str(tmp_path / "bad.jsonl"), "needs a non-empty"), ("jsonl:/no/such.jsonl", "not found")):
+        with pytest.raises(VerispecError, match=msg):
+            load_prompts(spec, 1)
+    with pytest.raises(VerispecError, match="limit"):
+        load_prompts("gsm8k", 0)
+
+
+def test_plan_runs_draft_free_methods_once_and_skips_what_hf_cannot_do(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    config = BenchConfig(drafts=["ngram", "layerskip:2"], methods=["hf-generate", "hf-assisted", "ar", "fixed"],
+                         datasets=[str(f)], temperatures=[0.0], limit=None)
+    cells, notes = plan(config, config.validate(), jsonl_problems(f))
+    per_prompt = [(c.method.name, c.draft) for c in cells if c.problem.prompt == "a"]
+    assert per_prompt == [("hf-generate", "-"), ("hf-assisted", "ngram"), ("ar", "-"), ("fixed", "ngram"),
+                          ("fixed", "layerskip:2")]
+    assert len(notes) == 1 and "layerskip:2" in notes[0]
+    with pytest.raises(VerispecError, match="twice"):
+        BenchConfig(methods=["ar", "ar"]).validate()
+
+
+class ByteTokenizer:
+    """Enough of a tokenizer for the tiny random models: bytes folded into the vocabulary."""
+
+    chat_template = None
+
+    def __init__(self, vocab):
+        self.vocab = vocab
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [3 + b % (self.vocab - 3) for b in text.encode()]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(i) for i in ids)
+
+
+class FakeTime:
+    """A deterministic clock: each reading advances 10 ms, so timings depend only on the work done."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        self.now += 0.01
+        return self.now
+
+
+@pytest.fixture
+def tiny_target(monkeypatch):
+    import verispec.decode
+    import verispec.peers
+
+    monkeypatch.setattr(verispec.decode, "time", FakeTime())
+    monkeypatch.setattr(verispec.peers, "time", FakeTime())
+    target = tiny_model("llama")
+    target.tokenizer = ByteTokenizer(target.vocab_size)
+    return target
+
+
+def tiny_config(tmp_path):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n"
+                         for p, c in (("one two", "a"), ("three four five", "b"), ("six", "a"))))
+    return BenchConfig(target="tiny", drafts=["ngram", "layerskip:2"],
+                       methods=["hf-generate", "hf-assisted", "ar", "fixed", "specinfer@2x2", "reserve@2x2"],
+                       datasets=[str(f)], limit=None, temperatures=[0.0, 0.9], seeds=[0, 1], max_new_tokens=6,
+                       audit_cases=2)
+
+
+def test_tiny_bench_end_to_end_and_resume(tmp_path, tiny_target, monkeypatch):
+    config = tiny_config(tmp_path)
+    full = run_bench(config, tmp_path / "full.jsonl", target=tiny_target, progress=False, log=lambda m: None)
+    records = read_records(full)
+    cells = [r for r in records if r["type"] == "prompt"]
+    # 3 prompts x 2 temperatures x 2 seeds x (hf-generate, ar, and per draft fixed, specinfer, reserve; hf-assisted
+    # with ngram only)
+    assert len(cells) == 3 * 2 * 2 * (2 + 3 * 2 + 1)
+    assert {r["verifier"] for r in records if r["type"] == "audit"} == {"chain", "specinfer", "reserve"}
+    assert all(r["verdict"] == "exact" for r in records if r["type"] == "audit")
+    # greedy: every method reproduces plain decoding token for token
+    greedy = {}
+    for r in cells:
+        if r["cell"]["T"] == 0.0:
+            greedy.setdefault((r["cell"]["prompt"], r["cell"]["seed"]), set()).add(tuple(r["token_ids"]))
+    assert all(len(v) == 1 for v in greedy.values())
+    expected = report(Results.load(full))
+
+    # interrupt a second run after 17 cells (as Ctrl-C would), add the debris of a cut-off cell, then resume
+    calls = {"n": 0}
+    original = Runner.run
+
+    def flaky(self, cell, max_new_tokens=None):
+        if max_new_tokens is None:
+            calls["n"] += 1
+            if calls["n"] > 17:
+                raise KeyboardInterrupt
+        return original(self, cell, max_new_tokens)
+
+    monkeypatch.setattr(Runner, "run", flaky)
+    part = tmp_path / "part.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(config, part, target=tiny_target, progress=False, log=lambda m: None)
+    monkeypatch.setattr(Runner, "run", original)
+    assert sum(r["type"] == "prompt" for r in read_records(part)) == 17
+    with part.open("a") as f:
+        f.write(json.dumps({"type": "step", "cell": cells[20]["cell"], "drafted": 1, "accepted_length": 50}) + "\n")
+        f.write('{"type": "prompt", "cell"')
+    with pytest.raises(VerispecError, match="--resume"):
+        run_bench(config, part, target=tiny_target, progress=False)
+    other = BenchConfig(**{**config.to_dict(), "max_new_tokens": 7})
+    with pytest.raises(VerispecError, match="differs in max_new_tokens"):
+        run_bench(other, part, target=tiny_target, progress=False, resume=True)
+    run_bench(config, part, target=tiny_target, progress=False, resume=True, log=lambda m: None)
+    resumed = Results.load(part)
+    assert report(resumed).split("\n", 1)[1] == expected.split("\n", 1)[1]  # all but the header line
+    assert sorted(json.dumps(r["cell"]) + str(r["token_ids"]) for r in resumed.prompts) == \
+        sorted(json.dumps(r["cell"]) + str(r["token_ids"]) for r in cells)
+    assert not any(s["accepted_length"] == 50 for steps in resumed.steps.values() for s in steps)
+
+    from verispec.plots import plot_all
+
+    figures = plot_all(full, tmp_path / "figs")
+    assert {p.name for p in figures} == {"per_candidate.png", "speedup_by_category.png", "latency.png"}
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in figures)
+
+
+def test_cli_bench_report_and_plot_on_the_default_model(tmp_path, capsys):
+    out = tmp_path / "b.jsonl"
+    argv = ["bench", "--methods", "hf-generate", "ar", "fixed", "--drafts", "ngram", "--datasets", "spec-bench:qa",
+            "--limit", "1", "--temperatures", "0", "--max-new-tokens", "6", "--out", str(out), "--no-progress"]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "| 0 | ngram | fixed | 1 | 6 |" in text
+    assert (tmp_path / "b.summary.md").read_text().strip() == text.strip()
+    assert (tmp_path / "b.summary.csv").read_text().startswith("T,draft,method")
+    header = read_records(out)[0]
+    assert header["command"].startswith("verispec bench --methods") and header["versions"]["torch"]
+    assert cli.main(argv) == 2 and "--resume" in capsys.readouterr().err
+    assert cli.main([*argv, "--resume"]) == 0  # nothing left to do
+    assert "3 of 3 cells done" in capsys.readouterr().err
+    assert cli.main(["report", str(out), "--csv"]) == 0 and capsys.readouterr().out.startswith("T,draft")
+    assert cli.main(["plot", str(out), "--out", str(tmp_path / "f")]) == 0
+    assert (tmp_path / "f" / "latency.png").exists()
+    assert cli.main(["report", str(tmp_path / "missing.jsonl")]) == 2
