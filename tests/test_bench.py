@@ -41,7 +41,7 @@ def hand_records():
         recs += [step(c, 1, target_s=0.1) for _ in range(n)] + [prompt_rec(c, n, wall, cat)]
     # fixed with draft d: prompt a 4 tokens in 1.0 s (2 steps), prompt b 6 tokens in 1.0 s (2 steps)
     c = cell("fixed", "a", "d")
-    recs += [step(c, 3, 2, 2, (0, 0), (1, 1, 1), draft_s=0.05, target_s=0.1, verify_s=0.01),
+    recs += [dict(step(c, 3, 2, 2, (0, 0), (1, 1, 1), draft_s=0.05, target_s=0.1, verify_s=0.01), i=0),
              step(c, 1, 2, 2, (), (1,), draft_s=0.03, target_s=0.1, verify_s=0.01), prompt_rec(c, 4, 1.0, "qa")]
     c = cell("fixed", "b", "d")
     recs += [step(c, 3, 2, 2, (0, 0), (1, 1, 1), draft_s=0.04, target_s=0.1, verify_s=0.01),
@@ -83,10 +83,11 @@ def test_metrics_from_hand_written_records(tmp_path):
     assert fixed.vs_hf_assisted == pytest.approx((10 / 2.0) / (10 / 2.4))
     assert hfa.mean_accepted_length == pytest.approx(3.0) and hfa.drafted_per_step == pytest.approx(5.0)
     assert math.isnan(gen.mean_accepted_length) and math.isnan(gen.draft_ms)
-    # time split per step, and draft cost = (0.16 s / 8 drafted levels) / 0.1 s per ar target forward
+    # time split per step; draft cost leaves out a prompt's first step (i = 0: it includes the draft's prefill):
+    # (0.11 s / 6 drafted levels) / 0.1 s per ar target forward
     assert fixed.draft_ms == pytest.approx(1000 * 0.16 / 4)
     assert fixed.target_ms == pytest.approx(100.0) and fixed.verify_ms == pytest.approx(10.0)
-    assert fixed.draft_cost == pytest.approx(0.2)
+    assert fixed.draft_cost == pytest.approx(0.11 / 6 / 0.1)
     # candidate 1: tested at 3 + 1 + 3 + 3 depths, accepted at 2 + 0 + 2 + 2 of them
     assert fixed.per_candidate == pytest.approx([6 / 10])
     cats = {(r.method, r.category): r for r in summarize(res, by_category=True) if r.draft == "d"}

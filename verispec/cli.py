@@ -329,7 +329,7 @@ def _add_bench(sub):
                     "generation included), one JSONL record per step and per prompt, then print summary tables "
                     "(also written next to the results file as .md and .csv). An interrupted run continues with "
                     "--resume. Speeds are ratios within the run: tokens/s of a method over plain decoding ('ar').",
-            )
+    )
     b.add_argument("--quick", action="store_true",
                    help="a small preset that exercises every part on the default model in under 10 minutes on 2 CPU "
                         "cores (the other options then default to the preset's)")

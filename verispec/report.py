@@ -9,7 +9,8 @@ Definitions (the same everywhere):
   ``ar`` is the target's plain decoding in verispec's loop, ``hf-generate`` Hugging Face's, ``hf-assisted``
   Hugging Face assisted generation with the same draft;
 * per-candidate acceptance: P(candidate i accepted | candidates 1..i-1 rejected) over all tree nodes visited;
-* draft cost: drafting time per drafted tree level over the target's time per forward in ``ar``;
+* draft cost: drafting time per drafted tree level over the target's time per forward in ``ar``, leaving out
+  each prompt's first step (its drafting time includes the draft model's own prefill of the prompt);
 * eta (ResiSpec Table 5): marginal gain in accepted length per extra candidate, between successive widths N.
 """
 
@@ -143,9 +144,10 @@ def summarize(res: Results, by_category: bool = False) -> list[Row]:
             row.draft_ms = 1000 * _mean(s["draft_s"] for s in timed)
             row.target_ms = 1000 * _mean(s["target_s"] for s in timed)
             row.verify_ms = 1000 * _mean(s["verify_s"] for s in timed)
-            levels = sum(s.get("depth", 0) for s in timed)
+            later = [s for s in timed if s.get("i", 1) > 0]
+            levels = sum(s.get("depth", 0) for s in later)
             if levels and (t, cat) in ar_target_ms:
-                row.draft_cost = 1000 * sum(s["draft_s"] for s in timed) / levels / ar_target_ms[(t, cat)]
+                row.draft_cost = 1000 * sum(s["draft_s"] for s in later) / levels / ar_target_ms[(t, cat)]
         scored = [r["correct"] for r in prompts if r.get("correct") is not None]
         if scored:
             row.correct = f"{sum(scored)}/{len(scored)}"
