@@ -1,4 +1,5 @@
-"""Command-line interface: ``verispec generate``, ``audit``, ``bench``, ``report`` and ``plot``."""
+"""Command-line interface: ``verispec generate``, ``audit``, ``bench``, ``report``, ``plot``, ``train-draft`` and
+``tune-tree``."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ DEFAULT_DRAFT = "ngram"
 DRAFT_HELP = (
     "draft to use: 'none' (plain autoregressive decoding), 'layerskip:L' (first L layers of the target) or "
     "'layerskip:0,2,4' or 'layerskip:0-9,20-29' (a chosen subset), 'ngram' or 'ngram:N' (prompt lookup, n-grams up to N), "
-    "'int8' (a dynamically int8-quantised copy of the target), or "
+    "'int8' (a dynamically int8-quantised copy of the target), 'eagle' (the trained EAGLE-style draft head shipped for "
+    "the target; 'eagle:PATH' for a head from 'verispec train-draft'), or "
     "'model:SPEC' (a separate draft model: alias, .gguf file, folder or hub id; must share the tokenizer). "
     f"Default: {DEFAULT_DRAFT}"
 )
@@ -58,6 +60,11 @@ def build_drafter(spec: str, target: CausalLM, dtype: str = "float32"):
         return NgramDrafter(target.vocab_size, max_n=n)
     if kind == "int8" and not arg:
         return ModelDrafter(quantized_copy(target), name="int8")
+    if kind == "eagle":
+        from .drafters.eagle import EagleDrafter  # noqa: PLC0415
+        from .eagle import EagleHead, shipped_head  # noqa: PLC0415
+
+        return EagleDrafter(EagleHead.load(arg or shipped_head(target.name), target), name=spec)
     if kind == "model" and arg:
         drafter = ModelDrafter(CausalLM.load(arg, dtype=dtype))
         drafter.check_compatible(target)
@@ -415,6 +422,89 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def _add_train_draft(sub):
+    from .eagle import TrainConfig  # noqa: PLC0415
+
+    d = TrainConfig()
+    t = sub.add_parser(
+        "train-draft",
+        help="train an EAGLE-style draft head for a target (self-generated data, resumable)",
+        description="Train a one-layer EAGLE-style draft head for TARGET by distillation on text the target writes "
+                    "itself (a user turn from an empty one, then the answer; never the evaluation sets). Stages: "
+                    "corpus (OUT/corpus.jsonl), target features, training with checkpoints (OUT/checkpoint.pt, "
+                    "OUT/log.jsonl), then OUT/head.pt. Run the same command again to resume. Use the head with "
+                    "--draft eagle:OUT/head.pt.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    t.add_argument("--target", default=DEFAULT_TARGET, help="target model")
+    t.add_argument("--out", default=None, help="run folder (default runs/eagle-<target>)")
+    for name in ("sequences", "prompt_tokens", "response_tokens", "gen_batch", "top_k", "epochs", "batch",
+                 "checkpoint_every", "seed"):
+        t.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    for name in ("temperature", "lr", "feature_weight", "noise", "held_out"):
+        t.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
+    t.add_argument("--no-resume", action="store_true", help="refuse to continue a run folder that exists")
+    t.add_argument("--no-progress", action="store_true")
+    t.set_defaults(func=cmd_train_draft)
+
+
+def cmd_train_draft(args) -> int:
+    import dataclasses  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from .eagle import TrainConfig, train  # noqa: PLC0415
+
+    config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    if config.sequences < 2 or config.epochs < 1 or config.batch < 1 or not 0 < config.held_out < 1:
+        raise VerispecError("need --sequences >= 2, --epochs >= 1, --batch >= 1 and 0 < --held-out < 1")
+    out = Path(args.out or f"runs/eagle-{Path(args.target).stem}")
+    if args.no_resume and out.exists() and any(out.iterdir()):
+        raise VerispecError(f"{out} exists and is not empty (--no-resume)")
+    target = CausalLM.load(args.target)
+    path = train(target, out, config, progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr))
+    print(path)
+    return 0
+
+
+def _add_tune_tree(sub):
+    t = sub.add_parser(
+        "tune-tree",
+        help="search the draft tree shape that maximises tokens per second for a target and draft (Sequoia-style)",
+        description="Measure, on this machine, the target's forward time as a function of the number of tree tokens "
+                    "and the draft's time per depth, and the draft's per-candidate acceptance on a few Spec-Bench "
+                    "prompts; then solve Sequoia's dynamic programme for the tree with the most expected accepted "
+                    "tokens per second. Prints the best shape in --tree syntax and writes a JSON report.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    t.add_argument("--target", default=DEFAULT_TARGET)
+    t.add_argument("--draft", default="eagle", help=DRAFT_HELP)
+    t.add_argument("--temperature", type=float, default=0.0)
+    t.add_argument("--children", default="iid", choices=CHILD_MODES)
+    t.add_argument("--prompts", type=int, default=4, help="Spec-Bench prompts to measure acceptance on")
+    t.add_argument("--max-new-tokens", type=int, default=48)
+    t.add_argument("--width", type=int, default=4, help="candidates per node measured (and allowed)")
+    t.add_argument("--max-nodes", type=int, default=48)
+    t.add_argument("--max-depth", type=int, default=8)
+    t.add_argument("--out", default=None, help="JSON report (default: print only)")
+    t.set_defaults(func=cmd_tune_tree)
+
+
+def cmd_tune_tree(args) -> int:
+    from .tune import tune_tree  # noqa: PLC0415
+
+    target = CausalLM.load(args.target)
+    drafter = build_drafter(args.draft, target)
+    report = tune_tree(target, drafter, temperature=args.temperature, children=args.children, prompts=args.prompts,
+                       max_new_tokens=args.max_new_tokens, width=args.width, max_nodes=args.max_nodes,
+                       max_depth=args.max_depth, log=lambda m: print(m, file=sys.stderr))
+    if args.out:
+        from pathlib import Path  # noqa: PLC0415
+
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    print(report["best"]["tree"])
+    return 0
+
+
 def _progress(total: int, desc: str):
     from tqdm import tqdm  # noqa: PLC0415
 
@@ -434,6 +524,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_report(sub)
     _add_plot(sub)
+    _add_train_draft(sub)
+    _add_tune_tree(sub)
     return parser
 
 

@@ -135,8 +135,10 @@ def generate_steps(
     rng = TorchRandomness(seed)
     t = time.perf_counter()
     state = target.new_state()
-    target.prefill(state, prompt_ids[:-1])
+    pre = target.prefill_output(state, prompt_ids[:-1])
     drafter.reset(prompt_ids)
+    if drafter.uses_target_hidden:
+        drafter.observe(pre.hidden if pre is not None else torch.zeros(0, 0))
     if stats is not None:
         stats["prefill_s"] = time.perf_counter() - t
     context = list(prompt_ids)
@@ -146,15 +148,17 @@ def generate_steps(
         draft = drafter.propose(context, tree, sampling, children, rng, policy)
         t1 = time.perf_counter()
         positions = state.committed + torch.tensor(draft.tree.depths)
-        logits = target.forward(state, draft.tokens, positions, draft.tree.ancestors_mask()).logits
+        out = target.forward(state, draft.tokens, positions, draft.tree.ancestors_mask())
         t2 = time.perf_counter()
-        p = logits_to_probs(logits, sampling)  # [N, V]
+        p = logits_to_probs(out.logits, sampling)  # [N, V]
         verdict = verifier(draft, p, rng, verifier_state)
         if verifier_state is not None:
             verifier_state.update(verdict.feedback)
         t3 = time.perf_counter()
         target.commit(state, [0, *verdict.path])
         t4 = time.perf_counter()
+        if drafter.uses_target_hidden:  # the target's features of the root and the accepted path (EAGLE)
+            drafter.observe(out.hidden[[0, *verdict.path]])
         drafter.commit(draft, list(verdict.path))
         t5 = time.perf_counter()
         new = [int(draft.tokens[n]) for n in verdict.path] + [verdict.token]

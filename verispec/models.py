@@ -174,12 +174,14 @@ class CausalLM:
 
     @torch.inference_mode()
     def forward(
-        self, state: KVState, tokens: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor
+        self, state: KVState, tokens: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> ForwardOutput:
         """Run ``tokens [n]`` at ``positions [n]`` on top of ``state``.
 
         ``attend [n, pending + n]`` (bool) says which pending entries (earlier uncommitted tree nodes, then
         these n tokens) each token sees; committed entries are always visible. Appends n pending entries.
+        ``inputs_embeds [n, H]``, if given, replaces the embedding of ``tokens`` (draft heads feed features).
         """
         n = int(tokens.shape[0])
         if attend.shape != (n, state.pending + n):
@@ -190,8 +192,9 @@ class CausalLM:
             kpos = torch.cat([torch.arange(state.committed), torch.tensor(state.pending_positions, dtype=torch.long), positions])
             near = (positions[:, None] - kpos[None, :]) < self._sliding_window
             mask = {"full_attention": mask, "sliding_attention": self._float_mask(visible & near)}
+        inputs = {"input_ids": tokens.view(1, n)} if inputs_embeds is None else {"inputs_embeds": inputs_embeds[None]}
         out = self.hf(
-            input_ids=tokens.view(1, n),
+            **inputs,
             position_ids=positions.view(1, n),
             attention_mask=mask,
             cache=state.cache,
@@ -228,15 +231,21 @@ class CausalLM:
 
     def prefill(self, state: KVState, tokens: list[int]) -> torch.Tensor | None:
         """Commit ``tokens`` after the committed prefix (causally); return the logits of the last one."""
+        out = self.prefill_output(state, tokens)
+        return None if out is None else out.logits[-1]
+
+    def prefill_output(self, state: KVState, tokens: list[int],
+                       inputs_embeds: torch.Tensor | None = None) -> ForwardOutput | None:
+        """``prefill`` returning the whole output (logits and hidden states of every token)."""
         if state.pending:
             raise ValueError("prefill with uncommitted entries; commit or drop them first")
-        if not tokens:
+        if not len(tokens):
             return None
         n = len(tokens)
         pos = torch.arange(state.committed, state.committed + n)
-        out = self.forward(state, torch.tensor(tokens), pos, torch.ones(n, n, dtype=torch.bool).tril())
+        out = self.forward(state, torch.as_tensor(tokens), pos, torch.ones(n, n, dtype=torch.bool).tril(), inputs_embeds)
         self.commit(state, list(range(n)))
-        return out.logits[-1]
+        return out
 
     # ---------- self-drafting ----------
     def layer_subset(self, layers: list[int]) -> "CausalLM":

@@ -71,6 +71,11 @@ class Drafter:
 
     name = "drafter"
     vocab_size: int | None = None
+    uses_target_hidden = False  # True: the loop calls ``observe`` with the target's hidden states
+
+    def observe(self, hidden: torch.Tensor) -> None:
+        """The target's last hidden states ``[n, H]`` of the next n committed positions (prompt, then at each
+        step the root and the accepted path); only called when ``uses_target_hidden``."""
 
     def reset(self, prompt: list[int]) -> None:
         """Start a new sequence (drop any cached state)."""

@@ -1,0 +1,90 @@
+"""The EAGLE drafter: a trained draft head (``verispec.eagle.EagleHead``) fed with the target's own features.
+
+The head keeps a KV cache of pairs (f_j, x_{j+1}) at position j: the target's feature at j and the next
+token. The decoding loop hands it the target's features (``observe``): the prompt's after the prefill,
+then after each step those of the root and the accepted path. Drafting the root's children runs the
+pairs the cache lacks, up to (f_{L-2}, x_{L-1}) for a context of L tokens, and reads the next-token law
+from the last one; a drafted node at depth d >= 2 is the pair (predicted feature of its parent, its
+token) at position L - 2 + d, attending to its drafted ancestors. Drafted entries are never kept: the
+next step replaces them by pairs with the target's true features.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import VerispecError
+from .base import Draft, Drafter, _Growing
+
+
+class EagleDrafter(Drafter):
+    uses_target_hidden = True
+
+    def __init__(self, head, name: str = "eagle"):
+        self.head = head
+        self.lm = head.lm
+        self.name = name
+        self.vocab_size = head.lm.vocab_size
+        self.state = self.lm.new_state()
+        self._features: list[torch.Tensor] = []
+        self._count = 0  # target features received (positions 0 .. count-1)
+        self._pred: dict[int, torch.Tensor] = {}  # drafted node (or the root, 0) -> predicted feature after it
+        self._slot: dict[int, int] = {}
+        self._anc: list[set[int]] = []
+
+    def reset(self, prompt: list[int]) -> None:
+        self.state = self.lm.new_state()
+        self._features, self._count = [], 0
+
+    def observe(self, hidden: torch.Tensor) -> None:
+        if hidden.numel():
+            self._features.append(hidden.float())
+            self._count += int(hidden.shape[0])
+
+    def _feature_rows(self, start: int, stop: int) -> torch.Tensor:
+        allf = torch.cat(self._features) if len(self._features) > 1 else self._features[0]
+        self._features = [allf]
+        return allf[start:stop]
+
+    @torch.inference_mode()
+    def _root_logits(self, context: list[int]) -> torch.Tensor | None:
+        if self.state.pending:
+            self.lm.commit(self.state, [])
+        self._slot, self._anc, self._pred = {}, [set()], {}
+        last = len(context) - 2  # the pair (f_{L-2}, x_{L-1}) predicts the first drafted token
+        if last < 0:
+            return None  # a one-token context has no feature yet: draft nothing this step
+        if self._count <= last:
+            raise VerispecError(f"eagle drafter has target features for {self._count} positions, needs {last + 1}")
+        if self.state.committed > last:  # drafting again from a context already cached: recompute the last pair
+            self.lm.rollback(self.state, self.state.committed - last)
+        start = self.state.committed
+        feats = self._feature_rows(start, last + 1)
+        tokens = torch.tensor(context[start + 1:last + 2])
+        out = self.lm.prefill_output(self.state, tokens, self.head.inputs(feats, tokens))
+        self._pred[0] = out.hidden[-1]
+        return out.logits[-1]
+
+    @torch.inference_mode()
+    def _node_logits(self, g: _Growing, nodes: list[int]) -> torch.Tensor:
+        for node in range(len(self._anc), len(g.parents)):
+            self._anc.append(self._anc[g.parents[node]] | {node})
+        base = self.state.committed - 1  # position of the pair that predicted the root's children
+        cols = self.state.pending + len(nodes)
+        attend = torch.zeros(len(nodes), cols, dtype=torch.bool)
+        for row, n in enumerate(nodes):
+            self._slot[n] = self.state.pending + row
+            for a in self._anc[n]:
+                if a in self._slot:
+                    attend[row, self._slot[a]] = True
+        tokens = torch.tensor([g.tokens[n] for n in nodes])
+        feats = torch.stack([self._pred[g.parents[n]] for n in nodes])
+        positions = torch.tensor([base + len(self._anc[n]) for n in nodes])
+        out = self.lm.forward(self.state, tokens, positions, attend, self.head.inputs(feats, tokens))
+        for row, n in enumerate(nodes):
+            self._pred[n] = out.hidden[row]
+        return out.logits
+
+    def commit(self, draft: Draft, path: list[int]) -> None:
+        self.lm.commit(self.state, [])  # drafted pairs used predicted features: drop them all
+        self._slot, self._pred = {}, {}

@@ -1,0 +1,101 @@
+"""``verispec tune-tree``: measure a target/draft pair on this machine and pick its tree (``treesearch``)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from .datasets import spec_bench_prompts
+from .decode import generate
+from .metrics import per_candidate_acceptance
+from .probs import Sampling
+from .rng import TorchRandomness
+from .tree import Tree
+from .treesearch import best_shape, positional_acceptance, tree_spec
+from .verifiers import get_verifier
+
+VERIFIER_FOR = {"iid": "specinfer", "swor": "swor", "topk": "topk"}
+
+
+def target_forward_cost(target, context: list[int], sizes: list[int], repeats: int = 5) -> dict[int, float]:
+    """Median seconds of one target forward over n tree tokens after ``context``, for each n in ``sizes``."""
+    state = target.new_state()
+    target.prefill(state, context[:-1])
+    out = {}
+    for n in sizes:
+        tree = Tree.complete(max(1, n - 1), 1) if n > 1 else Tree.root_only()
+        tokens = torch.tensor(context[-1:] * tree.size)
+        pos = state.committed + torch.tensor(tree.depths)
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            target.forward(state, tokens, pos, tree.ancestors_mask())
+            times.append(time.perf_counter() - t)
+            target.commit(state, [])
+        out[n] = statistics.median(times)
+    return out
+
+
+def draft_cost_model(drafter, context: list[int], sampling: Sampling, children: str, repeats: int = 3):
+    """Fit ``seconds = a * depth + b * nodes`` to the drafter's proposals of a few shapes after ``context`` (the
+    context the drafter last decoded, so that it holds whatever it needs for it, e.g. the target's features)."""
+    shapes = [Tree.chain(1), Tree.chain(4), Tree.complete(4, 1), Tree.complete(2, 3), Tree.complete(4, 2)]
+    rows, ys = [], []
+    rng = TorchRandomness(0)
+    for shape in shapes:
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            drafter.propose(context, shape, sampling, children, rng)
+            times.append(time.perf_counter() - t)
+        rows.append([shape.max_depth, shape.size - 1])
+        ys.append(statistics.median(times))
+    a, b = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64), torch.tensor(ys, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
+    return max(a, 0.0), max(b, 0.0)
+
+
+def tune_tree(target, drafter, *, temperature: float = 0.0, children: str = "iid", prompts: int = 4,
+              max_new_tokens: int = 48, width: int = 4, max_nodes: int = 48, max_depth: int = 8, log=print) -> dict:
+    texts = [p for _, p in spec_bench_prompts(prompts)]
+    ids = [target.encode_prompt(t) for t in texts]
+    sizes = sorted({1, 2, 4, 8, 12, 16, 24, 32, 48, 64, max_nodes + 1})
+    log("measuring the target's forward cost by tree size ...")
+    fwd = target_forward_cost(target, ids[0], sizes)
+    log("measuring acceptance ...")
+    probe = Tree.complete(width, 2)
+    steps = []
+    for i, prompt in enumerate(ids):
+        out = generate(target, drafter, get_verifier(VERIFIER_FOR[children]), prompt, tree=probe, children=children,
+                       max_new_tokens=max_new_tokens, temperature=temperature, seed=i)
+        steps += out.steps
+    conditional = per_candidate_acceptance(steps, width)
+    p = positional_acceptance(conditional)
+    log("measuring the draft's cost by depth and size ...")
+    a, b = draft_cost_model(drafter, out.prompt_ids + out.token_ids, Sampling(temperature), children)
+
+    def fwd_cost(n: int) -> float:
+        lo = max(s for s in sizes if s <= n)
+        hi = min((s for s in sizes if s >= n), default=lo)
+        if hi == lo:
+            return fwd[lo]
+        return fwd[lo] + (fwd[hi] - fwd[lo]) * (n - lo) / (hi - lo)
+
+    def step_cost(n: int, d: int) -> float:
+        return fwd_cost(n + 1) + a * d + b * n
+
+    best, choices = best_shape(p, step_cost, max_nodes=max_nodes, max_depth=max_depth)
+    chain = max((c for c in choices if c.tree.is_chain or c.nodes == 0), key=lambda c: c.tokens_per_cost)
+    log(f"per-candidate acceptance {[round(x, 3) for x in conditional]}; best tree {best.nodes} nodes, depth "
+        f"{best.depth}: {best.accepted:.2f} tokens per step, predicted {best.tokens_per_cost / (1 / fwd[1]):.2f}x "
+        f"plain decoding (best chain: {chain.nodes} tokens, {chain.tokens_per_cost / (1 / fwd[1]):.2f}x)")
+    return {
+        "target": target.name, "draft": getattr(drafter, "name", "?"), "temperature": temperature, "children": children,
+        "conditional_acceptance": conditional, "positional_acceptance": p,
+        "target_forward_s": {str(k): v for k, v in fwd.items()}, "draft_s_per_depth": a, "draft_s_per_node": b,
+        "best": {"tree": tree_spec(best.tree), "nodes": best.nodes, "depth": best.depth, "accepted": best.accepted,
+                 "predicted_speedup": best.tokens_per_cost * fwd[1]},
+        "best_chain": {"tree": tree_spec(chain.tree), "accepted": chain.accepted,
+                       "predicted_speedup": chain.tokens_per_cost * fwd[1]},
+    }
