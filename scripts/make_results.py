@@ -81,7 +81,8 @@ def render() -> str:
     rows = summarize(res)
     out += ["## Draft study: the training-free drafts on the default target", "", f"Run: {res.describe()}", "",
             "Each draft with a fixed chain of 5 and the exact `chain` verifier. Draft cost: drafting time per "
-            "drafted token (one draft forward per depth) over the target's time per forward in `ar`.", "",
+            "drafted token (one draft forward per depth) over the target's time per forward in `ar`, leaving out "
+            "each prompt's first step (it includes the draft's own prefill of the prompt).", "",
             table_drafts(rows), "", fig(latency(res, figs / "drafts_latency.png", rows)), ""]
 
     res = Results.load(path("table1"))

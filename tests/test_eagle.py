@@ -102,3 +102,6 @@ def test_trained_head_drafts_better_than_untrained(tmp_path):
     assert lengths["trained"] > lengths["untrained"]
     with pytest.raises(Exception, match="another configuration"):
         train(target, tmp_path / "run", TrainConfig(sequences=13), progress=False)
+    other = TrainConfig(**{**cfg.__dict__, "lr": 1e-3})  # same corpus, other training: refused at the checkpoint
+    with pytest.raises(Exception, match="delete it"):
+        train(target, tmp_path / "run", other, progress=False, log=lambda m: None)

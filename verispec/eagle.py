@@ -187,6 +187,9 @@ class TrainConfig:
     checkpoint_every: int = 50  # optimiser steps
 
 
+CORPUS_KEYS = ("sequences", "prompt_tokens", "response_tokens", "temperature", "gen_batch", "seed")
+
+
 def head_loss(head: EagleHead, data: dict[str, torch.Tensor], noise: float = 0.0,
               feature_weight: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss of one sequence: cross-entropy of the head's law at t+1 against the target's top-k law, plus
@@ -218,10 +221,12 @@ def train(target: CausalLM, out_dir: str | Path, config: TrainConfig, *, resume:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "config.json"
-    if cfg_path.exists() and resume:
+    if cfg_path.exists() and resume:  # the corpus can be reused by a run with other training options
         old = json.loads(cfg_path.read_text())
-        if old != asdict(config):
-            raise VerispecError(f"{out} was started with another configuration; use another --out or the same options")
+        diff = sorted(k for k in CORPUS_KEYS if old.get(k) != getattr(config, k))
+        if diff:
+            raise VerispecError(f"{out} holds a corpus made with another configuration ({', '.join(diff)}); "
+                                "use another --out or the same options")
     cfg_path.write_text(json.dumps(asdict(config), indent=1))
 
     # 1. corpus
@@ -267,6 +272,8 @@ def train(target: CausalLM, out_dir: str | Path, config: TrainConfig, *, resume:
     ckpt = out / "checkpoint.pt"
     if ckpt.exists() and resume:
         blob = torch.load(ckpt, map_location="cpu", weights_only=False)
+        if blob.get("config") != asdict(config):
+            raise VerispecError(f"{ckpt} was trained with other options; delete it to train again with these")
         head.load_state_dict(blob["head"], strict=False)
         opt.load_state_dict(blob["opt"])
         sched.load_state_dict(blob["sched"])
@@ -295,8 +302,8 @@ def train(target: CausalLM, out_dir: str | Path, config: TrainConfig, *, resume:
         rec = {"step": step, "epoch": epoch, "lr": sched.get_last_lr()[0], **stats, "elapsed_s": time.time() - t0}
         if step % config.checkpoint_every == 0 or step == total:
             rec.update({f"val_{k}": v for k, v in evaluate(head, val).items()})
-            torch.save({"head": head.head_state(), "opt": opt.state_dict(), "sched": sched.state_dict(), "step": step},
-                       ckpt)
+            torch.save({"head": head.head_state(), "opt": opt.state_dict(), "sched": sched.state_dict(), "step": step,
+                        "config": asdict(config)}, ckpt)
             head.train()
         log_f.write(json.dumps(rec) + "\n")
         log_f.flush()
