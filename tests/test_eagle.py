@@ -101,7 +101,26 @@ def test_trained_head_drafts_better_than_untrained(tmp_path):
         lengths[name] = out.mean_accepted_length
     assert lengths["trained"] > lengths["untrained"]
     with pytest.raises(Exception, match="another configuration"):
-        train(target, tmp_path / "run", TrainConfig(sequences=13), progress=False)
+        train(target, tmp_path / "run", TrainConfig(sequences=12), progress=False)
     other = TrainConfig(**{**cfg.__dict__, "lr": 1e-3})  # same corpus, other training: refused at the checkpoint
     with pytest.raises(Exception, match="delete it"):
         train(target, tmp_path / "run", other, progress=False, log=lambda m: None)
+
+
+def test_auto_draft_picks_the_shipped_head(tmp_path, monkeypatch):
+    import verispec.eagle as eagle
+    from verispec.cli import build_drafter
+    from verispec.drafters import NgramDrafter
+    from verispec.errors import VerispecError
+
+    target = tiny_model("llama")
+    monkeypatch.setattr(eagle, "HEADS_DIR", tmp_path)
+    assert isinstance(build_drafter("auto", target), NgramDrafter)
+    with pytest.raises(VerispecError, match="no draft head ships"):
+        build_drafter("eagle", target)
+    EagleHead(target).save(tmp_path / f"{target.name}.pt", {"target": target.name})
+    assert isinstance(build_drafter("auto", target), EagleDrafter)
+    assert isinstance(build_drafter(f"eagle:{tmp_path / (target.name + '.pt')}", target), EagleDrafter)
+    other = tiny_model("llama", layers=2, vocab=50)
+    with pytest.raises(VerispecError, match="does not fit"):
+        EagleHead.load(tmp_path / f"{target.name}.pt", other)

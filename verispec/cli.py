@@ -17,7 +17,7 @@ from .policies import POLICIES, get_policy
 from .tree import Tree
 from .verifiers import VERIFIERS, get_verifier
 
-DEFAULT_DRAFT = "ngram"
+DEFAULT_DRAFT = "auto"
 
 DRAFT_HELP = (
     "draft to use: 'none' (plain autoregressive decoding), 'layerskip:L' (first L layers of the target) or "
@@ -25,7 +25,7 @@ DRAFT_HELP = (
     "'int8' (a dynamically int8-quantised copy of the target), 'eagle' (the trained EAGLE-style draft head shipped for "
     "the target; 'eagle:PATH' for a head from 'verispec train-draft'), or "
     "'model:SPEC' (a separate draft model: alias, .gguf file, folder or hub id; must share the tokenizer). "
-    f"Default: {DEFAULT_DRAFT}"
+    "Default 'auto': 'eagle' when a trained head ships for the target (the default target has one), else 'ngram'"
 )
 
 
@@ -44,6 +44,10 @@ def parse_layers(text: str, spec: str) -> list[int]:
 def build_drafter(spec: str, target: CausalLM, dtype: str = "float32"):
     """Turn a ``--draft`` string into a drafter for ``target``."""
     kind, _, arg = spec.partition(":")
+    if spec == "auto":
+        from .eagle import HEADS_DIR  # noqa: PLC0415
+
+        return build_drafter("eagle" if (HEADS_DIR / f"{target.name}.pt").is_file() else "ngram", target, dtype)
     if kind == "none":
         return NoDrafter()
     if kind == "layerskip":

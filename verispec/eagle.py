@@ -80,9 +80,13 @@ class EagleHead(nn.Module):
     def head_state(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.named_parameters() if not n.startswith("body.embed_tokens")}
 
+    def shape(self) -> dict:
+        return {"vocab_size": self.target.vocab_size, "hidden_size": self.hidden,
+                "target_layers": self.target.num_layers}
+
     def save(self, path: str | Path, meta: dict | None = None, half: bool = True) -> None:
         state = {n: (t.half() if half else t) for n, t in self.head_state().items()}
-        torch.save({"format": FORMAT, "state": state, "meta": meta or {}}, path)
+        torch.save({"format": FORMAT, "state": state, "meta": {**(meta or {}), **self.shape()}}, path)
 
     @classmethod
     def load(cls, path: str | Path, target: CausalLM) -> "EagleHead":
@@ -95,7 +99,8 @@ class EagleHead(nn.Module):
         head = cls(target)
         state = {n: t.float() for n, t in blob["state"].items()}
         missing = set(head.head_state()) - set(state)
-        if missing or state["fc.weight"].shape != head.fc.weight.shape:
+        shape = {k: blob["meta"].get(k) for k in head.shape()}
+        if missing or state["fc.weight"].shape != head.fc.weight.shape or shape != head.shape():
             raise VerispecError(f"{path} does not fit target {target.name!r} (trained for {blob['meta'].get('target')!r})")
         head.load_state_dict(state, strict=False)
         head.meta = blob["meta"]
@@ -187,7 +192,8 @@ class TrainConfig:
     checkpoint_every: int = 50  # optimiser steps
 
 
-CORPUS_KEYS = ("sequences", "prompt_tokens", "response_tokens", "temperature", "gen_batch", "seed")
+# a corpus of n sequences is the first n of any longer one with these options (each batch is seeded by its start)
+CORPUS_KEYS = ("prompt_tokens", "response_tokens", "temperature", "gen_batch", "seed")
 
 
 def head_loss(head: EagleHead, data: dict[str, torch.Tensor], noise: float = 0.0,

@@ -175,13 +175,14 @@ class CausalLM:
     @torch.inference_mode()
     def forward(
         self, state: KVState, tokens: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor,
-        inputs_embeds: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None, last_logits_only: bool = False,
     ) -> ForwardOutput:
         """Run ``tokens [n]`` at ``positions [n]`` on top of ``state``.
 
         ``attend [n, pending + n]`` (bool) says which pending entries (earlier uncommitted tree nodes, then
         these n tokens) each token sees; committed entries are always visible. Appends n pending entries.
         ``inputs_embeds [n, H]``, if given, replaces the embedding of ``tokens`` (draft heads feed features).
+        ``last_logits_only`` computes the output head for the last token only (a prefill needs no more).
         """
         n = int(tokens.shape[0])
         if attend.shape != (n, state.pending + n):
@@ -200,6 +201,7 @@ class CausalLM:
             cache=state.cache,
             use_cache=True,
             output_hidden_states=True,
+            **({"logits_to_keep": 1} if last_logits_only else {}),
         )
         state.pending_positions.extend(int(p) for p in positions)
         check_finite(out.logits, what=f"logits of {self.name}")
@@ -236,14 +238,15 @@ class CausalLM:
 
     def prefill_output(self, state: KVState, tokens: list[int],
                        inputs_embeds: torch.Tensor | None = None) -> ForwardOutput | None:
-        """``prefill`` returning the whole output (logits and hidden states of every token)."""
+        """``prefill`` returning the whole output: the last token's logits and every token's hidden state."""
         if state.pending:
             raise ValueError("prefill with uncommitted entries; commit or drop them first")
         if not len(tokens):
             return None
         n = len(tokens)
         pos = torch.arange(state.committed, state.committed + n)
-        out = self.forward(state, torch.as_tensor(tokens), pos, torch.ones(n, n, dtype=torch.bool).tril(), inputs_embeds)
+        out = self.forward(state, torch.as_tensor(tokens), pos, torch.ones(n, n, dtype=torch.bool).tril(), inputs_embeds,
+                           last_logits_only=True)
         self.commit(state, list(range(n)))
         return out
 
