@@ -69,12 +69,7 @@ def run_one(method, target, drafter, state, problem, prompt_ids, args, temperatu
     if method.peer is not None:
         res = hf_generate(target, prompt_ids, args.max_new_tokens, temperature, seed=seed,
                           assistant=drafter.model if method.peer == "assisted" else None)
-        ids = res.token_ids
-        for i, t in enumerate(ids):
-            if t in target.eos_token_ids:
-                ids = ids[: i + 1]
-                break
-        return ids, res.wall_s, res.drafted, res.accepted, []
+        return res.token_ids, res.wall_s, res.drafted, res.accepted, []
     spec, policy, vstate = state
     drafter_used = NoDrafter() if method.max_depth == 0 else drafter
     tvs = []

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -41,12 +42,26 @@ RUNS = {
 }
 
 
+TUNED = ROOT / "results" / "tune_eagle.json"  # `verispec tune-tree --draft eagle --out results/tune_eagle.json`
+
+
+def tuned_tree() -> str | None:
+    return json.loads(TUNED.read_text())["best"]["tree"] if TUNED.exists() else None
+
+
+def eagle_run() -> list[str]:
+    tree = tuned_tree() or "chain:5"
+    return ["--methods", "hf-generate", "hf-assisted", "ar", "fixed", f"topk@{tree}", "--drafts", "eagle", "int8",
+            "ngram", "--datasets", "spec-bench", "--limit", "1", "--temperatures", "0", "0.6",
+            "--max-new-tokens", "64"]
+
+
 def path(name: str) -> Path:
     return ROOT / "results" / f"{name}.jsonl"
 
 
 def run(name: str) -> None:
-    argv = ["bench", *RUNS[name], "--out", str(path(name).relative_to(ROOT)), "--resume"]
+    argv = ["bench", *(eagle_run() if name == "eagle" else RUNS[name]), "--out", str(path(name).relative_to(ROOT)), "--resume"]
     if not path(name).exists():
         argv.remove("--resume")
     if cli.main(argv) != 0:
@@ -67,6 +82,23 @@ def render() -> str:
            "Speeds are ratios measured within one run: every method runs on the same prompts in one process, "
            "interleaved prompt by prompt. tokens/s counts wall time including prefill (the draft's own prefill of "
            "the prompt counts as drafting time). Default target SmolLM2-135M-Instruct (fp32).", ""]
+
+    if path("eagle").exists():
+        res = Results.load(path("eagle"))
+        rows = summarize(res)
+        tune = json.loads(TUNED.read_text()) if TUNED.exists() else None
+        out += ["## The trained EAGLE head against plain decoding and Hugging Face", "", f"Run: {res.describe()}", "",
+                "Draft `eagle` is the head shipped for the default target (`verispec/heads/`, trained with "
+                "`verispec train-draft`; its training data never saw these prompts). `fixed` is a chain of 5 with "
+                "the exact `chain` verifier; `topk@TREE` drafts the tree chosen by `verispec tune-tree` with top-k "
+                "children and the exact `topk` verifier. `hf-assisted` runs Hugging Face assisted generation with "
+                "each draft it can use (the int8 copy as assistant model, prompt lookup for `ngram`).", ""]
+        if tune:
+            out += [f"Tree from `verispec tune-tree --draft eagle` (T = {tune['temperature']:g}): `{tune['best']['tree']}` "
+                    f"({tune['best']['nodes']} nodes, depth {tune['best']['depth']}, predicted "
+                    f"{tune['best']['accepted']:.2f} tokens per step); per-candidate acceptance "
+                    f"{', '.join(f'{x:.3f}' for x in tune['conditional_acceptance'])}.", ""]
+        out += [table_peers(rows), "", fig(latency(res, figs / "eagle_latency.png", rows)), ""]
 
     res = Results.load(path("peers"))
     rows, cats = summarize(res), summarize(res, by_category=True)
@@ -119,7 +151,7 @@ def render() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--render", action="store_true", help="only render docs/results.md from existing results")
-    ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS), help="runs to do")
+    ap.add_argument("--runs", nargs="+", default=[*RUNS, "eagle"], choices=[*RUNS, "eagle"], help="runs to do")
     args = ap.parse_args()
     if not args.render:
         for name in args.runs:

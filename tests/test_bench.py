@@ -81,6 +81,7 @@ def test_metrics_from_hand_written_records(tmp_path):
     assert fixed.vs_hf_generate == pytest.approx(1.6)
     assert ar.vs_hf_generate == pytest.approx((4 / 2.0) / (4 / 1.6))
     assert fixed.vs_hf_assisted == pytest.approx((10 / 2.0) / (10 / 2.4))
+    assert fixed.vs_best_hf_assisted == pytest.approx(fixed.vs_hf_assisted) and ar.vs_best_hf_assisted < 1
     assert hfa.mean_accepted_length == pytest.approx(3.0) and hfa.drafted_per_step == pytest.approx(5.0)
     assert math.isnan(gen.mean_accepted_length) and math.isnan(gen.draft_ms)
     # time split per step; draft cost leaves out a prompt's first step (i = 0: it includes the draft's prefill):

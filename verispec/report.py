@@ -83,6 +83,7 @@ class Row:
     speedup_ar: float = NAN
     vs_hf_generate: float = NAN
     vs_hf_assisted: float = NAN
+    vs_best_hf_assisted: float = NAN  # against Hugging Face assisted generation with its fastest draft in the run
     draft_ms: float = NAN  # per step
     target_ms: float = NAN
     verify_ms: float = NAN
@@ -156,6 +157,9 @@ def summarize(res: Results, by_category: bool = False) -> list[Row]:
             base = groups.get((t, base_draft, base_method, cat))
             if base:
                 setattr(row, attr, _ratio(prompts, base))
+        assisted = [g for (t2, _, m2, c2), g in groups.items() if (t2, m2, c2) == (t, "hf-assisted", cat)]
+        if assisted:
+            row.vs_best_hf_assisted = _ratio(prompts, max(assisted, key=_rate))
         rows.append(row)
     order = {name: i for i, name in enumerate(res.header.get("config", {}).get("methods", []))}
     drafts = {name: i for i, name in enumerate([NO_DRAFT, *res.header.get("config", {}).get("drafts", [])])}
@@ -274,13 +278,15 @@ def table_drafts(rows: list[Row]) -> str:
                      "tokens/s", "speedup vs ar", "vs HF assisted (same draft)"], body)
 
 
-def table_peers(rows: list[Row], by_category: list[Row] | None = None) -> str:
-    """Speedup against the target's plain decoding and both Hugging Face peers."""
+def table_peers(rows: list[Row]) -> str:
+    """Speedup against the target's plain decoding and both Hugging Face peers (assisted: with the same draft,
+    and with the draft that made it fastest in the run)."""
     body = [[f"{r.T:g}", r.draft, r.method, _f(r.tokens_per_s, ".1f"), _f(r.mean_accepted_length),
-             _f(r.speedup_ar, ".2f", "x"), _f(r.vs_hf_generate, ".2f", "x"), _f(r.vs_hf_assisted, ".2f", "x")]
+             _f(r.speedup_ar, ".2f", "x"), _f(r.vs_hf_generate, ".2f", "x"), _f(r.vs_hf_assisted, ".2f", "x"),
+             _f(r.vs_best_hf_assisted, ".2f", "x")]
             for r in rows if r.category == "all"]
     return markdown(["T", "draft", "method", "tokens/s", "accepted length", "vs ar", "vs HF generate",
-                     "vs HF assisted"], body)
+                     "vs HF assisted (same draft)", "vs HF assisted (its best draft)"], body)
 
 
 def table_categories(rows: list[Row]) -> str:

@@ -1,0 +1,76 @@
+"""Ship a trained draft head with the package: copy RUN/head.pt to verispec/heads/<target>.pt and write
+verispec/heads/<target>.json with how it was made (command, training log summary, sizes) and its
+acceptance on a fixed prompt, which the test suite checks again after loading the shipped file.
+
+    python scripts/ship_head.py runs/eagle-smollm2-135m --command "verispec train-draft ..."
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from verispec import CausalLM, Tree, generate, get_verifier  # noqa: E402
+from verispec.drafters.eagle import EagleDrafter  # noqa: E402
+from verispec.eagle import HEADS_DIR, EagleHead  # noqa: E402
+
+FIXED_PROMPT = "Explain why the sky is blue in a short paragraph."
+FIXED_TOKENS = 64
+
+
+def fixed_prompt_acceptance(target: CausalLM, head: EagleHead) -> float:
+    """Mean accepted length per step, greedy, chain of 5, on ``FIXED_PROMPT`` (deterministic)."""
+    out = generate(target, EagleDrafter(head), get_verifier("chain"), FIXED_PROMPT, tree=Tree.chain(5),
+                   max_new_tokens=FIXED_TOKENS, temperature=0.0)
+    return out.mean_accepted_length
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run", help="folder of a finished 'verispec train-draft' run")
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--command", required=True, help="the exact command that produced the run")
+    args = ap.parse_args()
+    run = Path(args.run)
+    target = CausalLM.load(args.target)
+    dest = HEADS_DIR / f"{args.target}.pt"
+    HEADS_DIR.mkdir(exist_ok=True)
+    shutil.copyfile(run / "head.pt", dest)
+    head = EagleHead.load(dest, target)
+    log = [json.loads(line) for line in (run / "log.jsonl").open()]
+    last_val = [r for r in log if "val_ce" in r][-1]
+    elapsed, prev = 0.0, 0.0  # the log's clock restarts at each resumed segment
+    for r in log:
+        if r["elapsed_s"] < prev:
+            elapsed += prev
+        prev = r["elapsed_s"]
+    elapsed += prev
+    n_head = sum(p.numel() for p in head.head_state().values())
+    n_target = sum(p.numel() for p in target.hf.parameters())
+    info = {
+        "command": args.command,
+        "shipped_with": f"python scripts/ship_head.py {args.run} --command '...'",
+        "target": args.target,
+        "file_bytes": dest.stat().st_size,
+        "head_parameters": n_head,
+        "target_parameters": n_target,
+        "extra_memory_fraction": n_head / n_target,
+        "training": {"steps": log[-1]["step"], "elapsed_s": elapsed,
+                     "sequences": head.meta.get("sequences"), "final_train": {k: log[-1][k] for k in ("ce", "feat", "top1")},
+                     "validation": head.meta.get("validation"), "last_checkpoint_validation":
+                         {k[4:]: v for k, v in last_val.items() if k.startswith("val_")}},
+        "fixed_prompt": {"prompt": FIXED_PROMPT, "max_new_tokens": FIXED_TOKENS, "tree": "chain:5", "temperature": 0,
+                         "mean_accepted_length": fixed_prompt_acceptance(target, head)},
+    }
+    (HEADS_DIR / f"{args.target}.json").write_text(json.dumps(info, indent=1) + "\n")
+    print(json.dumps(info, indent=1))
+
+
+if __name__ == "__main__":
+    main()
