@@ -99,8 +99,8 @@ class EagleHead(nn.Module):
         head = cls(target)
         state = {n: t.float() for n, t in blob["state"].items()}
         missing = set(head.head_state()) - set(state)
-        shape = {k: blob["meta"].get(k) for k in head.shape()}
-        if missing or state["fc.weight"].shape != head.fc.weight.shape or shape != head.shape():
+        wrong = [k for k, v in head.shape().items() if k in blob["meta"] and blob["meta"][k] != v]
+        if missing or state["fc.weight"].shape != head.fc.weight.shape or wrong:
             raise VerispecError(f"{path} does not fit target {target.name!r} (trained for {blob['meta'].get('target')!r})")
         head.load_state_dict(state, strict=False)
         head.meta = blob["meta"]
