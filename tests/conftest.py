@@ -33,3 +33,19 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, vocab: int =
 @pytest.fixture(params=["llama", "qwen2"])
 def tiny(request) -> CausalLM:
     return tiny_model(request.param)
+
+
+class ByteTokenizer:
+    """Enough of a tokenizer for the tiny random models: bytes folded into the vocabulary."""
+
+    chat_template = None
+    bos_token_id = 1
+
+    def __init__(self, vocab):
+        self.vocab = vocab
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [3 + b % (self.vocab - 3) for b in text.encode()]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(i) for i in ids)

@@ -12,7 +12,7 @@ from verispec.errors import VerispecError
 from verispec.methods import resolve_method
 from verispec.report import Results, report, rows_csv, summarize, table_width
 
-from conftest import tiny_model
+from conftest import ByteTokenizer, tiny_model
 
 HEADER = {"type": "header", "config": {"methods": ["ar", "fixed", "hf-generate", "hf-assisted"], "drafts": ["d"]},
           "command": "hand", "machine": {}, "versions": {}, "git": "x"}
@@ -152,21 +152,6 @@ def test_plan_runs_draft_free_methods_once_and_skips_what_hf_cannot_do(tmp_path)
     assert len(notes) == 1 and "layerskip:2" in notes[0]
     with pytest.raises(VerispecError, match="twice"):
         BenchConfig(methods=["ar", "ar"]).validate()
-
-
-class ByteTokenizer:
-    """Enough of a tokenizer for the tiny random models: bytes folded into the vocabulary."""
-
-    chat_template = None
-
-    def __init__(self, vocab):
-        self.vocab = vocab
-
-    def __call__(self, text, add_special_tokens=True):
-        return {"input_ids": [3 + b % (self.vocab - 3) for b in text.encode()]}
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(str(i) for i in ids)
 
 
 class FakeTime:

@@ -8,21 +8,7 @@ from verispec.drafters import NoDrafter
 from verispec.drafters.eagle import EagleDrafter
 from verispec.eagle import EagleHead, TrainConfig, evaluate, features, head_loss, train
 
-from conftest import tiny_model
-
-
-class ByteTokenizer:
-    chat_template = None
-    bos_token_id = 1
-
-    def __init__(self, vocab):
-        self.vocab = vocab
-
-    def __call__(self, text, add_special_tokens=True):
-        return {"input_ids": [3 + b % (self.vocab - 3) for b in text.encode()]}
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(str(i) for i in ids)
+from conftest import ByteTokenizer, tiny_model
 
 
 def corpus(target, n=6, length=24, seed=0):

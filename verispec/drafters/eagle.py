@@ -15,6 +15,7 @@ import torch
 
 from ..errors import VerispecError
 from .base import Draft, Drafter, _Growing
+from .model import tree_level
 
 
 class EagleDrafter(Drafter):
@@ -67,19 +68,9 @@ class EagleDrafter(Drafter):
 
     @torch.inference_mode()
     def _node_logits(self, g: _Growing, nodes: list[int]) -> torch.Tensor:
-        for node in range(len(self._anc), len(g.parents)):
-            self._anc.append(self._anc[g.parents[node]] | {node})
-        base = self.state.committed - 1  # position of the pair that predicted the root's children
-        cols = self.state.pending + len(nodes)
-        attend = torch.zeros(len(nodes), cols, dtype=torch.bool)
-        for row, n in enumerate(nodes):
-            self._slot[n] = self.state.pending + row
-            for a in self._anc[n]:
-                if a in self._slot:
-                    attend[row, self._slot[a]] = True
-        tokens = torch.tensor([g.tokens[n] for n in nodes])
+        # the last cached pair (f_{L-2}, x_{L-1}) sits at position L - 2, so a node at depth d lands at L - 2 + d
+        tokens, positions, attend = tree_level(g, nodes, self._anc, self._slot, self.state)
         feats = torch.stack([self._pred[g.parents[n]] for n in nodes])
-        positions = torch.tensor([base + len(self._anc[n]) for n in nodes])
         out = self.lm.forward(self.state, tokens, positions, attend, self.head.inputs(feats, tokens))
         for row, n in enumerate(nodes):
             self._pred[n] = out.hidden[row]

@@ -47,24 +47,8 @@ class ModelDrafter(Drafter):
         return self.model.prefill(self.state, context[self.state.committed :])
 
     def _node_logits(self, g: _Growing, nodes: list[int]) -> torch.Tensor:
-        for node in range(len(self._anc), len(g.parents)):
-            self._anc.append(self._anc[g.parents[node]] | {node})
-        base = self.state.committed - 1  # position of the root
-        depth = [len(self._anc[n]) for n in nodes]
-        cols = self.state.pending + len(nodes)
-        attend = torch.zeros(len(nodes), cols, dtype=torch.bool)
-        for row, n in enumerate(nodes):
-            self._slot[n] = self.state.pending + row
-            for a in self._anc[n]:
-                if a in self._slot:
-                    attend[row, self._slot[a]] = True
-        out = self.model.forward(
-            self.state,
-            torch.tensor([g.tokens[n] for n in nodes]),
-            torch.tensor([base + d for d in depth]),
-            attend,
-        )
-        return out.logits
+        tokens, positions, attend = tree_level(g, nodes, self._anc, self._slot, self.state)
+        return self.model.forward(self.state, tokens, positions, attend).logits
 
     def commit(self, draft: Draft, path: list[int]) -> None:
         keep = []
@@ -74,6 +58,23 @@ class ModelDrafter(Drafter):
             keep.append(self._slot[node])
         self.model.commit(self.state, keep)
         self._slot = {}
+
+
+def tree_level(g: _Growing, nodes: list[int], anc: list[set[int]], slot: dict[int, int], state):
+    """Tokens, positions and attention of one level of drafted ``nodes`` fed to a draft model's KV ``state``:
+    node n sits at (position of the last committed entry) + its depth and sees its drafted ancestors' pending
+    entries. Extends ``anc`` (each node's ancestors, itself included) and assigns ``slot`` (pending entries)."""
+    for node in range(len(anc), len(g.parents)):
+        anc.append(anc[g.parents[node]] | {node})
+    base = state.committed - 1
+    attend = torch.zeros(len(nodes), state.pending + len(nodes), dtype=torch.bool)
+    for row, n in enumerate(nodes):
+        slot[n] = state.pending + row
+        for a in anc[n]:
+            if a in slot:
+                attend[row, slot[a]] = True
+    positions = torch.tensor([base + len(anc[n]) for n in nodes])
+    return torch.tensor([g.tokens[n] for n in nodes]), positions, attend
 
 
 def layer_skip_drafter(target: CausalLM, layers: list[int] | int) -> ModelDrafter:
