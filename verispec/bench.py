@@ -170,6 +170,11 @@ def header(config: BenchConfig, command: str | None = None) -> dict:
     }
 
 
+def finished_cells(records: list[dict]) -> set[tuple]:
+    """Ids of the cells whose prompt record is written (their step records count; others' do not)."""
+    return {cell_id(r["cell"]) for r in records if r.get("type") == "prompt"}
+
+
 def read_records(path: str | Path) -> list[dict]:
     """All complete JSON lines of a results file (a line cut short by an interrupted write is dropped)."""
     out = []
@@ -195,7 +200,7 @@ def _resume_records(path: Path, config: BenchConfig) -> list[dict]:
     if diff:
         raise VerispecError(f"cannot resume {path}: its configuration differs in {', '.join(diff)}; "
                             "use the same options, or another --out")
-    done = {cell_id(r["cell"]) for r in records if r.get("type") == "prompt"}
+    done = finished_cells(records)
     return [r for r in records if r.get("type") in ("header", "audit")
             or (r.get("type") in ("step", "prompt") and cell_id(r["cell"]) in done)]
 
@@ -293,7 +298,7 @@ def run_bench(config: BenchConfig, out: str | Path, *, resume: bool = False, ove
     if out.exists() and not (resume or overwrite):
         raise VerispecError(f"{out} exists: pass --resume to continue it, or --overwrite to start again")
     kept = _resume_records(out, config) if out.exists() and resume else []
-    done = {cell_id(r["cell"]) for r in kept if r["type"] == "prompt"}
+    done = finished_cells(kept)
     audited = {r["verifier"] for r in kept if r["type"] == "audit"}
     todo = [c for c in cells if cell_id(c.key) not in done]
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -55,15 +55,10 @@ def _check_groups(groups) -> None:
 
 def spec_bench_prompts(n: int, groups=SPEC_BENCH_GROUPS) -> list[tuple[str, str]]:
     """``n`` first-turn prompts taken round-robin over ``groups``: ``[(group, prompt)]``."""
-    _check_groups(groups)
     by_group = defaultdict(list)
-    for r in spec_bench():
-        by_group[r["group"]].append(r["turns"][0])
-    out = []
-    for i in range(n):
-        g = groups[i % len(groups)]
-        out.append((g, by_group[g][i // len(groups)]))
-    return out
+    for p in spec_bench_problems(None, groups):
+        by_group[p.category].append(p.prompt)
+    return [(groups[i % len(groups)], by_group[groups[i % len(groups)]][i // len(groups)]) for i in range(n)]
 
 
 def spec_bench_problems(limit: int | None, groups=SPEC_BENCH_GROUPS) -> list[Problem]:

@@ -69,8 +69,12 @@ class EagleHead(nn.Module):
         self.__dict__["target"] = target
         self.hidden = hidden
 
+    def own_parameters(self):
+        """(name, parameter) of the head itself: everything but the target's shared embedding."""
+        return ((n, p) for n, p in self.named_parameters() if not n.startswith("body.embed_tokens"))
+
     def trainable(self) -> list[nn.Parameter]:
-        return [p for n, p in self.named_parameters() if not n.startswith("body.embed_tokens")]
+        return [p for _, p in self.own_parameters()]
 
     def inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """``fc([feature; embedding])`` for pairs (f_t, x_{t+1}); any leading shape."""
@@ -78,7 +82,7 @@ class EagleHead(nn.Module):
         return self.fc(torch.cat([features, emb], dim=-1))
 
     def head_state(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().clone() for n, p in self.named_parameters() if not n.startswith("body.embed_tokens")}
+        return {n: p.detach().clone() for n, p in self.own_parameters()}
 
     def shape(self) -> dict:
         return {"vocab_size": self.target.vocab_size, "hidden_size": self.hidden,

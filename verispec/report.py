@@ -23,7 +23,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .bench import NO_DRAFT, cell_id, read_records
+from .bench import NO_DRAFT, cell_id, finished_cells, read_records
 from .errors import VerispecError
 from .methods import resolve_method
 from .metrics import mean_accepted_length, per_candidate_acceptance
@@ -51,7 +51,7 @@ class Results:
     @classmethod
     def from_records(cls, records: list[dict]) -> "Results":
         prompts = [r for r in records if r.get("type") == "prompt"]
-        done = {cell_id(r["cell"]) for r in prompts}
+        done = finished_cells(records)
         steps = defaultdict(list)
         for r in records:
             if r.get("type") == "step" and cell_id(r["cell"]) in done:  # steps of unfinished cells do not count
