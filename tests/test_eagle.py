@@ -8,7 +8,7 @@ from verispec.drafters import NoDrafter
 from verispec.drafters.eagle import EagleDrafter
 from verispec.eagle import EagleHead, TrainConfig, evaluate, features, head_loss, train
 
-from conftest import ByteTokenizer, tiny_model
+from conftest import VOCAB, ByteTokenizer, tiny_model
 
 
 def corpus(target, n=6, length=24, seed=0):
@@ -70,7 +70,7 @@ def test_trained_head_drafts_better_than_untrained(tmp_path):
     target = tiny_model("llama")
     target.tokenizer = ByteTokenizer(target.vocab_size)
     cfg = TrainConfig(sequences=12, prompt_tokens=4, response_tokens=28, gen_batch=4, top_k=8, epochs=30, batch=4,
-                      lr=3e-3, checkpoint_every=20, temperature=0.5)
+                      lr=3e-3, checkpoint_every=20, temperature=0.5, vocab=VOCAB - 16)
     path = train(target, tmp_path / "run", cfg, progress=False, log=lambda m: None, max_steps=40)
     assert not path.exists() and (tmp_path / "run" / "checkpoint.pt").exists()
     path = train(target, tmp_path / "run", cfg, progress=False, log=lambda m: None)  # resumes at step 40
@@ -79,6 +79,7 @@ def test_trained_head_drafts_better_than_untrained(tmp_path):
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "log.jsonl").open()]
     assert steps == list(range(1, len(steps) + 1))
     trained = EagleHead.load(path, target)
+    assert len(trained.vocab) == VOCAB - 16
     prompt = [1, 9, 44, 3, 71]
     lengths = {}
     for name, head in (("untrained", EagleHead(target)), ("trained", trained)):
@@ -110,3 +111,95 @@ def test_auto_draft_picks_the_shipped_head(tmp_path, monkeypatch):
     other = tiny_model("llama", layers=2, vocab=50)
     with pytest.raises(VerispecError, match="does not fit"):
         EagleHead.load(tmp_path / f"{target.name}.pt", other)
+
+
+def test_draft_vocabulary_keeps_eos_then_frequent_then_low_ids():
+    from verispec.eagle import draft_vocabulary
+
+    corpus = [[9, 9, 9, 7, 7, 5], [7, 9, 11]]
+    assert draft_vocabulary(corpus, 3, 20, always=[2]).tolist() == [2, 7, 9]
+    assert draft_vocabulary(corpus, 6, 20, always=[2]).tolist() == [0, 2, 5, 7, 9, 11]  # then unseen id 0
+    assert draft_vocabulary(corpus, 8, 20).tolist() == [0, 1, 2, 3, 5, 7, 9, 11]
+
+
+def test_restricted_vocabulary_head_is_exact_cheaper_and_trains(tmp_path):
+    target = tiny_model("llama")
+    for p in target.hf.parameters():
+        p.requires_grad_(False)
+    prompt = [5, 17, 33, 8, 61, 42]
+    ar = generate(target, NoDrafter(), get_verifier("chain"), prompt, tree=Tree.root_only(), max_new_tokens=30,
+                  temperature=0.0)
+    # leave out half of the tokens the target will emit: exactness must not rely on the draft covering them
+    emitted = sorted(set(ar.token_ids))
+    vocab = torch.tensor(sorted(set(range(0, target.vocab_size, 3)) - set(emitted[::2]) | set(emitted[1::2])))
+    head = EagleHead(target, vocab)
+    assert head.lm.hf.get_output_embeddings().weight.shape == (len(vocab), head.hidden)
+    assert not any("lm_head" in n for n, _ in head.own_parameters())
+    full = head.full_logits(torch.randn(3, len(vocab)))
+    assert full.shape == (3, target.vocab_size) and torch.isinf(full[:, 1]).all() == (1 not in vocab.tolist())
+    path = tmp_path / "head.pt"
+    head.save(path, {"target": target.name}, half=False)
+    loaded = EagleHead.load(path, target)
+    assert torch.equal(loaded.vocab, vocab) and loaded.shape()["draft_vocab"] == len(vocab)
+    for tree, verifier in (("chain:4", "chain"), ("2x3", "greedy")):
+        out = generate(target, EagleDrafter(loaded), get_verifier(verifier), prompt, tree=Tree.parse(tree),
+                       max_new_tokens=30, temperature=0.0)
+        assert out.token_ids == ar.token_ids, tree
+    out = generate(target, EagleDrafter(loaded), get_verifier("specinfer"), prompt, tree=Tree.parse("2x2"),
+                   max_new_tokens=20, temperature=0.8, seed=1)
+    assert out.num_tokens == 20 or out.stop_reason == "eos"
+    # the loss is the cross-entropy against the target's law conditioned on the draft vocabulary, and it falls
+    data = [features(target, s, top_k=8) for s in corpus(target)]
+    before = evaluate(head, data)
+    opt = torch.optim.AdamW(head.trainable(), lr=3e-3)
+    head.train()
+    for _ in range(30):
+        opt.zero_grad()
+        for d in data:
+            (head_loss(head, d)[0] / len(data)).backward()
+        opt.step()
+    after = evaluate(head, data)
+    assert after["ce"] < 0.8 * before["ce"] and after["top1"] > before["top1"]
+
+
+def test_dynamic_tree_is_exact_greedy_prunes_by_path_probability_and_refuses_sampled_children():
+    from verispec.drafters.model import layer_skip_drafter
+    from verispec.errors import VerispecError
+    from verispec.probs import Sampling
+    from verispec.rng import TorchRandomness
+    from verispec.tree import DynamicTree
+
+    target = tiny_model("llama")
+    prompt = [5, 17, 33, 8, 61, 42]
+    ar = generate(target, NoDrafter(), get_verifier("chain"), prompt, tree=Tree.root_only(), max_new_tokens=30,
+                  temperature=0.0)
+    shape = Tree.parse("dyn:4,3,7")
+    assert shape == DynamicTree(4, 3, 7) and shape.size == 8 and shape.max_depth == 4
+    for drafter in (EagleDrafter(EagleHead(target)), layer_skip_drafter(target, 2)):
+        out = generate(target, drafter, get_verifier("greedy"), prompt, tree=shape, max_new_tokens=30, temperature=0.0)
+        assert out.token_ids == ar.token_ids
+    drafter = layer_skip_drafter(target, 2)
+    drafter.reset(prompt)
+    draft = drafter.propose(prompt, shape, Sampling(1.0), "topk", TorchRandomness(0))
+    tree = draft.tree
+    assert tree.size == 8 and tree.max_depth <= 4
+    # path probabilities: every kept node beats every node it could have been swapped with (its ancestors come first)
+    logp = [0.0]
+    for n in range(1, tree.size):
+        logp.append(logp[tree.parents[n]] + float(torch.log(draft.q[tree.parents[n], draft.tokens[n]])))
+        assert logp[n] <= logp[tree.parents[n]] + 1e-9
+        assert draft.q[tree.parents[n]].sum() > 0.99  # the parent's law is recorded
+    for n in range(tree.size):  # leaves carry no law; siblings are the parent's most probable tokens in order
+        if not tree.children[n]:
+            assert draft.q[n].sum() == 0
+        else:
+            kids = [int(draft.tokens[c]) for c in tree.children[n]]
+            assert kids == draft.q[n].topk(len(kids)).indices.tolist()
+    out = generate(target, layer_skip_drafter(target, 2), get_verifier("topk"), prompt, tree=shape, max_new_tokens=20,
+                   temperature=0.8, seed=2, children="topk")
+    assert out.num_tokens == 20 or out.stop_reason == "eos"
+    with pytest.raises(VerispecError, match="children topk"):
+        generate(target, layer_skip_drafter(target, 2), get_verifier("specinfer"), prompt, tree=shape,
+                 max_new_tokens=5, temperature=0.8)
+    with pytest.raises(VerispecError, match="dyn:DEPTH"):
+        Tree.parse("dyn:0,2,3")

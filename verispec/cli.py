@@ -445,6 +445,10 @@ def _add_train_draft(sub):
     for name in ("sequences", "prompt_tokens", "response_tokens", "gen_batch", "top_k", "epochs", "batch",
                  "checkpoint_every", "seed"):
         t.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    t.add_argument("--vocab", type=int, default=d.vocab,
+                   help="draft vocabulary: the head's output layer keeps this many tokens (the corpus's most frequent), "
+                        "cutting its cost; other tokens get draft probability 0, which every verifier handles exactly. "
+                        "0: the whole vocabulary")
     for name in ("temperature", "lr", "feature_weight", "noise", "held_out"):
         t.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
     t.add_argument("--no-resume", action="store_true", help="refuse to continue a run folder that exists")
@@ -459,8 +463,8 @@ def cmd_train_draft(args) -> int:
     from .eagle import TrainConfig, train  # noqa: PLC0415
 
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
-    if config.sequences < 2 or config.epochs < 1 or config.batch < 1 or not 0 < config.held_out < 1:
-        raise VerispecError("need --sequences >= 2, --epochs >= 1, --batch >= 1 and 0 < --held-out < 1")
+    if config.sequences < 2 or config.epochs < 1 or config.batch < 1 or not 0 < config.held_out < 1 or config.vocab < 0:
+        raise VerispecError("need --sequences >= 2, --epochs >= 1, --batch >= 1, 0 < --held-out < 1 and --vocab >= 0")
     out = Path(args.out or f"runs/eagle-{Path(args.target).stem}")
     if args.no_resume and out.exists() and any(out.iterdir()):
         raise VerispecError(f"{out} exists and is not empty (--no-resume)")

@@ -44,10 +44,30 @@ def shipped_head(target_name: str) -> Path:
     return path
 
 
-class EagleHead(nn.Module):
-    """``fc`` + a one-layer causal LM of the target's architecture sharing its embeddings and output head."""
+class _SubsetHead(nn.Module):
+    """The target's output head restricted to the rows ``vocab`` (a copy of those rows, not a parameter)."""
 
-    def __init__(self, target: CausalLM):
+    def __init__(self, full: nn.Module, vocab: torch.Tensor):
+        super().__init__()
+        weight = getattr(full, "weight", None)
+        if not isinstance(weight, torch.Tensor) or getattr(full, "bias", None) is not None:
+            raise VerispecError("a restricted-vocabulary head needs the target's output head to be a plain bias-free "
+                                "linear layer")
+        self.register_buffer("weight", weight.detach()[vocab].clone(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight.to(x.dtype))
+
+
+class EagleHead(nn.Module):
+    """``fc`` + a one-layer causal LM of the target's architecture sharing its embeddings and output head.
+
+    ``vocab`` (token ids), if given, restricts the head's output to those tokens: the draft's logits cost
+    ``len(vocab) / V`` of the full output head, and every other token gets probability 0 (``full_logits``).
+    Verification stays exact: the verifiers are exact for any draft law, including one with holes.
+    """
+
+    def __init__(self, target: CausalLM, vocab: torch.Tensor | None = None):
         super().__init__()
         from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
@@ -55,7 +75,7 @@ class EagleHead(nn.Module):
         cfg.num_hidden_layers = 1
         if getattr(cfg, "layer_types", None):
             cfg.layer_types = cfg.layer_types[-1:]
-        vocab = target.vocab_size
+        n_vocab = target.vocab_size
         cfg.vocab_size, cfg.pad_token_id, cfg.tie_word_embeddings = 1, None, False  # no big tables allocated here
         hf = AutoModelForCausalLM.from_config(cfg).float()
         hidden = int(cfg.hidden_size)
@@ -63,8 +83,19 @@ class EagleHead(nn.Module):
         self.body = hf.base_model  # trainable: its decoder layer and final norm
         # share the target's tables (not parameters of this module: they are never saved or trained here)
         hf.set_input_embeddings(target.hf.get_input_embeddings())
-        hf.set_output_embeddings(target.hf.get_output_embeddings())
-        hf.config.vocab_size = vocab
+        self.vocab = None if vocab is None else torch.as_tensor(vocab, dtype=torch.long)
+        self.position = None
+        if self.vocab is None:
+            hf.set_output_embeddings(target.hf.get_output_embeddings())
+        else:
+            if self.vocab.ndim != 1 or not len(self.vocab) or len(set(self.vocab.tolist())) != len(self.vocab) \
+                    or int(self.vocab.min()) < 0 or int(self.vocab.max()) >= n_vocab:
+                raise VerispecError(f"a draft vocabulary must be distinct token ids in [0, {n_vocab})")
+            hf.set_output_embeddings(_SubsetHead(target.hf.get_output_embeddings(), self.vocab))
+            self.position = torch.full((n_vocab,), -1, dtype=torch.long)  # token id -> row of the restricted head
+            self.position[self.vocab] = torch.arange(len(self.vocab))
+            n_vocab = len(self.vocab)
+        hf.config.vocab_size = n_vocab
         self.__dict__["lm"] = CausalLM(hf.eval(), target.tokenizer, name=f"eagle-head[{target.name}]")
         self.__dict__["target"] = target
         self.hidden = hidden
@@ -81,16 +112,26 @@ class EagleHead(nn.Module):
         emb = self.target.hf.get_input_embeddings()(tokens).to(features.dtype)
         return self.fc(torch.cat([features, emb], dim=-1))
 
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's logits over the target's whole vocabulary (-inf outside a restricted vocabulary)."""
+        if self.vocab is None:
+            return logits
+        out = logits.new_full((*logits.shape[:-1], self.target.vocab_size), float("-inf"))
+        out[..., self.vocab] = logits
+        return out
+
     def head_state(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.own_parameters()}
 
     def shape(self) -> dict:
         return {"vocab_size": self.target.vocab_size, "hidden_size": self.hidden,
-                "target_layers": self.target.num_layers}
+                "target_layers": self.target.num_layers,
+                "draft_vocab": self.target.vocab_size if self.vocab is None else len(self.vocab)}
 
     def save(self, path: str | Path, meta: dict | None = None, half: bool = True) -> None:
         state = {n: (t.half() if half else t) for n, t in self.head_state().items()}
-        torch.save({"format": FORMAT, "state": state, "meta": {**(meta or {}), **self.shape()}}, path)
+        vocab = None if self.vocab is None else self.vocab.int()
+        torch.save({"format": FORMAT, "state": state, "vocab": vocab, "meta": {**(meta or {}), **self.shape()}}, path)
 
     @classmethod
     def load(cls, path: str | Path, target: CausalLM) -> "EagleHead":
@@ -100,7 +141,11 @@ class EagleHead(nn.Module):
         blob = torch.load(path, map_location="cpu", weights_only=True)
         if blob.get("format") != FORMAT:
             raise VerispecError(f"{path} is not a verispec draft head (format {blob.get('format')})")
-        head = cls(target)
+        vocab = blob.get("vocab")
+        if vocab is not None and (int(vocab.max()) >= target.vocab_size or int(vocab.min()) < 0):
+            raise VerispecError(f"{path} does not fit target {target.name!r} (its draft vocabulary has ids beyond "
+                                f"the target's {target.vocab_size})")
+        head = cls(target, None if vocab is None else vocab.long())
         state = {n: t.float() for n, t in blob["state"].items()}
         missing = set(head.head_state()) - set(state)
         wrong = [k for k, v in head.shape().items() if k in blob["meta"] and blob["meta"][k] != v]
@@ -167,6 +212,16 @@ def self_corpus(target: CausalLM, n: int, *, prompt_tokens: int = 48, response_t
     return out[:n]
 
 
+def draft_vocabulary(corpus: list[list[int]], size: int, vocab_size: int, always=()) -> torch.Tensor:
+    """The ``size`` token ids a restricted draft head keeps: ``always`` (end-of-sequence tokens) first, then by
+    frequency in the training corpus, then unseen tokens by id (BPE ids roughly follow merge frequency)."""
+    counts = torch.bincount(torch.tensor([t for seq in corpus for t in seq], dtype=torch.long), minlength=vocab_size)
+    score = counts[:vocab_size].double()
+    score[torch.tensor(sorted(always), dtype=torch.long)] = float("inf")
+    order = torch.sort(-score, stable=True).indices  # ties (unseen tokens) by id
+    return order[:size].sort().values
+
+
 @torch.inference_mode()
 def features(target: CausalLM, seq: list[int], top_k: int) -> dict[str, torch.Tensor]:
     """The target's features ``[T, H]`` (fp16) and top-k next-token laws (probabilities, indices) of a sequence."""
@@ -194,6 +249,7 @@ class TrainConfig:
     held_out: float = 0.1  # fraction of sequences kept for validation
     seed: int = 0
     checkpoint_every: int = 50  # optimiser steps
+    vocab: int = 16384  # draft vocabulary (the most frequent tokens of the corpus); 0: the target's whole vocabulary
 
 
 # a corpus of n sequences is the first n of any longer one with these options (each batch is seeded by its start)
@@ -215,9 +271,13 @@ def head_loss(head: EagleHead, data: dict[str, torch.Tensor], noise: float = 0.0
     pred = out.hidden_states[-1][0]
     logq = torch.log_softmax(out.logits[0].float(), dim=-1)
     p, idx = data["p"][1:].float(), data["i"][1:].long()
-    ce = -(p * logq.gather(1, idx)).sum(-1) / p.sum(-1)
+    top1 = (logq.argmax(-1) == (idx[:, 0] if head.vocab is None else head.position[idx[:, 0]])).float()
+    if head.vocab is not None:  # a restricted head is trained on the target's law conditioned on its vocabulary
+        idx = head.position[idx]
+        p = p * (idx >= 0)
+        idx = idx.clamp(min=0)
+    ce = -(p * logq.gather(1, idx)).sum(-1) / p.sum(-1).clamp(min=1e-9)
     feat = nn.functional.smooth_l1_loss(pred, f[1:], reduction="none").mean(-1)
-    top1 = (logq.argmax(-1) == idx[:, 0]).float()
     loss = ce.mean() + feature_weight * feat.mean()
     return loss, {"ce": float(ce.mean().detach()), "feat": float(feat.mean().detach()), "top1": float(top1.mean())}
 
@@ -272,7 +332,10 @@ def train(target: CausalLM, out_dir: str | Path, config: TrainConfig, *, resume:
     for p in target.hf.parameters():
         p.requires_grad_(False)
     torch.manual_seed(config.seed)
-    head = EagleHead(target)
+    vocab = None
+    if 0 < config.vocab < target.vocab_size:
+        vocab = draft_vocabulary(corpus, config.vocab, target.vocab_size, always=target.eos_token_ids)
+    head = EagleHead(target, vocab)
     opt = torch.optim.AdamW(head.trainable(), lr=config.lr, weight_decay=0.0)
     steps_per_epoch = math.ceil(len(trn) / config.batch)
     total = steps_per_epoch * config.epochs

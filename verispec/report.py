@@ -26,6 +26,7 @@ from pathlib import Path
 from .bench import NO_DRAFT, cell_id, finished_cells, read_records
 from .errors import VerispecError
 from .methods import resolve_method
+from .tree import Tree
 from .metrics import mean_accepted_length, per_candidate_acceptance
 
 NAN = float("nan")
@@ -246,6 +247,8 @@ def width_series(rows: list[Row]) -> dict[tuple, list[tuple[int, int, float]]]:
         if r.method == "ar" or r.category != "all":
             continue
         tree = resolve_method(r.method).tree()
+        if not isinstance(tree, Tree):  # a dynamic tree has no fixed width
+            continue
         widths = {len(c) for c in tree.children if c}
         if len(widths) != 1:
             continue

@@ -11,6 +11,10 @@ Shapes:
     ``Tree.from_branching([3,1,1])``  every node at depth i has branching[i] children;
     ``Tree.from_paths([(0,), (1,), (0, 0)])``  Medusa-style list of rank paths (prefixes are implied).
     ``Tree.parse("chain:5" | "3x5" | "3,1,1,1" | "paths:0;1;0.0")``  the same, from a CLI string.
+
+A ``DynamicTree`` (``Tree.parse("dyn:6,4,24")``) is not a shape but a rule the drafter follows (EAGLE-2):
+expand the K most probable frontier nodes at each depth with their K most probable children, then keep
+the N most probable drafted nodes overall.
 """
 
 from __future__ import annotations
@@ -95,6 +99,8 @@ class Tree:
         try:
             if s.startswith("chain:"):
                 return cls.chain(int(s[6:]))
+            if s.startswith("dyn:"):
+                return DynamicTree(*(int(v) for v in s[4:].split(",")))
             if s.startswith("paths:"):
                 return cls.from_paths([tuple(int(r) for r in p.split(".")) for p in s[6:].split(";") if p])
             if "x" in s:
@@ -105,7 +111,8 @@ class Tree:
             if isinstance(exc, VerispecError):
                 raise
             raise VerispecError(
-                f"cannot parse tree {text!r}: use chain:G, BxD (e.g. 3x5), b1,b2,... (e.g. 3,1,1) or paths:0;1;0.0"
+                f"cannot parse tree {text!r}: use chain:G, BxD (e.g. 3x5), b1,b2,... (e.g. 3,1,1), paths:0;1;0.0 "
+                "or dyn:DEPTH,K,N (e.g. dyn:6,4,24)"
             ) from None
 
     # ---------- derived structure ----------
@@ -172,3 +179,42 @@ class Tree:
     def describe(self) -> str:
         widths = [sum(1 for d in self.depths if d == k) for k in range(1, self.max_depth + 1)]
         return f"tree({self.size - 1} drafted nodes, depth {self.max_depth}, width per depth {widths})"
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2's dynamic draft tree: at each of ``depth`` levels expand the ``k`` frontier nodes with the highest
+    draft path probability, each with its ``k`` most probable children; finally keep the ``nodes`` drafted nodes
+    with the highest path probability (ancestors first, so the kept set is a tree).
+
+    The tree depends only on the draft, never on the target, so verification stays exact; but its children
+    must be the draft's top-k (pruning *sampled* children by their own probability would bias their law),
+    so it runs with ``--children topk`` (the ``topk`` verifier) or greedy decoding.
+    """
+
+    depth: int
+    k: int
+    nodes: int
+
+    def __post_init__(self):
+        if self.depth < 1 or self.k < 1 or self.nodes < 1:
+            raise VerispecError(f"dyn:DEPTH,K,N needs positive numbers, got dyn:{self.depth},{self.k},{self.nodes}")
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+    @property
+    def size(self) -> int:
+        """At most this many nodes, root included."""
+        return 1 + min(self.nodes, self.k + (self.depth - 1) * self.k * self.k)  # k at depth 1, then k x k per depth
+
+    @property
+    def is_chain(self) -> bool:
+        return self.k == 1
+
+    def __str__(self) -> str:
+        return f"dyn:{self.depth},{self.k},{self.nodes}"
+
+    def describe(self) -> str:
+        return f"dynamic tree (depth {self.depth}, top-{self.k} expansion, {self.nodes} nodes kept)"

@@ -22,7 +22,7 @@ import torch
 from ..errors import VerispecError
 from ..probs import Sampling, logits_to_probs
 from ..rng import Randomness
-from ..tree import Tree
+from ..tree import DynamicTree, Tree
 
 CHILD_MODES = ("iid", "swor", "topk")
 
@@ -108,6 +108,8 @@ class Drafter:
         """Draft a tree shaped like (a subtree of) ``shape`` after ``context``; ``context[-1]`` is the root."""
         if children not in CHILD_MODES:
             raise VerispecError(f"unknown child sampling {children!r}; choose from {', '.join(CHILD_MODES)}")
+        if isinstance(shape, DynamicTree):
+            return self._propose_dynamic(context, shape, sampling, children, policy)
         g = _Growing(parents=[-1], tokens=[context[-1]], template=[0], q_rows={}, child_prob=[1.0])
         frontier = [0]
         logits = None
@@ -148,23 +150,83 @@ class Drafter:
                 break
             logits = self._node_logits(g, expandable)
             frontier = expandable
-        tree = Tree(tuple(g.parents))
-        q = torch.zeros(tree.size, vocab, dtype=dtype)
-        for node, row in g.q_rows.items():
-            q[node] = row
-        soft_q = None
-        if g.soft_rows:
-            soft_q = torch.zeros(tree.size, vocab, dtype=dtype)
-            for node, row in g.soft_rows.items():
-                soft_q[node] = row
-        return Draft(
-            tree=tree,
-            tokens=torch.tensor(g.tokens, dtype=torch.long),
-            q=q,
-            child_prob=torch.tensor(g.child_prob, dtype=torch.float64),
-            sampling=children,
-            soft_q=soft_q,
-        )
+        return _finish(g, children, vocab, dtype)
+
+    def _propose_dynamic(self, context: list[int], shape: DynamicTree, sampling: Sampling, children: str,
+                         policy=None) -> Draft:
+        """EAGLE-2's dynamic tree (see ``DynamicTree``): grow by draft path probability, then keep the best nodes."""
+        from ..policies import Fixed  # noqa: PLC0415
+
+        if children != "topk" and not sampling.greedy:
+            raise VerispecError(f"a dynamic tree drafts top-k children; use --children topk (got {children!r}): "
+                                "pruning sampled children by their own probability would bias their law")
+        if policy is not None and not isinstance(policy, Fixed):
+            raise VerispecError("a dynamic tree chooses its own depth; use it with the fixed draft-length policy")
+        g = _Growing(parents=[-1], tokens=[context[-1]], template=[0], q_rows={}, child_prob=[1.0])
+        root = self._root_logits(context)
+        if root is None:
+            return _finish(g, "topk", 0, torch.float32)
+        logp = [0.0]  # draft log path probability of each node
+        frontier, logits = [0], root[None]
+        for depth in range(shape.depth):
+            laws = logits_to_probs(logits, sampling)
+            conf = logits_to_probs(logits, Sampling(1.0)) if sampling.greedy else laws
+            new = []
+            for row, node in enumerate(frontier):
+                if not torch.isfinite(logits[row]).any():
+                    continue
+                g.q_rows[node] = laws[row]
+                if sampling.greedy:
+                    g.soft_rows[node] = conf[row]
+                xs, _ = _draw_children(laws[row], logits[row], shape.k, "topk", None)
+                lp = torch.log(conf[row, xs]).tolist()
+                for x, l in zip(xs, lp):
+                    g.parents.append(node)
+                    g.tokens.append(x)
+                    g.template.append(0)
+                    g.child_prob.append(1.0)
+                    logp.append(logp[node] + l)
+                    new.append(len(g.parents) - 1)
+            if not new or depth + 1 >= shape.depth:
+                break
+            frontier = sorted(new, key=lambda n: (-logp[n], n))[: shape.k]
+            logits = self._node_logits(g, frontier)
+        # keep the best nodes; a child's path probability never exceeds its parent's, and ties go to the lower
+        # (earlier) index, so every kept node's parent is kept too
+        kept = [0] + sorted(sorted(range(1, len(g.parents)), key=lambda n: (-logp[n], n))[: shape.nodes])
+        new_id = {old: new for new, old in enumerate(kept)}
+        pruned = _Growing(parents=[-1] + [new_id[g.parents[n]] for n in kept[1:]], tokens=[g.tokens[n] for n in kept],
+                          template=[0] * len(kept), q_rows={}, child_prob=[1.0] * len(kept))
+        has_children = {g.parents[n] for n in kept[1:]}
+        pruned.q_rows = {new_id[n]: g.q_rows[n] for n in kept if n in has_children}
+        pruned.soft_rows = {new_id[n]: g.soft_rows[n] for n in kept if n in has_children and n in g.soft_rows}
+        self._renumber(kept)
+        return _finish(pruned, "topk", root.shape[-1], torch.float64 if root.dtype == torch.float64 else torch.float32)
+
+    def _renumber(self, kept: list[int]) -> None:
+        """A dynamic tree kept the grown nodes ``kept`` (new node i was node ``kept[i]``); drafters that track
+        drafted nodes (e.g. their cache slots) renumber them here."""
+
+
+def _finish(g: _Growing, children: str, vocab: int, dtype: torch.dtype) -> Draft:
+    """The ``Draft`` of a grown tree: its q rows (zero for leaves) and conditional child probabilities."""
+    tree = Tree(tuple(g.parents))
+    q = torch.zeros(tree.size, vocab, dtype=dtype)
+    for node, row in g.q_rows.items():
+        q[node] = row
+    soft_q = None
+    if g.soft_rows:
+        soft_q = torch.zeros(tree.size, vocab, dtype=dtype)
+        for node, row in g.soft_rows.items():
+            soft_q[node] = row
+    return Draft(
+        tree=tree,
+        tokens=torch.tensor(g.tokens, dtype=torch.long),
+        q=q,
+        child_prob=torch.tensor(g.child_prob, dtype=torch.float64),
+        sampling=children,
+        soft_q=soft_q,
+    )
 
 
 def _draw_children(q: torch.Tensor, logits: torch.Tensor, k: int, mode: str, rng: Randomness):

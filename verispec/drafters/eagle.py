@@ -25,7 +25,7 @@ class EagleDrafter(Drafter):
         self.head = head
         self.lm = head.lm
         self.name = name
-        self.vocab_size = head.lm.vocab_size
+        self.vocab_size = head.target.vocab_size
         self.state = self.lm.new_state()
         self._features: list[torch.Tensor] = []
         self._count = 0  # target features received (positions 0 .. count-1)
@@ -64,7 +64,7 @@ class EagleDrafter(Drafter):
         tokens = torch.tensor(context[start + 1:last + 2])
         out = self.lm.prefill_output(self.state, tokens, self.head.inputs(feats, tokens))
         self._pred[0] = out.hidden[-1]
-        return out.logits[-1]
+        return self.head.full_logits(out.logits[-1])
 
     @torch.inference_mode()
     def _node_logits(self, g: _Growing, nodes: list[int]) -> torch.Tensor:
@@ -74,7 +74,7 @@ class EagleDrafter(Drafter):
         out = self.lm.forward(self.state, tokens, positions, attend, self.head.inputs(feats, tokens))
         for row, n in enumerate(nodes):
             self._pred[n] = out.hidden[row]
-        return out.logits
+        return self.head.full_logits(out.logits)
 
     def commit(self, draft: Draft, path: list[int]) -> None:
         self.lm.commit(self.state, [])  # drafted pairs used predicted features: drop them all

@@ -50,6 +50,9 @@ class ModelDrafter(Drafter):
         tokens, positions, attend = tree_level(g, nodes, self._anc, self._slot, self.state)
         return self.model.forward(self.state, tokens, positions, attend).logits
 
+    def _renumber(self, kept: list[int]) -> None:
+        self._slot = {new: self._slot[old] for new, old in enumerate(kept) if old in self._slot}
+
     def commit(self, draft: Draft, path: list[int]) -> None:
         keep = []
         for node in path:
