@@ -49,11 +49,25 @@ def tuned_tree() -> str | None:
     return json.loads(TUNED.read_text())["best"]["tree"] if TUNED.exists() else None
 
 
+DYNAMIC = "dyn:6,4,24"  # EAGLE-2 dynamic tree: depth 6, top-4 expansion, 24 nodes kept
+TABLE2_VERIFIERS = ["specinfer", "resispec", "swor", "reserve", "topk"]
+
+
 def eagle_run() -> list[str]:
     tree = tuned_tree() or "chain:5"
-    return ["--methods", "hf-generate", "hf-assisted", "ar", "fixed", f"topk@{tree}", "--drafts", "eagle", "int8",
-            "ngram", "--datasets", "spec-bench", "--limit", "1", "--temperatures", "0", "0.6",
-            "--max-new-tokens", "64"]
+    return ["--methods", "hf-generate", "hf-assisted", "ar", "fixed", f"topk@{tree}", f"topk@{DYNAMIC}",
+            "--drafts", "eagle", "int8", "ngram", "--datasets", "spec-bench", "--limit", "1",
+            "--temperatures", "0", "0.6", "--max-new-tokens", "64"]
+
+
+def table2_run() -> list[str]:
+    tree = tuned_tree() or "chain:5"
+    return ["--methods", "ar", *[f"{v}@{tree}" for v in TABLE2_VERIFIERS], f"topk@{DYNAMIC}", "--drafts", "eagle",
+            "--datasets", "spec-bench", "--limit", "1", "--temperatures", "0.6", "1.0", "--max-new-tokens", "48",
+            "--audit-cases", "100"]
+
+
+HEAD_RUNS = {"eagle": eagle_run, "table2": table2_run}  # need the shipped draft head
 
 
 def path(name: str) -> Path:
@@ -61,7 +75,8 @@ def path(name: str) -> Path:
 
 
 def run(name: str) -> None:
-    argv = ["bench", *(eagle_run() if name == "eagle" else RUNS[name]), "--out", str(path(name).relative_to(ROOT)), "--resume"]
+    argv = ["bench", *(HEAD_RUNS[name]() if name in HEAD_RUNS else RUNS[name]), "--out",
+            str(path(name).relative_to(ROOT)), "--resume"]
     if not path(name).exists():
         argv.remove("--resume")
     if cli.main(argv) != 0:
@@ -99,6 +114,16 @@ def render() -> str:
                     f"{tune['best']['accepted']:.2f} tokens per step); per-candidate acceptance "
                     f"{', '.join(f'{x:.3f}' for x in tune['conditional_acceptance'])}.", ""]
         out += [table_peers(rows), "", fig(latency(res, figs / "eagle_latency.png", rows)), ""]
+
+    if path("table2").exists():
+        res = Results.load(path("table2"))
+        rows = summarize(res)
+        out += ["## ResiSpec Table 2 shape: the verifiers as add-ons on the eagle draft", "", f"Run: {res.describe()}",
+                "", "Draft `eagle` with the tree chosen by `verispec tune-tree` (children i.i.d. for `specinfer`, "
+                "`resispec` and `reserve`, without replacement for `swor`, the top-k for `topk`), and `topk` on "
+                f"the EAGLE-2 dynamic tree `{DYNAMIC}`. `resispec` is the published rule and is **not exact**.", "",
+                table_verifiers_by_category(rows), "", fig(per_candidate(res, figs / "table2_per_candidate.png", rows)),
+                "", table_audit(res.audits), ""]
 
     res = Results.load(path("peers"))
     rows, cats = summarize(res), summarize(res, by_category=True)
@@ -152,8 +177,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--render", action="store_true", help="only render docs/results.md from existing results")
     shipped = (ROOT / "verispec" / "heads" / "smollm2-135m.pt").exists()
-    ap.add_argument("--runs", nargs="+", default=[*RUNS, *(["eagle"] if shipped else [])], choices=[*RUNS, "eagle"],
-                    help="runs to do ('eagle' needs the shipped draft head; default: all that can run)")
+    ap.add_argument("--runs", nargs="+", default=[*RUNS, *(HEAD_RUNS if shipped else [])], choices=[*RUNS, *HEAD_RUNS],
+                    help="runs to do ('eagle' and 'table2' need the shipped draft head; default: all that can run)")
     args = ap.parse_args()
     if not args.render:
         for name in args.runs:

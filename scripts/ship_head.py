@@ -16,19 +16,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from verispec import CausalLM, Tree, generate, get_verifier  # noqa: E402
-from verispec.drafters.eagle import EagleDrafter  # noqa: E402
-from verispec.eagle import HEADS_DIR, EagleHead  # noqa: E402
-
-FIXED_PROMPT = "Explain why the sky is blue in a short paragraph."
-FIXED_TOKENS = 64
-
-
-def fixed_prompt_acceptance(target: CausalLM, head: EagleHead) -> float:
-    """Mean accepted length per step, greedy, chain of 5, on ``FIXED_PROMPT`` (deterministic)."""
-    out = generate(target, EagleDrafter(head), get_verifier("chain"), FIXED_PROMPT, tree=Tree.chain(5),
-                   max_new_tokens=FIXED_TOKENS, temperature=0.0)
-    return out.mean_accepted_length
+from verispec import CausalLM  # noqa: E402
+from verispec.eagle import FIXED_PROMPT, FIXED_TOKENS, HEADS_DIR, EagleHead, fixed_prompt_acceptance  # noqa: E402
 
 
 def main() -> None:
@@ -60,7 +49,9 @@ def main() -> None:
         "file_bytes": dest.stat().st_size,
         "head_parameters": n_head,
         "target_parameters": n_target,
-        "extra_memory_fraction": n_head / n_target,
+        "draft_vocabulary": head.shape()["draft_vocab"],
+        "extra_numel": head.extra_numel(),
+        "extra_memory_fraction": head.extra_numel() / n_target,
         "training": {"steps": log[-1]["step"], "elapsed_s": elapsed,
                      "sequences": head.meta.get("sequences"), "final_train": {k: log[-1][k] for k in ("ce", "feat", "top1")},
                      "validation": head.meta.get("validation"), "last_checkpoint_validation":

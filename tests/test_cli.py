@@ -163,3 +163,20 @@ def test_cli_audit_distortion_on_the_default_model():
     assert set(rows) == {"chain", "adasd", "fsd", "typical", "bild"}
     assert rows["chain"]["max_tv"] < 1e-12 and all(d["pairs"] == 6 for d in rows.values())
     assert {r["rule"] for r in out["sequence_nll"]} == {"target samples", *rows}
+
+
+@pytest.mark.slow
+def test_shipped_head_reproduces_its_recorded_acceptance_and_fits_the_budget(smollm):
+    from verispec.cli import build_drafter
+    from verispec.drafters.eagle import EagleDrafter
+    from verispec.eagle import HEADS_DIR, EagleHead, fixed_prompt_acceptance
+
+    path = HEADS_DIR / "smollm2-135m.pt"
+    info = json.loads((HEADS_DIR / "smollm2-135m.json").read_text())
+    assert path.stat().st_size == info["file_bytes"] <= 25 * 2**20
+    head = EagleHead.load(path, smollm)
+    assert head.extra_numel() <= 0.25 * sum(p.numel() for p in smollm.hf.parameters())
+    recorded = info["fixed_prompt"]["mean_accepted_length"]
+    assert recorded > 1.5  # a trained head, not a placeholder
+    assert abs(fixed_prompt_acceptance(smollm, head) - recorded) <= 0.1  # greedy: equal up to float noise
+    assert isinstance(build_drafter("auto", smollm), EagleDrafter)  # the default draft for the default target

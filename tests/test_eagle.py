@@ -73,6 +73,7 @@ def test_trained_head_drafts_better_than_untrained(tmp_path):
                       lr=3e-3, checkpoint_every=20, temperature=0.5, vocab=VOCAB - 16)
     path = train(target, tmp_path / "run", cfg, progress=False, log=lambda m: None, max_steps=40)
     assert not path.exists() and (tmp_path / "run" / "checkpoint.pt").exists()
+    assert (tmp_path / "run" / "features.pt").exists()  # reused by the resumed run
     path = train(target, tmp_path / "run", cfg, progress=False, log=lambda m: None)  # resumes at step 40
     assert path.exists()
     import json

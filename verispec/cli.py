@@ -488,7 +488,9 @@ def _add_tune_tree(sub):
     t.add_argument("--draft", default="eagle", help=DRAFT_HELP)
     t.add_argument("--temperature", type=float, default=0.0)
     t.add_argument("--children", default="iid", choices=CHILD_MODES)
-    t.add_argument("--prompts", type=int, default=4, help="Spec-Bench prompts to measure acceptance on")
+    t.add_argument("--prompts", type=int, default=4,
+                   help="Spec-Bench prompts to measure acceptance on (each category's last questions, so that the "
+                        "first ones, which the benchmarks use, stay unseen)")
     t.add_argument("--max-new-tokens", type=int, default=48)
     t.add_argument("--width", type=int, default=4, help="candidates per node measured (and allowed)")
     t.add_argument("--max-nodes", type=int, default=48)

@@ -53,12 +53,14 @@ def _check_groups(groups) -> None:
         raise VerispecError(f"unknown Spec-Bench group(s) {sorted(unknown)}; choose from {', '.join(SPEC_BENCH_GROUPS)}")
 
 
-def spec_bench_prompts(n: int, groups=SPEC_BENCH_GROUPS) -> list[tuple[str, str]]:
-    """``n`` first-turn prompts taken round-robin over ``groups``: ``[(group, prompt)]``."""
+def spec_bench_prompts(n: int, groups=SPEC_BENCH_GROUPS, from_end: bool = False) -> list[tuple[str, str]]:
+    """``n`` first-turn prompts taken round-robin over ``groups``: ``[(group, prompt)]``; ``from_end`` takes each
+    group's last questions instead of its first (tuning on them keeps the benchmark's first questions unseen)."""
     by_group = defaultdict(list)
     for p in spec_bench_problems(None, groups):
         by_group[p.category].append(p.prompt)
-    return [(groups[i % len(groups)], by_group[groups[i % len(groups)]][i // len(groups)]) for i in range(n)]
+    pick = (lambda i: -1 - i // len(groups)) if from_end else (lambda i: i // len(groups))
+    return [(groups[i % len(groups)], by_group[groups[i % len(groups)]][pick(i)]) for i in range(n)]
 
 
 def spec_bench_problems(limit: int | None, groups=SPEC_BENCH_GROUPS) -> list[Problem]:

@@ -120,6 +120,12 @@ class EagleHead(nn.Module):
         out[..., self.vocab] = logits
         return out
 
+    def extra_numel(self) -> int:
+        """Numbers this head adds to the target in memory: its own parameters, plus the rows a restricted
+        output head copies."""
+        n = sum(p.numel() for _, p in self.own_parameters())
+        return n + (0 if self.vocab is None else self.lm.hf.get_output_embeddings().weight.numel())
+
     def head_state(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.own_parameters()}
 
@@ -154,6 +160,22 @@ class EagleHead(nn.Module):
         head.load_state_dict(state, strict=False)
         head.meta = blob["meta"]
         return head.eval()
+
+
+FIXED_PROMPT = "Explain why the sky is blue in a short paragraph."  # a shipped head records its acceptance here
+FIXED_TOKENS = 64
+
+
+def fixed_prompt_acceptance(target: CausalLM, head: EagleHead) -> float:
+    """Mean accepted length per step, greedy, chain of 5, on ``FIXED_PROMPT`` (deterministic)."""
+    from .decode import generate  # noqa: PLC0415
+    from .drafters.eagle import EagleDrafter  # noqa: PLC0415
+    from .tree import Tree  # noqa: PLC0415
+    from .verifiers import get_verifier  # noqa: PLC0415
+
+    out = generate(target, EagleDrafter(head), get_verifier("chain"), FIXED_PROMPT, tree=Tree.chain(5),
+                   max_new_tokens=FIXED_TOKENS, temperature=0.0)
+    return out.mean_accepted_length
 
 
 # ---------------------------------------------------------------- training data
@@ -319,9 +341,18 @@ def train(target: CausalLM, out_dir: str | Path, config: TrainConfig, *, resume:
     else:
         corpus = done[: config.sequences]
 
-    # 2. features (recomputed each run: a few seconds per hundred sequences)
-    data = [features(target, s, config.top_k) for s in tqdm(corpus, desc="target features", disable=not progress)
-            if len(s) > 2]
+    # 2. features (about 0.4 s per sequence on 2 CPU cores; kept in features.pt so that a resumed run reuses them)
+    feat_path = out / "features.pt"
+    data, usable = [], [s for s in corpus if len(s) > 2]
+    if feat_path.exists() and resume:
+        blob = torch.load(feat_path, map_location="cpu", weights_only=True)
+        cached = blob["data"][: len(usable)]
+        if blob["top_k"] == config.top_k and [d["tokens"].tolist() for d in cached] == usable[: len(cached)]:
+            data = cached
+    if len(data) < len(usable):
+        data += [features(target, s, config.top_k) for s in tqdm(usable[len(data):], desc="target features",
+                                                                 disable=not progress)]
+        torch.save({"top_k": config.top_k, "data": data}, feat_path)
     rnd = random.Random(config.seed)
     order = list(range(len(data)))
     rnd.shuffle(order)

@@ -58,7 +58,7 @@ def draft_cost_model(drafter, context: list[int], sampling: Sampling, children: 
 
 def tune_tree(target, drafter, *, temperature: float = 0.0, children: str = "iid", prompts: int = 4,
               max_new_tokens: int = 48, width: int = 4, max_nodes: int = 48, max_depth: int = 8, log=print) -> dict:
-    texts = [p for _, p in spec_bench_prompts(prompts)]
+    texts = [p for _, p in spec_bench_prompts(prompts, from_end=True)]  # never the benchmark's first questions
     ids = [target.encode_prompt(t) for t in texts]
     sizes = sorted({1, 2, 4, 8, 12, 16, 24, 32, 48, 64, max_nodes + 1})
     log("measuring the target's forward cost by tree size ...")
