@@ -33,6 +33,7 @@ def main() -> None:
     shutil.copyfile(run / "head.pt", dest)
     head = EagleHead.load(dest, target)
     log = [json.loads(line) for line in (run / "log.jsonl").open()]
+    log = log[max(i for i, r in enumerate(log) if r["step"] == 1):]  # the last training from scratch in this folder
     last_val = [r for r in log if "val_ce" in r][-1]
     elapsed, prev = 0.0, 0.0  # the log's clock restarts at each resumed segment
     for r in log:
@@ -59,6 +60,10 @@ def main() -> None:
         "fixed_prompt": {"prompt": FIXED_PROMPT, "max_new_tokens": FIXED_TOKENS, "tree": "chain:5", "temperature": 0,
                          "mean_accepted_length": fixed_prompt_acceptance(target, head)},
     }
+    tune = ROOT / "results" / "tune_eagle.json"  # verispec tune-tree --draft eagle ... --out results/tune_eagle.json
+    if tune.exists():
+        info["default_tree"] = json.loads(tune.read_text())["best"]["tree"]
+        info["default_tree_from"] = "results/tune_eagle.json"
     (HEADS_DIR / f"{args.target}.json").write_text(json.dumps(info, indent=1) + "\n")
     print(json.dumps(info, indent=1))
 

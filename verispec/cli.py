@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 import shlex
 import sys
 import time
@@ -68,7 +69,12 @@ def build_drafter(spec: str, target: CausalLM, dtype: str = "float32"):
         from .drafters.eagle import EagleDrafter  # noqa: PLC0415
         from .eagle import EagleHead, shipped_head  # noqa: PLC0415
 
-        return EagleDrafter(EagleHead.load(arg or shipped_head(target.name), target), name=spec)
+        path = Path(arg) if arg else shipped_head(target.name)
+        drafter = EagleDrafter(EagleHead.load(path, target), name=spec)
+        sidecar = path.with_suffix(".json")  # written by scripts/ship_head.py: how it was made and its tuned tree
+        if sidecar.is_file():
+            drafter.default_tree = json.loads(sidecar.read_text()).get("default_tree")
+        return drafter
     if kind == "model" and arg:
         drafter = ModelDrafter(CausalLM.load(arg, dtype=dtype))
         drafter.check_compatible(target)
@@ -93,9 +99,11 @@ def _add_generate(sub):
     g.add_argument("--policy", default="fixed", metavar="POLICY",
                    help="draft-length policy (the tree still caps the depth): "
                         + "; ".join(f"{k}: {v}" for k, v in POLICIES.items()))
-    g.add_argument("--tree", default="chain:5",
-                   help="draft tree: chain:G, BxD (complete, e.g. 3x5), b1,b2,... (per-depth branching, e.g. 3,1,1) "
-                        "or paths:0;1;0.0 (Medusa-style rank paths)")
+    g.add_argument("--tree", default="auto",
+                   help="draft tree: chain:G, BxD (complete, e.g. 3x5), b1,b2,... (per-depth branching, e.g. 3,1,1), "
+                        "paths:0;1;0.0 (Medusa-style rank paths) or dyn:DEPTH,K,N (EAGLE-2 dynamic tree, top-k "
+                        "children). Default 'auto': the tree 'verispec tune-tree' chose for a shipped draft head, "
+                        "else chain:5")
     g.add_argument("--children", default=None, choices=CHILD_MODES,
                    help="how the children of a tree node are drawn: iid from q, without replacement, or the top-k "
                         "(default: what the method needs; iid for methods that take any)")
@@ -113,7 +121,8 @@ def _add_generate(sub):
 def cmd_generate(args) -> int:
     from .decode import generate  # noqa: PLC0415
 
-    tree = Tree.parse(args.tree)
+    if args.tree != "auto":
+        Tree.parse(args.tree)  # fail before loading anything
     draft_spec = "none" if args.method == "ar" else args.draft
     method = "chain" if args.method == "ar" else args.method
     verifier = get_verifier(method)
@@ -123,6 +132,7 @@ def cmd_generate(args) -> int:
     info(f"loading target {args.target} ...")
     target = CausalLM.load(args.target, dtype=args.dtype)
     drafter = build_drafter(draft_spec, target, dtype=args.dtype)
+    tree = Tree.parse(getattr(drafter, "default_tree", None) or "chain:5" if args.tree == "auto" else args.tree)
     if isinstance(drafter, NoDrafter):
         tree = Tree.root_only()
     info(f"loaded in {time.perf_counter() - t:.1f}s; draft {drafter.name}, method {verifier.name}, {tree.describe()}")
@@ -458,7 +468,6 @@ def _add_train_draft(sub):
 
 def cmd_train_draft(args) -> int:
     import dataclasses  # noqa: PLC0415
-    from pathlib import Path  # noqa: PLC0415
 
     from .eagle import TrainConfig, train  # noqa: PLC0415
 
@@ -508,8 +517,6 @@ def cmd_tune_tree(args) -> int:
                        max_new_tokens=args.max_new_tokens, width=args.width, max_nodes=args.max_nodes,
                        max_depth=args.max_depth, log=lambda m: print(m, file=sys.stderr))
     if args.out:
-        from pathlib import Path  # noqa: PLC0415
-
         Path(args.out).write_text(json.dumps(report, indent=1))
     print(report["best"]["tree"])
     return 0

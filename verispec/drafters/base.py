@@ -72,6 +72,7 @@ class Drafter:
     name = "drafter"
     vocab_size: int | None = None
     uses_target_hidden = False  # True: the loop calls ``observe`` with the target's hidden states
+    default_tree: str | None = None  # the tree ``--tree auto`` uses with this drafter (a tuned one, if known)
 
     def observe(self, hidden: torch.Tensor) -> None:
         """The target's last hidden states ``[n, H]`` of the next n committed positions (prompt, then at each
