@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 import shlex
 import sys
 import time
+from pathlib import Path
 
 from . import __version__
 from .drafters import CHILD_MODES, ModelDrafter, NgramDrafter, NoDrafter, layer_skip_drafter

@@ -227,7 +227,8 @@ def generate(
     wall = time.perf_counter() - start
     stop = "eos" if out and out[-1] in target.eos_token_ids else "max_new_tokens"
     config = {
-        "target": target.name, "drafter": drafter.name, "method": verifier.name, "tree": list(tree.parents) if isinstance(tree, Tree) else str(tree),
+        "target": target.name, "drafter": drafter.name, "method": verifier.name,
+        "tree": list(tree.parents) if isinstance(tree, Tree) else str(tree),
         "children": children, "temperature": temperature, "top_k": top_k, "top_p": top_p,
         "max_new_tokens": max_new_tokens, "seed": seed, "policy": getattr(policy, "name", "fixed"),
     }
