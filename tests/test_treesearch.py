@@ -74,7 +74,11 @@ def test_tune_tree_runs_on_a_tiny_model(monkeypatch):
     import verispec.tune as tune
 
     target = tiny_model("llama")
-    monkeypatch.setattr(tune, "spec_bench_prompts", lambda n, from_end=False: [("x", "p")] * n)
+    def prompts(n, from_end=False):
+        assert from_end  # tuning never measures on the benchmark's first questions
+        return [("x", "p")] * n
+
+    monkeypatch.setattr(tune, "spec_bench_prompts", prompts)
     monkeypatch.setattr(target, "encode_prompt", lambda text, chat=True: [5, 9, 31, 7, 5, 9, 31])
     for drafter in (layer_skip_drafter(target, 2), NgramDrafter(target.vocab_size)):
         report = tune.tune_tree(target, drafter, prompts=2, max_new_tokens=12, width=2, max_nodes=8, max_depth=4,
