@@ -119,9 +119,10 @@ def render() -> str:
         out += ["## The trained EAGLE head against plain decoding and Hugging Face", "", f"Run: {res.describe()}", "",
                 "Draft `eagle` is the head shipped for the default target (`verispec/heads/`, trained with "
                 "`verispec train-draft`; its training data never saw these prompts). `fixed` is a chain of 5 with "
-                "the exact `chain` verifier; `topk@TREE` drafts the tree chosen by `verispec tune-tree` with top-k "
-                "children and the exact `topk` verifier. `hf-assisted` runs Hugging Face assisted generation with "
-                "each draft it can use (the int8 copy as assistant model, prompt lookup for `ngram`).", ""]
+                "the exact `chain` verifier (`fixed@chain:2` a chain of 2); `topk@TREE` drafts the tree chosen by "
+                "`verispec tune-tree` with top-k children and the exact `topk` verifier, and "
+                f"`topk@{DYNAMIC}` the EAGLE-2 dynamic tree. `hf-assisted` runs Hugging Face assisted generation "
+                "with each draft it can use (the int8 copy as assistant model, prompt lookup for `ngram`).", ""]
         if tune:
             out += [f"Tree from `verispec tune-tree --draft eagle` (T = {tune['temperature']:g}): `{tune['best']['tree']}` "
                     f"({tune['best']['nodes']} nodes, depth {tune['best']['depth']}, predicted "
@@ -157,6 +158,8 @@ def render() -> str:
     res = Results.load(path("peers"))
     rows, cats = summarize(res), summarize(res, by_category=True)
     out += ["## Speedup against plain decoding and the Hugging Face peers", "", f"Run: {res.describe()}", "",
+            "This run and the ones below it predate verispec's linear kernel (see above): all their methods ran "
+            "with the stock kernel, so their ratios hold among themselves.", "",
             "`ar` is the target's plain decoding in verispec's loop, `hf-generate` Hugging Face `generate`, "
             "`hf-assisted` Hugging Face assisted generation with the same draft (the int8 copy as assistant model; "
             "prompt lookup for `ngram`), `fixed` exact chain speculative sampling of 5 drafted tokens.", "",
