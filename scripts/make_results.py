@@ -28,7 +28,13 @@ ISO_TREES = ["30x1", "5x2", "2x4", "6,1,1,1,1", "3,1,1,1,1,1,1,1,1,1"]  # 30 dra
 WIDTH_TREES = ["1x3", "2x3", "3x3", "4x3"]  # N candidates per node, depth 3
 TREE_VERIFIERS = ["specinfer", "resispec", "reserve"]
 
+# plain decoding with the stock linear kernel and with verispec's (see verispec.models.use_tall_skinny_linear)
+KERNEL = ["--methods", "hf-generate", "ar", "--drafts", "none", "--datasets", "spec-bench", "--limit", "1",
+          "--temperatures", "0", "--max-new-tokens", "48"]
+
 RUNS = {
+    "kernel_stock": KERNEL,
+    "kernel": KERNEL,
     "peers": ["--methods", "hf-generate", "hf-assisted", "ar", "fixed", "--drafts", "int8", "ngram",
               "--datasets", "spec-bench", "--limit", "2", "--temperatures", "0", "0.6", "--max-new-tokens", "48"],
     "drafts": ["--methods", "ar", "fixed", "--drafts", "layerskip:8", "layerskip:15", "layerskip:0-11,18-29", "ngram",
@@ -70,12 +76,7 @@ def table2_run() -> list[str]:
 
 HEAD_RUNS = {"eagle": eagle_run, "table2": table2_run}  # need the shipped draft head
 
-# plain decoding with the stock linear kernel and with verispec's (see verispec.models.use_tall_skinny_linear)
-KERNEL = ["--methods", "hf-generate", "ar", "--drafts", "none", "--datasets", "spec-bench", "--limit", "1",
-          "--temperatures", "0", "--max-new-tokens", "48"]
-RUNS["kernel_stock"] = KERNEL
-RUNS["kernel"] = KERNEL
-ENV = {"kernel_stock": {"VERISPEC_STOCK_LINEAR": "1"}}
+ENV = {"kernel_stock": {"VERISPEC_STOCK_LINEAR": "1"}}  # the stock linear kernel (verispec.models)
 
 
 def path(name: str) -> Path:

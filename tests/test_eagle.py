@@ -22,6 +22,18 @@ def corpus(target, n=6, length=24, seed=0):
     return out
 
 
+def train_steps(head, data, steps, lr=3e-3):
+    """Full-batch AdamW steps on ``data``; returns the head's evaluation afterwards."""
+    opt = torch.optim.AdamW(head.trainable(), lr=lr)
+    head.train()
+    for _ in range(steps):
+        opt.zero_grad()
+        for d in data:
+            (head_loss(head, d)[0] / len(data)).backward()
+        opt.step()
+    return evaluate(head, data)
+
+
 def test_head_shares_the_targets_tables_and_trains():
     target = tiny_model("llama")
     for p in target.hf.parameters():
@@ -32,15 +44,7 @@ def test_head_shares_the_targets_tables_and_trains():
     assert head.lm.hf.get_output_embeddings() is target.hf.get_output_embeddings()
     data = [features(target, s, top_k=8) for s in corpus(target)]
     before = evaluate(head, data)
-    opt = torch.optim.AdamW(head.trainable(), lr=3e-3)
-    head.train()
-    for _ in range(40):
-        opt.zero_grad()
-        for d in data:
-            loss, _ = head_loss(head, d)
-            (loss / len(data)).backward()
-        opt.step()
-    after = evaluate(head, data)
+    after = train_steps(head, data, 40)
     assert after["ce"] < 0.7 * before["ce"] and after["feat"] < before["feat"]
     assert after["top1"] > before["top1"]
 
@@ -152,14 +156,7 @@ def test_restricted_vocabulary_head_is_exact_cheaper_and_trains(tmp_path):
     # the loss is the cross-entropy against the target's law conditioned on the draft vocabulary, and it falls
     data = [features(target, s, top_k=8) for s in corpus(target)]
     before = evaluate(head, data)
-    opt = torch.optim.AdamW(head.trainable(), lr=3e-3)
-    head.train()
-    for _ in range(30):
-        opt.zero_grad()
-        for d in data:
-            (head_loss(head, d)[0] / len(data)).backward()
-        opt.step()
-    after = evaluate(head, data)
+    after = train_steps(head, data, 30)
     assert after["ce"] < 0.8 * before["ce"] and after["top1"] > before["top1"]
 
 
