@@ -17,10 +17,10 @@ import argparse
 
 import torch
 
-from verispec import CausalLM
+from verispec import load
 from verispec.audit.optimum import alpha_star_iid, ordered_acceptance_k2, sequential_acceptance
 from verispec.audit.real import real_pairs
-from verispec.cli import build_drafter
+from verispec.drafters import build_drafter
 
 def rates(pairs, k):
     out = {"specinfer": 0.0, "reserve": 0.0, "alpha*": 0.0}
@@ -70,7 +70,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for vocab, conc in ((6, 1.0), (50, 0.5), (1000, 0.1)):
         report(f"random V={vocab} Dir({conc})", random_pairs(vocab, args.random_cases, conc, args.seed), (2, 3))
-    target = CausalLM.load(args.target)
+    target = load(args.target)
     for T in args.temperatures:
         pairs = real_pairs(target, build_drafter(args.draft, target), args.prompts, args.positions, T, args.seed)
         report(f"{args.target} + {args.draft}, T={T}", pairs, (2, 3))

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from verispec import CausalLM, Sampling, Tree
-from verispec.cli import build_drafter
+from verispec import Sampling, Tree, load
+from verispec.drafters import build_drafter
 from verispec.probs import logits_to_probs
 from verispec.rng import TorchRandomness
 from verispec.verifiers import VERIFIERS
@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--prompt", default="Summarize the plot of Romeo and Juliet in three sentences.")
     args = ap.parse_args()
 
-    target = CausalLM.load(args.target)
+    target = load(args.target)
     drafter = build_drafter(args.draft, target)
     sampling, tree = Sampling(args.temperature), Tree.parse(args.tree)
     prompt = target.encode_prompt(args.prompt)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from verispec.models import CausalLM
+from verispec.backends import CausalLM
 
 VOCAB = 97
 

@@ -6,11 +6,12 @@ import math
 import pytest
 
 from verispec import cli
-from verispec.bench import BenchConfig, Runner, plan, read_records, run_bench
+from verispec.bench.runner import BenchConfig, Runner, plan, run_bench
+from verispec.bench.records import Results, read_records
 from verispec.datasets import jsonl_problems, load_prompts
 from verispec.errors import VerispecError
 from verispec.methods import resolve_method
-from verispec.report import Results, report, rows_csv, summarize, table_width
+from verispec.bench.report import report, rows_csv, summarize, table_width
 
 from conftest import ByteTokenizer, tiny_model
 
@@ -115,7 +116,7 @@ def test_eta_from_hand_written_width_records(tmp_path):
 
 def test_method_and_dataset_specs(tmp_path):
     assert resolve_method("specinfer@3x5").tree().size == 364
-    assert resolve_method("fixed@chain:8").policy == "fixed" and resolve_method("fixed@chain:8").max_depth == 8
+    assert resolve_method("fixed@chain:8").policy == "fixed" and resolve_method("fixed@chain:8").tree().max_depth == 8
     assert resolve_method("fsd:0.2").verifier == "fsd:0.2" and resolve_method("reserve").shape == "chain:5"
     assert not resolve_method("ar").uses_draft and not resolve_method("hf-generate").uses_draft
     assert resolve_method("hf-assisted").uses_draft
@@ -168,10 +169,10 @@ class FakeTime:
 @pytest.fixture
 def tiny_target(monkeypatch):
     import verispec.decode
-    import verispec.peers
+    import verispec.bench.peers
 
     monkeypatch.setattr(verispec.decode, "time", FakeTime())
-    monkeypatch.setattr(verispec.peers, "time", FakeTime())
+    monkeypatch.setattr(verispec.bench.peers, "time", FakeTime())
     target = tiny_model("llama")
     target.tokenizer = ByteTokenizer(target.vocab_size)
     return target
@@ -237,7 +238,7 @@ def test_tiny_bench_end_to_end_and_resume(tmp_path, tiny_target, monkeypatch):
         sorted(json.dumps(r["cell"]) + str(r["token_ids"]) for r in cells)
     assert not any(s["accepted_length"] == 50 for steps in resumed.steps.values() for s in steps)
 
-    from verispec.plots import plot_all
+    from verispec.bench.plots import plot_all
 
     figures = plot_all(full, tmp_path / "figs")
     assert {p.name for p in figures} == {"per_candidate.png", "speedup_by_category.png", "latency.png"}

@@ -31,8 +31,8 @@ def test_help_explains_every_generate_option(capsys):
     (["--method", "chain", "--tree", "3x2"], "only verifies chains"),
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "0"], "top_p"),
-    (["--max-new-tokens", "0"], "max_new_tokens"),
-    (["--draft", "bogus"], "unknown --draft"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--draft", "bogus"], "unknown draft"),
 ])
 def test_bad_input_gives_one_line_errors(args, message, capsys):
     code = main(["generate", "--prompt", "hi", *args])
@@ -64,9 +64,9 @@ def test_audit_distortion_rejects_bad_input(args, message, capsys):
 
 @pytest.fixture(scope="module")
 def smollm():
-    from verispec import CausalLM
+    from verispec import load
 
-    return CausalLM.load()
+    return load()
 
 
 @pytest.mark.slow
@@ -122,23 +122,22 @@ def test_cli_streams_text_then_a_summary():
 
 @pytest.mark.slow
 def test_load_from_a_local_folder_and_refuse_an_unavailable_hub_id(smollm, monkeypatch):
-    from verispec import CausalLM, VerispecError
-    from verispec.models import _builtin_smollm2, _converted_dir
+    from verispec import VerispecError, load
+    from verispec.backends.loading import _builtin_smollm2, _converted_dir
 
     folder = _converted_dir(*_builtin_smollm2(), "float32")  # written by the first GGUF load
     assert folder is not None and (folder / "done").exists()
-    local = CausalLM.load(str(folder))
+    local = load(str(folder))
     assert local.vocab_size == smollm.vocab_size and local.tokenizer.chat_template
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(VerispecError, match="hub id available offline"):
-        CausalLM.load("HuggingFaceTB/no-such-model-verispec")
+        load("HuggingFaceTB/no-such-model-verispec")
 
 
 @pytest.mark.slow
 def test_int8_draft_keeps_greedy_exact_and_adaptive_methods_run(smollm):
     from verispec import Tree, generate, get_verifier
-    from verispec.cli import build_drafter
-    from verispec.drafters import NoDrafter
+    from verispec.drafters import NoDrafter, build_drafter
     from verispec.policies import get_policy
 
     prompt = "Name two planets."
@@ -167,7 +166,7 @@ def test_cli_audit_distortion_on_the_default_model():
 
 @pytest.mark.slow
 def test_shipped_head_reproduces_its_recorded_acceptance_and_fits_the_budget(smollm):
-    from verispec.cli import build_drafter
+    from verispec.drafters import build_drafter
     from verispec.drafters.eagle import EagleDrafter
     from verispec.eagle import HEADS_DIR, EagleHead, fixed_prompt_acceptance
 

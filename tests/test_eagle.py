@@ -1,4 +1,5 @@
-"""The EAGLE-style draft head: it trains (loss falls), saves and loads, and drafting with it is exact."""
+"""The EAGLE-style draft head: it trains (loss falls, at every depth), saves and loads, drafting with it is exact, and
+the loop feeds it exactly what training does (in-loop acceptance equals teacher-forced agreement)."""
 
 import pytest
 import torch
@@ -6,7 +7,7 @@ import torch
 from verispec import Tree, generate, get_verifier
 from verispec.drafters import NoDrafter
 from verispec.drafters.eagle import EagleDrafter
-from verispec.eagle import EagleHead, TrainConfig, evaluate, features, head_loss, train
+from verispec.eagle import EagleHead, TrainConfig, evaluate, features, head_loss, in_loop_check, train
 
 from conftest import VOCAB, ByteTokenizer, tiny_model
 
@@ -22,16 +23,16 @@ def corpus(target, n=6, length=24, seed=0):
     return out
 
 
-def train_steps(head, data, steps, lr=3e-3):
-    """Full-batch AdamW steps on ``data``; returns the head's evaluation afterwards."""
+def train_steps(head, data, steps, lr=3e-3, depths=1):
+    """Full-batch AdamW steps on ``data`` (training depths 1..``depths``); returns the evaluation afterwards."""
     opt = torch.optim.AdamW(head.trainable(), lr=lr)
     head.train()
     for _ in range(steps):
         opt.zero_grad()
         for d in data:
-            (head_loss(head, d)[0] / len(data)).backward()
+            (head_loss(head, d, depths)[0] / len(data)).backward()
         opt.step()
-    return evaluate(head, data)
+    return evaluate(head, data, 2)
 
 
 def test_head_shares_the_targets_tables_and_trains():
@@ -43,10 +44,43 @@ def test_head_shares_the_targets_tables_and_trains():
     assert not any("lm_head" in n for n in names)
     assert head.lm.hf.get_output_embeddings() is target.hf.get_output_embeddings()
     data = [features(target, s, top_k=8) for s in corpus(target)]
-    before = evaluate(head, data)
+    before = evaluate(head, data, 2)
     after = train_steps(head, data, 40)
-    assert after["ce"] < 0.7 * before["ce"] and after["feat"] < before["feat"]
-    assert after["top1"] > before["top1"]
+    assert after["ce_1"] < 0.7 * before["ce_1"] and after["feat"] < before["feat"]
+    assert after["top1_1"] > before["top1_1"]
+
+
+def test_training_on_its_own_outputs_lowers_the_depth_2_loss():
+    """The training-time test: a head trained at depths 1-2 (reading its own depth-1 output at depth 2, as the loop
+    does) ends with a lower depth-2 loss than the same head trained at depth 1 only, on the same data and steps."""
+    target = tiny_model("llama")
+    for p in target.hf.parameters():
+        p.requires_grad_(False)
+    data = [features(target, s, top_k=8) for s in corpus(target, n=8)]
+    results = {}
+    for depths in (1, 2):
+        torch.manual_seed(0)
+        head = EagleHead(target)
+        results[depths] = train_steps(head, data, 40, depths=depths)
+    assert results[2]["ce_2"] < results[1]["ce_2"] - 0.05, results
+    assert results[2]["top1_2"] >= results[1]["top1_2"]
+
+
+@pytest.mark.parametrize("layers", [(-1,), (1, 3, -1)])
+def test_in_loop_acceptance_equals_teacher_forced_agreement(layers):
+    """Greedy chains of 3 in the real loop: at every depth, the loop's accept/reject decisions equal the teacher-forced
+    agreement computed from one full forward over the same text (only float rounding could split them)."""
+    target = tiny_model("llama")
+    for p in target.hf.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(1)
+    head = EagleHead(target, feature_layers=layers)
+    train_steps(head, [features(target, s, 8, layers) for s in corpus(target, n=8)], 30, depths=3)
+    check = in_loop_check(target, head, [[5, 17, 33, 8, 61, 42], [7, 8, 9, 10], [44, 3, 90]], depths=3,
+                          max_new_tokens=40)
+    assert check["positions"][0] > 60 and check["positions"][1] > 5  # enough decisions at depths 1 and 2
+    assert check["mismatches"] == 0, check
+    assert check["in_loop"] == check["teacher_forced"]
 
 
 def test_eagle_greedy_equals_autoregressive_and_sampling_runs(tmp_path):
@@ -73,11 +107,11 @@ def test_eagle_greedy_equals_autoregressive_and_sampling_runs(tmp_path):
 def test_trained_head_drafts_better_than_untrained(tmp_path):
     target = tiny_model("llama")
     target.tokenizer = ByteTokenizer(target.vocab_size)
-    cfg = TrainConfig(sequences=12, prompt_tokens=4, response_tokens=28, gen_batch=4, top_k=8, epochs=30, batch=4,
-                      lr=3e-3, checkpoint_every=20, temperature=0.5, vocab=VOCAB - 16)
+    cfg = TrainConfig(rounds=4, gen_batch=3, top_k=8, epochs=30, batch=4, lr=3e-3, checkpoint_every=20,
+                      vocab=VOCAB - 16, depths=2)
     path = train(target, tmp_path / "run", cfg, progress=False, log=lambda m: None, max_steps=40)
     assert not path.exists() and (tmp_path / "run" / "checkpoint.pt").exists()
-    assert (tmp_path / "run" / "features.pt").exists()  # reused by the resumed run
+    assert list((tmp_path / "run").glob("features-*/0000.pt"))  # reused by the resumed run
     path = train(target, tmp_path / "run", cfg, progress=False, log=lambda m: None)  # resumes at step 40
     assert path.exists()
     import json
@@ -93,15 +127,15 @@ def test_trained_head_drafts_better_than_untrained(tmp_path):
         lengths[name] = out.mean_accepted_length
     assert lengths["trained"] > lengths["untrained"]
     with pytest.raises(Exception, match="another configuration"):
-        train(target, tmp_path / "run", TrainConfig(sequences=12), progress=False)
+        train(target, tmp_path / "run", TrainConfig(rounds=4, gen_batch=5), progress=False)
     other = TrainConfig(**{**cfg.__dict__, "lr": 1e-3})  # same corpus, other training: refused at the checkpoint
     with pytest.raises(Exception, match="delete it"):
         train(target, tmp_path / "run", other, progress=False, log=lambda m: None)
 
 
 def test_auto_draft_picks_the_shipped_head(tmp_path, monkeypatch):
-    import verispec.eagle as eagle
-    from verispec.cli import build_drafter
+    import verispec.eagle.head as eagle
+    from verispec.drafters import build_drafter
     from verispec.drafters import NgramDrafter
     from verispec.errors import VerispecError
 
@@ -119,7 +153,7 @@ def test_auto_draft_picks_the_shipped_head(tmp_path, monkeypatch):
 
 
 def test_draft_vocabulary_keeps_eos_then_frequent_then_low_ids():
-    from verispec.eagle import draft_vocabulary
+    from verispec.eagle.train import draft_vocabulary
 
     corpus = [[9, 9, 9, 7, 7, 5], [7, 9, 11]]
     assert draft_vocabulary(corpus, 3, 20, always=[2]).tolist() == [2, 7, 9]
@@ -155,9 +189,9 @@ def test_restricted_vocabulary_head_is_exact_cheaper_and_trains(tmp_path):
     assert out.num_tokens == 20 or out.stop_reason == "eos"
     # the loss is the cross-entropy against the target's law conditioned on the draft vocabulary, and it falls
     data = [features(target, s, top_k=8) for s in corpus(target)]
-    before = evaluate(head, data)
+    before = evaluate(head, data, 2)
     after = train_steps(head, data, 30)
-    assert after["ce"] < 0.8 * before["ce"] and after["top1"] > before["top1"]
+    assert after["ce_1"] < 0.8 * before["ce_1"] and after["top1_1"] > before["top1_1"]
 
 
 def test_dynamic_tree_is_exact_greedy_prunes_by_path_probability_and_refuses_sampled_children():

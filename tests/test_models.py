@@ -89,20 +89,23 @@ def test_layer_subset_rejects_bad_indices():
 
 
 def test_nan_logits_raise_a_clear_error():
+    """The loop checks the target's logits once per step (when they become probabilities) and stops with a clear
+    error instead of sampling from NaN."""
+    from verispec import NoDrafter, generate, get_verifier
     from verispec.errors import VerispecError
 
     m = tiny_model("llama")
     with torch.no_grad():
         m.hf.get_output_embeddings().weight[7, 0] = float("nan")
     with pytest.raises(VerispecError, match="NaN"):
-        m.prefill(m.new_state(), PROMPT)
+        generate(m, NoDrafter(), get_verifier("chain"), PROMPT, tree=Tree.root_only(), max_new_tokens=3)
 
 
 def test_sliding_window_layers_match_hugging_face_beyond_the_window():
     """Gemma-3-style mixed layers with a window of 4: our per-layer masks must reproduce HF's own."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    from verispec.models import CausalLM
+    from verispec.backends import CausalLM
 
     torch.manual_seed(0)
     cfg = Gemma3TextConfig(

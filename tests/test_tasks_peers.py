@@ -6,8 +6,8 @@ from conftest import tiny_model
 from verispec import Tree, generate, get_verifier
 from verispec.drafters import NoDrafter
 from verispec.methods import METHODS, get_method
-from verispec.peers import hf_generate
-from verispec.tasks import gsm8k, gsm8k_correct, humaneval, humaneval_passes, score, truncate_completion
+from verispec.bench.peers import hf_generate
+from verispec.bench.tasks import gsm8k, gsm8k_correct, humaneval, humaneval_passes, score, truncate_completion
 
 
 @pytest.mark.parametrize("output,gold,ok", [
@@ -90,12 +90,14 @@ def test_hf_peer_sampling_is_seeded(target):
 def test_methods_registry():
     assert get_method("adasd").verifier == "adasd" and get_method("adasd").policy == "adasd-entropy"
     assert get_method("adasd-gen-only").verifier == "chain"
-    assert get_method("adasd-verify-only").policy == "fixed" and get_method("adasd-verify-only").max_depth == 5
+    assert get_method("adasd-verify-only").policy == "fixed" and get_method("adasd-verify-only").tree().max_depth == 5
     assert get_method("adasd-hybrid").policy == "hf"
+    assert get_method("default").policy == "auto" and get_method("default").shape == "auto"
     for m in METHODS.values():
         if m.peer is None:
             spec, policy, state = m.build()
             assert (state is not None) == (spec.new_state is not None)
-            assert m.tree().max_depth == m.max_depth
+            assert policy.name == m.policy  # the policy the row names is the one it builds
+            assert (m.tree().size == 1) == (m.shape == "none")  # a drafting method drafts something
     with pytest.raises(Exception, match="unknown method"):
         get_method("nope")

@@ -1,25 +1,34 @@
 """verispec: speculative decoding whose verification you can trust.
 
-Pieces (each with a small interface): ``models`` (Hugging Face adapter with tree attention),
-``tree`` (token trees), ``drafters``, ``verifiers`` (pure functions on probability tensors, registered
-by name), ``policies`` (draft length), ``decode`` (the loop), ``audit`` (exact output laws and the
-distortion of lossy rules), ``methods`` (named verifier + policy combinations), ``peers`` (Hugging Face
-``generate``, plain and assisted), ``tasks`` (GSM8K, HumanEval scoring).
+The public API, one import away::
+
+    import verispec
+    target = verispec.load()                                   # the built-in default model
+    drafter = verispec.build_drafter("auto", target)           # its shipped EAGLE head
+    out = verispec.generate(target, drafter, verispec.get_verifier("chain"), "Hello!", temperature=0.6)
+
+Pieces (each with a small interface): ``backends`` (target engines: the Hugging Face adapter with tree attention),
+``tree`` (token trees), ``drafters`` (and their factory), ``verifiers`` (pure functions on probability tensors,
+registered by name), ``policies`` (draft length), ``decode`` (the loop), ``audit`` (exact output laws),
+``methods`` (named verifier + policy + tree combinations), ``bench`` (benchmarks, records, report), ``eagle`` (the
+trained draft head), ``hf`` (a ``custom_generate`` for Hugging Face ``generate``).
 """
 
-from .decode import GenerationResult, StepRecord, generate, generate_steps
-from .drafters import ModelDrafter, NgramDrafter, NoDrafter, layer_skip_drafter
+from .backends import DEFAULT_TARGET, CausalLM, Target, load
+from .decode import GenerationResult, StepRecord, TextStream, generate, generate_steps
+from .drafters import DraftSpec, ModelDrafter, NgramDrafter, NoDrafter, build_drafter, layer_skip_drafter
 from .errors import VerispecError
-from .models import DEFAULT_TARGET, CausalLM
-from .policies import POLICIES, get_policy
+from .policies import POLICIES, Policy, get_policy
 from .probs import Sampling
+from .rng import Randomness, TorchRandomness
 from .tree import Tree
 from .verifiers import VERIFIERS, get_verifier
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
-    "DEFAULT_TARGET", "POLICIES", "VERIFIERS", "CausalLM", "GenerationResult", "ModelDrafter", "NgramDrafter", "NoDrafter",
-    "Sampling", "StepRecord", "Tree", "VerispecError", "generate", "generate_steps", "get_policy", "get_verifier",
-    "layer_skip_drafter",
+    "DEFAULT_TARGET", "POLICIES", "VERIFIERS", "CausalLM", "DraftSpec", "GenerationResult", "ModelDrafter",
+    "NgramDrafter", "NoDrafter", "Policy", "Randomness", "Sampling", "StepRecord", "Target", "TextStream", "Tree",
+    "TorchRandomness", "VerispecError", "build_drafter", "generate", "generate_steps", "get_policy", "get_verifier",
+    "layer_skip_drafter", "load",
 ]

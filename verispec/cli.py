@@ -1,184 +1,202 @@
-"""Command-line interface: ``verispec generate``, ``audit``, ``bench``, ``report``, ``plot``, ``train-draft`` and
-``tune-tree``."""
+"""Command-line interface, a thin layer over the library: parse, check, call, print.
+
+``verispec generate``, ``audit``, ``bench``, ``report``, ``plot``, ``train-draft``, ``eval-draft``, ``tune-tree``.
+Every command checks its arguments before it loads a model, and ends a bad input with one line on stderr
+(``verispec: error: ...``, exit code 2). ``docs/cli.md`` is the reference.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
+import os
 import shlex
 import sys
 import time
 from pathlib import Path
 
 from . import __version__
-from .drafters import CHILD_MODES, ModelDrafter, NgramDrafter, NoDrafter, layer_skip_drafter
+from .drafters import CHILD_MODES, DRAFT_HELP, DraftSpec
 from .errors import VerispecError
-from .models import BUILTIN_MODELS, DEFAULT_TARGET, CausalLM, quantized_copy
+from .methods import METHODS, METHODS_HELP, resolve_method
 from .policies import POLICIES, get_policy
-from .tree import Tree
+from .tree import MAX_NODES, Tree
 from .verifiers import VERIFIERS, get_verifier
 
-DEFAULT_DRAFT = "auto"
-
-DRAFT_HELP = (
-    "draft to use: 'none' (plain autoregressive decoding), 'layerskip:L' (first L layers of the target) or "
-    "'layerskip:0,2,4' or 'layerskip:0-9,20-29' (a chosen subset), 'ngram' or 'ngram:N' (prompt lookup, n-grams up to N), "
-    "'int8' (a dynamically int8-quantised copy of the target), 'eagle' (the trained EAGLE-style draft head shipped for "
-    "the target; 'eagle:PATH' for a head from 'verispec train-draft'), or "
-    "'model:SPEC' (a separate draft model: alias, .gguf file, folder or hub id; must share the tokenizer). "
-    "Default 'auto': 'eagle' when a trained head ships for the target (the default target has one), else 'ngram'"
-)
+BUILTIN = "smollm2-135m (the default), gemma3-270m"
+TREE_HELP = (f"draft tree: chain:G, BxD (complete, e.g. 3x5), b1,b2,... (per-depth branching, e.g. 3,1,1), "
+             f"paths:0;1;0.0 (Medusa-style rank paths), dyn:DEPTH,K,N (EAGLE-2 dynamic tree, top-k children), or "
+             f"auto (the tree tuned for the draft, else chain:5); at most {MAX_NODES} drafted nodes")
 
 
-def parse_layers(text: str, spec: str) -> list[int]:
-    """``0,2,4`` or ranges ``0-9,20-29`` -> sorted layer indices."""
-    out = []
+def default_threads() -> int:
+    """What this process may use: the cores it is allowed to run on."""
     try:
-        for part in text.split(","):
-            lo, _, hi = part.partition("-")
-            out.extend(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise VerispecError(f"bad layer list in --draft {spec!r}; use layerskip:L, layerskip:0,2,4 or layerskip:0-9,20-29") from None
-    return out
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
 
 
-def build_drafter(spec: str, target: CausalLM, dtype: str = "float32"):
-    """Turn a ``--draft`` string into a drafter for ``target``."""
-    kind, _, arg = spec.partition(":")
-    if spec == "auto":
-        from .eagle import HEADS_DIR  # noqa: PLC0415
+def _threads(parser) -> None:
+    parser.add_argument("--threads", type=int, default=None,
+                        help=f"CPU threads for torch (default: the cores this process may use, {default_threads()} "
+                             "here). On a busy machine fewer threads than cores run much faster than more")
 
-        return build_drafter("eagle" if (HEADS_DIR / f"{target.name}.pt").is_file() else "ngram", target, dtype)
-    if kind == "none":
-        return NoDrafter()
-    if kind == "layerskip":
-        if not arg:
-            return layer_skip_drafter(target, target.num_layers // 4)
-        if arg.isdigit():
-            return layer_skip_drafter(target, int(arg))
-        return layer_skip_drafter(target, parse_layers(arg, spec))
-    if kind == "ngram":
-        try:
-            n = int(arg) if arg else 3
-        except ValueError:
-            raise VerispecError(f"bad n in --draft {spec!r}; use ngram:N") from None
-        return NgramDrafter(target.vocab_size, max_n=n)
-    if kind == "int8" and not arg:
-        return ModelDrafter(quantized_copy(target), name="int8")
-    if kind == "eagle":
-        from .drafters.eagle import EagleDrafter  # noqa: PLC0415
-        from .eagle import EagleHead, shipped_head  # noqa: PLC0415
 
-        path = Path(arg) if arg else shipped_head(target.name)
-        drafter = EagleDrafter(EagleHead.load(path, target), name=spec)
-        sidecar = path.with_suffix(".json")  # written by scripts/ship_head.py: how it was made and its tuned tree
-        if sidecar.is_file():
-            drafter.default_tree = json.loads(sidecar.read_text()).get("default_tree")
-        return drafter
-    if kind == "model" and arg:
-        drafter = ModelDrafter(CausalLM.load(arg, dtype=dtype))
-        drafter.check_compatible(target)
-        return drafter
-    raise VerispecError(f"unknown --draft {spec!r}. {DRAFT_HELP}")
+def _set_threads(args) -> None:
+    n = getattr(args, "threads", None)
+    if n is None:
+        n = default_threads()
+    if n < 1:
+        raise VerispecError(f"--threads must be >= 1, got {n}")
+    import torch  # noqa: PLC0415
 
+    torch.set_num_threads(n)
+
+
+def _progress(total: int, desc: str):
+    from tqdm import tqdm  # noqa: PLC0415
+
+    return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True)
+
+
+def _info(args):
+    return (lambda *a: None) if getattr(args, "json", False) else (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+
+# ---------------------------------------------------------------- generate
 
 def _add_generate(sub):
     g = sub.add_parser(
-        "generate",
-        help="generate text with speculative decoding",
-        description="Generate text from a prompt with speculative decoding; streams the text, then prints a summary.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+        "generate", help="generate text with speculative decoding",
+        description="Generate text from a prompt with speculative decoding; streams the text, then prints a summary. "
+                    "With no options: the default model, its shipped draft head and tuned tree, exact verification, "
+                    "and the draft length chosen step by step by measured speed (the method 'default').",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g.add_argument("--prompt", required=True, help="the user prompt (sent through the chat template if the model has one)")
-    g.add_argument("--target", default=DEFAULT_TARGET,
-                   help=f"target model: built-in alias ({', '.join(BUILTIN_MODELS)}), .gguf file, local folder or hub id")
-    g.add_argument("--draft", default=DEFAULT_DRAFT, help=DRAFT_HELP)
-    g.add_argument("--method", default="chain", metavar="METHOD",
-                   help="verification rule; 'ar' is plain autoregressive decoding of the target (same as --draft none). "
+    g.add_argument("--target", default="smollm2-135m",
+                   help=f"target model: built-in alias ({BUILTIN}), .gguf file, local folder or hub id")
+    g.add_argument("--draft", default="auto", help="the draft: " + DRAFT_HELP)
+    g.add_argument("--method", default=None, metavar="METHOD",
+                   help="a named method (verifier + policy + tree; default 'default'): "
+                        + "; ".join(f"{m.name}: {m.note}" for m in METHODS.values() if m.peer is None)
+                        + ". A tree after '@' overrides the method's, e.g. fixed@chain:3")
+    g.add_argument("--verifier", default=None, metavar="VERIFIER",
+                   help="the verification rule, overriding the method's: "
                         + "; ".join(f"{v.name}: {v.note}" for v in VERIFIERS.values()))
-    g.add_argument("--policy", default="fixed", metavar="POLICY",
-                   help="draft-length policy (the tree still caps the depth): "
+    g.add_argument("--policy", default=None, metavar="POLICY",
+                   help="draft-length policy, overriding the method's (the tree caps the depth): "
                         + "; ".join(f"{k}: {v}" for k, v in POLICIES.items()))
-    g.add_argument("--tree", default="auto",
-                   help="draft tree: chain:G, BxD (complete, e.g. 3x5), b1,b2,... (per-depth branching, e.g. 3,1,1), "
-                        "paths:0;1;0.0 (Medusa-style rank paths) or dyn:DEPTH,K,N (EAGLE-2 dynamic tree, top-k "
-                        "children). Default 'auto': the tree 'verispec tune-tree' chose for a shipped draft head, "
-                        "else chain:5")
+    g.add_argument("--tree", default=None, help=TREE_HELP + " (default: the method's)")
     g.add_argument("--children", default=None, choices=CHILD_MODES,
-                   help="how the children of a tree node are drawn: iid from q, without replacement, or the top-k "
-                        "(default: what the method needs; iid for methods that take any)")
+                   help="how the children of a tree node are drawn: i.i.d. from q, without replacement, or the top-k "
+                        "(default: what the verifier needs; iid for verifiers that take any)")
     g.add_argument("--temperature", type=float, default=0.6, help="sampling temperature; 0 means greedy")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1: off)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="stop after this many new tokens")
     g.add_argument("--seed", type=int, default=0, help="random seed (same seed, same output on the same machine)")
-    g.add_argument("--dtype", default="float32", help="model weights dtype: float32, bfloat16, float16")
+    g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="model weights dtype")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON record (text, ids, summary, per-step records)")
+    _threads(g)
     g.set_defaults(func=cmd_generate)
 
 
-def cmd_generate(args) -> int:
-    from .decode import generate  # noqa: PLC0415
+def resolve_generation(method: str | None, verifier: str | None, policy: str | None, tree: str | None,
+                       children: str | None, info=None):
+    """The (method, verifier spec, policy, tree text, children) a generate call runs, checked without a model.
 
-    if args.tree != "auto":
-        Tree.parse(args.tree)  # fail before loading anything
-    draft_spec = "none" if args.method == "ar" else args.draft
-    method = "chain" if args.method == "ar" else args.method
-    verifier = get_verifier(method)
-    policy = get_policy(args.policy)
-    info = (lambda *a: None) if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    ``--method`` with a verifier's name (the old spelling) still works, with a note to use ``--verifier``."""
+    name = method or "default"
+    if name.partition("@")[0] not in METHODS and name.partition("@")[0].partition(":")[0] in VERIFIERS:
+        if info is not None:
+            info(f"note: --method {name} names a verifier; this spelling is deprecated, use --verifier "
+                 f"{name.partition('@')[0]}")
+        if verifier is not None:
+            raise VerispecError("give the verifier once: --verifier, or the old --method VERIFIER")
+        verifier, rest = name.partition("@")[0], name.partition("@")[2]
+        name = "fixed" + (f"@{rest}" if rest else "")
+        tree = tree or (rest or None)
+    m = resolve_method(name)
+    if m.peer is not None:
+        raise VerispecError(f"method {m.name!r} is a peer for benchmarks, not a verispec method")
+    spec = get_verifier(verifier or m.verifier or "chain")
+    pol = get_policy(policy or m.policy)
+    shape = tree or m.shape
+    if shape not in ("auto", "none"):
+        parsed = Tree.parse(shape)
+        if spec.chain_only and not parsed.is_chain:
+            raise VerispecError(f"verifier {spec.name!r} only verifies chains, not {parsed.describe()}")
+    if children is not None and spec.children is not None and children != spec.children:
+        raise VerispecError(f"verifier {spec.name!r} needs --children {spec.children}, got {children}")
+    return m, spec, pol, shape, children or spec.children or "iid"
+
+
+def cmd_generate(args) -> int:
+    from .backends import load  # noqa: PLC0415
+    from .decode import TextStream, generate  # noqa: PLC0415
+    from .drafters import NoDrafter, build_drafter  # noqa: PLC0415
+    from .probs import Sampling  # noqa: PLC0415
+
+    info = _info(args)
+    if not args.prompt.strip():
+        raise VerispecError("the prompt is empty")
+    if args.max_new_tokens < 1:
+        raise VerispecError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not math.isfinite(args.temperature):
+        raise VerispecError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    Sampling(args.temperature, args.top_k, args.top_p)
+    method, verifier, policy, shape, children = resolve_generation(args.method, args.verifier, args.policy, args.tree,
+                                                                   args.children, info)
+    draft = DraftSpec.parse("none" if method.shape == "none" or shape == "none" else args.draft)
+    _set_threads(args)
     t = time.perf_counter()
     info(f"loading target {args.target} ...")
-    target = CausalLM.load(args.target, dtype=args.dtype)
-    drafter = build_drafter(draft_spec, target, dtype=args.dtype)
-    tree = Tree.parse(getattr(drafter, "default_tree", None) or "chain:5" if args.tree == "auto" else args.tree)
-    if isinstance(drafter, NoDrafter):
-        tree = Tree.root_only()
-    info(f"loaded in {time.perf_counter() - t:.1f}s; draft {drafter.name}, method {verifier.name}, {tree.describe()}")
+    target = load(args.target, dtype=args.dtype)
+    drafter = build_drafter(draft, target, dtype=args.dtype)
+    if policy.name == "auto" and getattr(drafter, "step_costs", None):
+        policy = get_policy("auto", drafter.step_costs)
+    tree = Tree.root_only() if isinstance(drafter, NoDrafter) else \
+        Tree.parse(getattr(drafter, "default_tree", None) or "chain:5") if shape == "auto" else Tree.parse(shape)
+    info(f"loaded in {time.perf_counter() - t:.1f}s; draft {drafter.name}, verifier {verifier.name}, policy "
+         f"{policy.name}, {tree.describe()}")
+    stream = TextStream(target.decode)
 
-    shown = {"ids": [], "text": ""}
-
-    def stream(tokens):
-        if args.json:
-            return
-        shown["ids"].extend(tokens)
-        text = target.decode(shown["ids"])
-        sys.stdout.write(text[len(shown["text"]):] if text.startswith(shown["text"]) else "")
+    def show(tokens):
+        sys.stdout.write(stream.push(tokens))
         sys.stdout.flush()
-        shown["text"] = text
 
-    result = generate(
-        target, drafter, verifier, args.prompt, tree=tree, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, children=args.children,
-        seed=args.seed, chat=not args.no_chat, on_tokens=stream, policy=policy,
-    )
+    result = generate(target, drafter, verifier, args.prompt, tree=tree, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, children=children,
+                      seed=args.seed, chat=not args.no_chat, on_tokens=None if args.json else show, policy=policy)
     if args.json:
         print(json.dumps(result.to_dict()))
         return 0
+    sys.stdout.write(stream.flush())
     s = result.summary()
     total = max(s["draft_s"] + s["target_s"] + s["verify_s"], 1e-12)
     print("\n")
-    print(
-        f"[{s['tokens']} tokens in {s['steps']} steps | mean accepted length {s['mean_accepted_length']:.2f} | "
-        f"{s['tokens_per_s']:.1f} tokens/s | drafting {100 * s['draft_s'] / total:.0f}% "
-        f"target {100 * s['target_s'] / total:.0f}% verify {100 * s['verify_s'] / total:.0f}% | "
-        f"prefill {s['prefill_s']:.2f}s | stop: {s['stop_reason']}]"
-    )
+    print(f"[{s['tokens']} tokens in {s['steps']} steps | mean accepted length {s['mean_accepted_length']:.2f} | "
+          f"{s['tokens_per_s']:.1f} tokens/s | drafting {100 * s['draft_s'] / total:.0f}% "
+          f"target {100 * s['target_s'] / total:.0f}% verify {100 * s['verify_s'] / total:.0f}% | "
+          f"prefill {s['prefill_s']:.2f}s | stop: {s['stop_reason']}]")
     return 0
 
 
+# ---------------------------------------------------------------- audit
+
 def _add_audit(sub):
     a = sub.add_parser(
-        "audit",
-        help="check verifiers' exactness by computing their exact output law",
+        "audit", help="check verifiers' exactness by computing their exact output law",
         description="For each verifier, compute the exact law of one speculative step on random small cases "
                     "(prefix-dependent target/draft tables, vocabulary <= 6, depth <= 3, branching <= 3) by "
                     "enumerating every draw and every accept/reject outcome in float64, and compare it with the "
                     "target's autoregressive law. Prints max total variation, max KL, mean per-node acceptance, the "
                     "i.i.d. optimum alpha*, and a verdict.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a.add_argument("--verifiers", nargs="+", default=None, help="verifiers to audit (default: all registered)")
     a.add_argument("--controls", action="store_true", help="also audit the negative controls (known-biased rules)")
     a.add_argument("--cases", type=int, default=30, help="random cases per verifier")
@@ -189,7 +207,7 @@ def _add_audit(sub):
                    help="also check node rules on PAIRS real (p, q) pairs from the target and --draft at full vocabulary "
                         "size: Monte Carlo over --draws draws of --k i.i.d. children, total variation from p against a "
                         "4-standard-error noise bound (slow: minutes per verifier and pair)")
-    a.add_argument("--target", default=DEFAULT_TARGET, help="target model for --montecarlo")
+    a.add_argument("--target", default="smollm2-135m", help="target model for --montecarlo and --distortion")
     a.add_argument("--draft", default=None,
                    help="draft for --montecarlo (default layerskip:0-11,18-29) and --distortion (default int8); "
                         "a model, int8 or layerskip draft")
@@ -207,18 +225,32 @@ def _add_audit(sub):
     a.add_argument("--sequence-tokens", type=int, default=64, help="tokens generated per prompt for the NLL check")
     a.add_argument("--k", type=int, default=2, help="children per node for --montecarlo")
     a.add_argument("--draws", type=int, default=1_000_000, help="draws per node for --montecarlo")
+    _threads(a)
     a.set_defaults(func=cmd_audit)
+
+
+def _model_draft(target, spec: str, what: str):
+    from .drafters import build_drafter  # noqa: PLC0415
+
+    drafter = build_drafter(spec, target)
+    if not hasattr(drafter, "model"):
+        raise VerispecError(f"{what} needs a model draft (int8, layerskip:..., model:...), not {spec!r}")
+    return drafter
 
 
 def cmd_audit(args) -> int:
     from .audit.controls import NEGATIVE_CONTROLS  # noqa: PLC0415
-    from .audit.run import audit, format_table  # noqa: PLC0415
+    from .audit.run import audit, format_table, never_lose_table  # noqa: PLC0415
 
     if args.cases < 1:
         raise VerispecError(f"--cases must be >= 1, got {args.cases}")
+    specs = [get_verifier(n) for n in args.verifiers] if args.verifiers else list(VERIFIERS.values())
+    if args.draft is not None:
+        DraftSpec.parse(args.draft)
     if args.distortion:
         return _audit_distortion(args)
-    specs = [get_verifier(n) for n in args.verifiers] if args.verifiers else list(VERIFIERS.values())
+    if args.montecarlo < 0 or args.k < 1 or args.draws < 1:
+        raise VerispecError("--montecarlo must be >= 0, --k and --draws >= 1")
     if args.controls:
         specs += list(NEGATIVE_CONTROLS.values())
     bar = None if args.json else _progress(len(specs) * args.cases, "auditing")
@@ -226,10 +258,11 @@ def cmd_audit(args) -> int:
                  progress=None if bar is None else (lambda name, i, n: (bar.set_postfix_str(name), bar.update(1))))
     if bar is not None:
         bar.close()
-    if args.json:
-        print(json.dumps([r.as_dict() for r in rows]))
-    else:
-        print(format_table(rows))
+    print(json.dumps([r.as_dict() for r in rows]) if args.json else format_table(rows))
+    if not args.json:
+        print("\nAgainst specinfer, node by node (exact i.i.d.-children rules on random small (p, q, k)):\n")
+        print(never_lose_table([s for s in specs if s.exact and (s.children or "iid") == "iid" and s.node_rule],
+                               cases=max(args.cases, 50), seed=args.seed))
     failed = [r.verifier for r in rows if r.verdict.startswith("FAIL")]
     if args.montecarlo > 0:
         failed += _audit_montecarlo(args, [s for s in specs if s.node_rule is not None and (s.children or "iid") == "iid"
@@ -238,89 +271,51 @@ def cmd_audit(args) -> int:
 
 
 def _audit_montecarlo(args, specs) -> list[str]:
-    from dataclasses import asdict  # noqa: PLC0415
+    from .audit.montecarlo import format_monte_carlo, monte_carlo_report  # noqa: PLC0415
+    from .backends import load  # noqa: PLC0415
 
-    from .audit.montecarlo import monte_carlo_node  # noqa: PLC0415
-    from .audit.optimum import alpha_star_iid  # noqa: PLC0415
-    from .audit.real import real_pairs  # noqa: PLC0415
-
-    target = CausalLM.load(args.target)
-    draft = build_drafter(args.draft or "layerskip:0-11,18-29", target)
-    pairs = real_pairs(target, draft, 1, args.montecarlo, args.temperature, args.seed)
-    pairs = pairs[: args.montecarlo]
-    results, failed = [], []
-    bar = None if args.json else _progress(len(pairs) * len(specs), "monte carlo")
-    for i, (p, q) in enumerate(pairs):
-        star = alpha_star_iid(p, q, args.k)
-        for spec in specs:
-            r = monte_carlo_node(spec, p, q, args.k, n_draws=args.draws, seed=args.seed + i)
-            results.append({"pair": i, "alpha_star": star, "claims_exact": spec.exact, **asdict(r), "biased": r.biased})
-            if spec.exact and r.biased:
-                failed.append(spec.name)
-            if bar is not None:
-                bar.update(1)
+    _set_threads(args)
+    target = load(args.target)
+    drafter = _model_draft(target, args.draft or "layerskip:0-11,18-29", "--montecarlo")
+    bar = None if args.json else _progress(args.montecarlo * len(specs), "monte carlo")
+    rows = monte_carlo_report(target, drafter, specs, args.montecarlo, args.k, args.draws, args.temperature, args.seed,
+                              progress=None if bar is None else (lambda: bar.update(1)))
     if bar is not None:
         bar.close()
     if args.json:
-        print(json.dumps(results))
-        return failed
-    print(f"\nMonte Carlo on real pairs: target {args.target}, draft {args.draft}, T = {args.temperature}, "
-          f"k = {args.k}, {args.draws} draws per node")
-    print("| pair | verifier | claims exact | distinct tuples | TV from p | noise bound | verdict | acceptance | alpha*_iid |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        verdict = ("biased" if r["biased"] else "consistent with p") + ("" if r["claims_exact"] != r["biased"] else
-                                                                         (" (FAIL)" if r["claims_exact"] else ""))
-        print(f"| {r['pair']} | {r['verifier']} | {'yes' if r['claims_exact'] else 'no'} | {r['distinct_tuples']} | "
-              f"{r['tv']:.4f} | {r['noise_bound']:.4f} | {verdict} | {r['acceptance']:.4f} | {r['alpha_star']:.4f} |")
-    return failed
+        print(json.dumps(rows))
+    else:
+        print(f"\nMonte Carlo on real pairs: target {args.target}, draft {args.draft}, T = {args.temperature}, "
+              f"k = {args.k}, {args.draws} draws per node")
+        print(format_monte_carlo(rows))
+    return [r["verifier"] for r in rows if r["claims_exact"] and r["biased"]]
 
 
 def _audit_distortion(args) -> int:
-    from .audit.distortion import distortion, format_distortion, sequence_nll  # noqa: PLC0415
-    from .audit.real import real_pairs  # noqa: PLC0415
-    from .datasets import spec_bench_prompts  # noqa: PLC0415
+    from .audit.distortion import distortion_report, format_distortion, format_nll  # noqa: PLC0415
+    from .backends import load  # noqa: PLC0415
 
     names = args.verifiers or [v.name for v in VERIFIERS.values() if v.position_rule is not None and not v.exact]
     specs = [get_verifier(n) for n in names]
     missing = [s.name for s in specs if s.position_rule is None]
     if missing:
         raise VerispecError(f"--distortion needs chain rules given per position; not: {', '.join(missing)}")
-    if any(t < 0 for t in args.temperatures):
-        raise VerispecError("--temperatures must be >= 0")
+    if any(not 0 <= t < math.inf for t in args.temperatures):
+        raise VerispecError("--temperatures must be finite and >= 0")
     if args.prompts < 1 or args.positions < 1 or args.sequence_prompts < 0 or args.sequence_tokens < 1:
         raise VerispecError("--prompts, --positions and --sequence-tokens must be >= 1, --sequence-prompts >= 0")
     specs = [get_verifier("chain"), *[s for s in specs if s.name != "chain"]]  # the exact rule as a reference
-    target = CausalLM.load(args.target)
+    _set_threads(args)
+    target = load(args.target)
     draft_spec = args.draft or "int8"
-    drafter = build_drafter(draft_spec, target)
-    if not hasattr(drafter, "model"):
-        raise VerispecError(f"--distortion needs a model draft (int8, layerskip:..., model:...), not {draft_spec!r}")
-    rows = []
-    for t in args.temperatures:
-        info = _progress(1, f"pairs at T={t}") if not args.json else None
-        pairs = real_pairs(target, drafter, args.prompts, args.positions, t, args.seed)
-        rows += distortion(specs, pairs, t, args.seed)
-        if info is not None:
-            info.update(1)
-            info.close()
-    nll_rows = []
-    if args.sequence_prompts > 0:
-        prompts = [p for _, p in spec_bench_prompts(args.sequence_prompts)]
-        temps = [t for t in args.temperatures if t > 0]
-        bar = None if args.json else _progress(len(temps) * (len(specs) + 1), "sequence NLL")
-        for t in temps:
-            own = sequence_nll(target, drafter, None, prompts, t, args.sequence_tokens, seed=args.seed)
-            nll_rows.append({"temperature": t, "rule": "target samples", "nll": own, "delta": 0.0})
-            if bar is not None:
-                bar.update(1)
-            for spec in specs:
-                v = sequence_nll(target, drafter, spec, prompts, t, args.sequence_tokens, seed=args.seed)
-                nll_rows.append({"temperature": t, "rule": spec.name, "nll": v, "delta": v - own})
-                if bar is not None:
-                    bar.update(1)
-        if bar is not None:
-            bar.close()
+    drafter = _model_draft(target, draft_spec, "--distortion")
+    work = len(args.temperatures) + len(specs) * sum(1 for t in args.temperatures if t > 0) * (args.sequence_prompts > 0)
+    bar = None if args.json else _progress(work, "distortion")
+    rows, nll_rows = distortion_report(target, drafter, specs, args.temperatures, args.prompts, args.positions,
+                                       args.sequence_prompts, args.sequence_tokens, args.seed,
+                                       progress=None if bar is None else (lambda label: bar.update(1)))
+    if bar is not None:
+        bar.close()
     if args.json:
         print(json.dumps({"distortion": [r.as_dict() for r in rows], "sequence_nll": nll_rows}))
         return 0
@@ -330,59 +325,75 @@ def _audit_distortion(args) -> int:
     if nll_rows:
         print(f"\nSequence level: mean NLL per token under the target (its sampling law at T), "
               f"{args.sequence_prompts} prompts x {args.sequence_tokens} tokens, chain of 5")
-        print("| T | text from | NLL/token | minus target's own |")
-        print("|---|---|---|---|")
-        for r in nll_rows:
-            print(f"| {r['temperature']:g} | {r['rule']} | {r['nll']:.3f} | {r['delta']:+.3f} |")
+        print(format_nll(nll_rows))
     return 0
 
 
+# ---------------------------------------------------------------- bench, report, plot
+
 def _add_bench(sub):
-    from .bench import BenchConfig  # noqa: PLC0415
+    from .bench.runner import BENCH_HELP, BenchConfig  # noqa: PLC0415
     from .datasets import DATASETS_HELP  # noqa: PLC0415
-    from .methods import METHODS_HELP  # noqa: PLC0415
 
     d = BenchConfig()
     b = sub.add_parser(
-        "bench",
-        help="benchmark methods x drafts x data sets x temperatures x seeds (resumable JSONL + tables)",
-        description="Run every method on the same prompts in one process (Hugging Face's generate and assisted "
-                    "generation included), one JSONL record per step and per prompt, then print summary tables "
-                    "(also written next to the results file as .md and .csv). An interrupted run continues with "
-                    "--resume. Speeds are ratios within the run: tokens/s of a method over plain decoding ('ar').",
-    )
+        "bench", help="benchmark methods x drafts x data sets x temperatures x seeds (resumable records + tables)",
+        description="Run every method on the same prompts in one process (the peers -- Hugging Face generate and "
+                    "assisted generation, llama.cpp when installed -- included), one record per step and per prompt, "
+                    "then print summary tables with 95%% intervals (also written next to the results file as .md and "
+                    ".csv). An interrupted run continues with --resume. Speeds are ratios within the run, paired per "
+                    "prompt. 'default' is what 'verispec generate' does with no options.")
     b.add_argument("--quick", action="store_true",
                    help="a small preset that exercises every part on the default model in under 10 minutes on 2 CPU "
                         "cores (the other options then default to the preset's)")
-    b.add_argument("--target", default=None, help=f"target model (default {d.target})")
-    b.add_argument("--drafts", nargs="+", default=None, metavar="DRAFT", help=f"drafts (default {d.drafts}). " + DRAFT_HELP)
-    b.add_argument("--methods", nargs="+", default=None, metavar="METHOD", help=f"methods (default {d.methods}): {METHODS_HELP}")
-    b.add_argument("--datasets", nargs="+", default=None, metavar="SET", help=f"prompt sets (default {d.datasets}): {DATASETS_HELP}")
-    b.add_argument("--limit", type=int, default=None, help=f"prompts per Spec-Bench category / per other set (default {d.limit})")
-    b.add_argument("--temperatures", type=float, nargs="+", default=None, help=f"default {d.temperatures}")
-    b.add_argument("--seeds", type=int, nargs="+", default=None, help=f"default {d.seeds}")
-    b.add_argument("--max-new-tokens", type=int, default=None, help=f"default {d.max_new_tokens}")
-    b.add_argument("--audit-cases", type=int, default=None,
-                   help=f"exhaustive exactness audit of the verifiers used, cases each (default {d.audit_cases}: none)")
-    b.add_argument("--dtype", default=None, help=f"default {d.dtype}")
+    extra = {"drafts": " (" + DRAFT_HELP + ")", "methods": ": " + METHODS_HELP, "datasets": ": " + DATASETS_HELP}
+    for f in dataclasses.fields(BenchConfig):
+        default = getattr(d, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        text = f"{BENCH_HELP[f.name]}{extra.get(f.name, '')} (default {default})"
+        if isinstance(default, bool):
+            b.add_argument(flag, action="store_true", default=None, help=text)
+        elif isinstance(default, list):
+            kind = {"temperatures": float, "seeds": int}.get(f.name, str)
+            b.add_argument(flag, nargs="+" if f.name != "shadow" else "*", type=kind, default=None, help=text)
+        else:
+            b.add_argument(flag, type=int if f.name in ("limit", "audit_cases", "max_new_tokens", "shadow_seeds")
+                           else str, default=None, help=text)
     b.add_argument("--out", default="results/bench.jsonl", help="results file (JSONL)")
     b.add_argument("--resume", action="store_true", help="continue an interrupted run of the same configuration")
     b.add_argument("--overwrite", action="store_true", help="start again even if the results file exists")
     b.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _threads(b)
     b.set_defaults(func=cmd_bench)
 
 
-def cmd_bench(args) -> int:
-    import dataclasses  # noqa: PLC0415
+def _writable_file(path: str, what: str) -> Path:
+    p = Path(path)
+    if p.exists() and p.is_dir():
+        raise VerispecError(f"{what} {path} is a folder, not a file")
+    for parent in p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise VerispecError(f"{what} {path}: {parent} is a file, not a folder")
+            break
+    return p
 
-    from .bench import QUICK, BenchConfig, run_bench  # noqa: PLC0415
-    from .report import Results, report, rows_csv, summarize  # noqa: PLC0415
+
+def cmd_bench(args) -> int:
+    from .bench import QUICK, BenchConfig, Results, run_bench  # noqa: PLC0415
+    from .bench.report import report, rows_csv, summarize  # noqa: PLC0415
 
     base = QUICK if args.quick else BenchConfig()
-    given = {k: getattr(args, k) for k in ("target", "drafts", "methods", "datasets", "limit", "temperatures", "seeds",
-                                            "max_new_tokens", "audit_cases", "dtype") if getattr(args, k) is not None}
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig) if getattr(args, f.name) is not None}
     config = dataclasses.replace(base, **given)
-    out = run_bench(config, args.out, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
+    config.validate()
+    for draft in config.drafts:
+        DraftSpec.parse(draft)
+    out = _writable_file(args.out, "--out")
+    if out.exists() and not (args.resume or args.overwrite):
+        raise VerispecError(f"{out} exists: pass --resume to continue it, or --overwrite to start again")
+    _set_threads(args)
+    out = run_bench(config, out, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
                     log=lambda msg: print(msg, file=sys.stderr), command=args.command_line)
     res = Results.load(out)
     text = report(res)
@@ -395,20 +406,42 @@ def cmd_bench(args) -> int:
 
 
 def _add_report(sub):
-    r = sub.add_parser("report", help="summary tables of a results file",
+    r = sub.add_parser("report", help="summary tables of results files",
                        description="Print the summary tables (Markdown, or CSV with --csv) derived from the records "
-                                   "of a results file written by 'verispec bench'.")
-    r.add_argument("results", help="results file (JSONL) from 'verispec bench'")
+                                   "of results files written by 'verispec bench'. A folder means every results file "
+                                   "in it.")
+    r.add_argument("results", nargs="*", default=["results"], help="results files (JSONL) or folders (default results/)")
     r.add_argument("--csv", action="store_true", help="print the per-method rows as CSV instead")
     r.add_argument("--by-category", action="store_true", help="with --csv: one row per task category too")
     r.set_defaults(func=cmd_report)
 
 
-def cmd_report(args) -> int:
-    from .report import Results, report, rows_csv, summarize  # noqa: PLC0415
+def _results_files(paths: list[str]) -> list[Path]:
+    out = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = sorted(p.glob("*.jsonl"))
+            if not found:
+                raise VerispecError(f"{p} holds no results files (*.jsonl)")
+            out += found
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise VerispecError(f"results file not found: {p}")
+    return out
 
-    res = Results.load(args.results)
-    print(rows_csv(summarize(res, by_category=args.by_category)) if args.csv else report(res), end="\n")
+
+def cmd_report(args) -> int:
+    from .bench import Results  # noqa: PLC0415
+    from .bench.report import report, rows_csv, summarize  # noqa: PLC0415
+
+    warn = lambda msg: print(f"verispec: warning: {msg}", file=sys.stderr)  # noqa: E731
+    files = _results_files(args.results)
+    for i, path in enumerate(files):
+        res = Results.load(path, warn)
+        if len(files) > 1:
+            print(("\n" if i else "") + f"# {path}\n")
+        print(rows_csv(summarize(res, by_category=args.by_category)) if args.csv else report(res))
     return 0
 
 
@@ -425,9 +458,12 @@ def _add_plot(sub):
 
 
 def cmd_plot(args) -> int:
-    from .plots import plot_all  # noqa: PLC0415
+    from .bench.plots import plot_all  # noqa: PLC0415
 
-    paths = plot_all(args.results, args.out, args.prefix)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise VerispecError(f"--out {args.out} is a file; give a folder for the figures")
+    paths = plot_all(args.results, out, args.prefix)
     if not paths:
         print("no figure has data in this results file", file=sys.stderr)
         return 1
@@ -436,113 +472,159 @@ def cmd_plot(args) -> int:
     return 0
 
 
-def _add_train_draft(sub):
-    from .eagle import TrainConfig  # noqa: PLC0415
+# ---------------------------------------------------------------- draft heads and trees
 
-    d = TrainConfig()
+def _add_train_draft(sub):
+    from .eagle.train import TRAIN_HELP, TrainConfig  # noqa: PLC0415
+
     t = sub.add_parser(
-        "train-draft",
-        help="train an EAGLE-style draft head for a target (self-generated data, resumable)",
+        "train-draft", help="train an EAGLE-style draft head for a target (self-written data, resumable)",
         description="Train a one-layer EAGLE-style draft head for TARGET by distillation on text the target writes "
-                    "itself (a user turn from an empty one, then the answer; never the evaluation sets). Stages: "
-                    "corpus (OUT/corpus.jsonl), target features, training with checkpoints (OUT/checkpoint.pt, "
-                    "OUT/log.jsonl), then OUT/head.pt. Run the same command again to resume. Use the head with "
-                    "--draft eagle:OUT/head.pt.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    t.add_argument("--target", default=DEFAULT_TARGET, help="target model")
+                    "itself in the shapes of common tasks (chat, documents with summaries, questions and "
+                    "translations, trivia, word problems, code; never the evaluation sets). Stages: corpus "
+                    "(OUT/corpus.jsonl), target features (OUT/features-*/), training with checkpoints "
+                    "(OUT/checkpoint.pt, OUT/log.jsonl), then OUT/head.pt. Run the same command again to resume. "
+                    "Use the head with --draft eagle:OUT/head.pt; 'verispec eval-draft' measures it.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    t.add_argument("--target", default="smollm2-135m", help="target model")
     t.add_argument("--out", default=None, help="run folder (default runs/eagle-<target>)")
-    for name in ("sequences", "prompt_tokens", "response_tokens", "gen_batch", "top_k", "epochs", "batch",
-                 "checkpoint_every", "seed"):
-        t.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
-    t.add_argument("--vocab", type=int, default=d.vocab,
-                   help="draft vocabulary: the head's output layer keeps this many tokens (the corpus's most frequent), "
-                        "cutting its cost; other tokens get draft probability 0, which every verifier handles exactly. "
-                        "0: the whole vocabulary")
-    for name in ("temperature", "lr", "feature_weight", "noise", "held_out"):
-        t.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
+    for f in dataclasses.fields(TrainConfig):
+        t.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default, help=TRAIN_HELP[f.name])
+    t.add_argument("--until", choices=("corpus", "features"), default=None,
+                   help="stop after this stage (e.g. write the corpus now, train later)")
+    t.add_argument("--store-layers", default=None,
+                   help="compute target features for these layers (a superset of --feature-layers), so that heads "
+                        "reading other subsets reuse them")
     t.add_argument("--no-resume", action="store_true", help="refuse to continue a run folder that exists")
-    t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _threads(t)
     t.set_defaults(func=cmd_train_draft)
 
 
 def cmd_train_draft(args) -> int:
-    import dataclasses  # noqa: PLC0415
-
-    from .eagle import TrainConfig, train  # noqa: PLC0415
+    from .backends import load  # noqa: PLC0415
+    from .eagle.train import TrainConfig, train  # noqa: PLC0415
 
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
-    if config.sequences < 2 or config.epochs < 1 or config.batch < 1 or not 0 < config.held_out < 1 or config.vocab < 0:
-        raise VerispecError("need --sequences >= 2, --epochs >= 1, --batch >= 1, 0 < --held-out < 1 and --vocab >= 0")
+    config.validate()
+    store = TrainConfig(feature_layers=args.store_layers).layers() if args.store_layers else None
     out = Path(args.out or f"runs/eagle-{Path(args.target).stem}")
     if args.no_resume and out.exists() and any(out.iterdir()):
         raise VerispecError(f"{out} exists and is not empty (--no-resume)")
-    target = CausalLM.load(args.target)
-    path = train(target, out, config, progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr))
+    _set_threads(args)
+    target = load(args.target)
+    path = train(target, out, config, progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr),
+                 until=args.until, store_layers=store)
     print(path)
+    return 0
+
+
+def _add_eval_draft(sub):
+    e = sub.add_parser(
+        "eval-draft", help="how often a draft head agrees with its target, per depth (held-out text)",
+        description="Per drafted depth 1..DEPTHS, on response tokens only: the head's top-1 agreement with the target "
+                    "and the greedy chain acceptance (depth d among positions whose depths 1..d-1 all agreed), with "
+                    "the head reading its own outputs from depth 2 on, exactly as in the decoding loop. Measured on "
+                    "held-out Spec-Bench questions (each category's last ones, answered greedily by the target) and, "
+                    "with --corpus, on the held-out rounds of a train-draft corpus. --check also runs the decoding "
+                    "loop and compares its acceptance with the teacher-forced one at the same positions.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    e.add_argument("--target", default="smollm2-135m", help="target model")
+    e.add_argument("--draft", default="eagle", help="an EAGLE head: 'eagle' (the shipped one) or 'eagle:PATH'")
+    e.add_argument("--depths", type=int, default=4, help="drafted depths to measure")
+    e.add_argument("--per-group", type=int, default=2, help="held-out Spec-Bench questions per category")
+    e.add_argument("--max-new-tokens", type=int, default=96, help="answer length on Spec-Bench questions")
+    e.add_argument("--corpus", default=None, help="a train-draft run folder: also measure on its held-out rounds")
+    e.add_argument("--check", type=int, default=0, metavar="PROMPTS",
+                   help="also run the loop (greedy chain of --depths) on PROMPTS held-out questions and compare")
+    e.add_argument("--json", action="store_true", help="print the report as JSON")
+    _threads(e)
+    e.set_defaults(func=cmd_eval_draft)
+
+
+def cmd_eval_draft(args) -> int:
+    from .backends import load  # noqa: PLC0415
+    from .drafters import build_drafter  # noqa: PLC0415
+    from .eagle.agreement import agreement_report, format_agreement  # noqa: PLC0415
+
+    spec = DraftSpec.parse(args.draft)
+    if spec.kind != "eagle":
+        raise VerispecError(f"eval-draft measures EAGLE heads ('eagle' or 'eagle:PATH'), not {args.draft!r}")
+    if args.depths < 1 or args.per_group < 1 or args.max_new_tokens < 1 or args.check < 0:
+        raise VerispecError("--depths, --per-group and --max-new-tokens must be >= 1, --check >= 0")
+    if args.corpus and not (Path(args.corpus) / "corpus.jsonl").is_file():
+        raise VerispecError(f"{args.corpus} holds no corpus.jsonl (a 'verispec train-draft' run folder)")
+    _set_threads(args)
+    target = load(args.target)
+    head = build_drafter(spec, target).head
+    bar = None if args.json else _progress(6 * args.per_group + args.check, "evaluating")
+    report = agreement_report(target, head, depths=args.depths, per_group=args.per_group,
+                              max_new_tokens=args.max_new_tokens, corpus=args.corpus, check=args.check,
+                              progress=None if bar is None else (lambda n=1: bar.update(n)))
+    if bar is not None:
+        bar.close()
+    print(json.dumps(report) if args.json else format_agreement(report))
     return 0
 
 
 def _add_tune_tree(sub):
     t = sub.add_parser(
-        "tune-tree",
-        help="search the draft tree shape that maximises tokens per second for a target and draft (Sequoia-style)",
+        "tune-tree", help="search the draft tree shape that maximises tokens per second for a target and draft",
         description="Measure, on this machine, the target's forward time as a function of the number of tree tokens "
-                    "and the draft's time per depth, and the draft's per-candidate acceptance on a few Spec-Bench "
-                    "prompts; then solve Sequoia's dynamic programme for the tree with the most expected accepted "
-                    "tokens per second. Prints the best shape in --tree syntax and writes a JSON report.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    t.add_argument("--target", default=DEFAULT_TARGET)
-    t.add_argument("--draft", default="eagle", help=DRAFT_HELP)
-    t.add_argument("--temperature", type=float, default=0.0)
-    t.add_argument("--children", default="iid", choices=CHILD_MODES)
-    t.add_argument("--prompts", type=int, default=4,
+                    "(after choosing its linear kernels per row count), the draft's time per depth, and the draft's "
+                    "per-candidate acceptance on held-out Spec-Bench prompts; then solve Sequoia's dynamic programme "
+                    "for the tree with the most expected accepted tokens per second. Prints the best shape in --tree "
+                    "syntax and writes a JSON report.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    t.add_argument("--target", default="smollm2-135m", help="target model")
+    t.add_argument("--draft", default="eagle", help="the draft: " + DRAFT_HELP)
+    t.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the acceptance runs")
+    t.add_argument("--children", default="iid", choices=CHILD_MODES, help="how children are drawn")
+    t.add_argument("--prompts", type=int, default=6,
                    help="Spec-Bench prompts to measure acceptance on (each category's last questions, so that the "
                         "first ones, which the benchmarks use, stay unseen)")
-    t.add_argument("--max-new-tokens", type=int, default=48)
+    t.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per prompt")
     t.add_argument("--width", type=int, default=4, help="candidates per node measured (and allowed)")
-    t.add_argument("--max-nodes", type=int, default=48)
-    t.add_argument("--max-depth", type=int, default=8)
+    t.add_argument("--max-nodes", type=int, default=48, help="largest tree considered")
+    t.add_argument("--max-depth", type=int, default=8, help="deepest tree considered")
     t.add_argument("--out", default=None, help="JSON report (default: print only)")
+    _threads(t)
     t.set_defaults(func=cmd_tune_tree)
 
 
 def cmd_tune_tree(args) -> int:
+    from .backends import load  # noqa: PLC0415
+    from .drafters import build_drafter  # noqa: PLC0415
     from .tune import tune_tree  # noqa: PLC0415
 
-    target = CausalLM.load(args.target)
-    drafter = build_drafter(args.draft, target)
+    spec = DraftSpec.parse(args.draft)
+    if not 0 <= args.temperature < math.inf or args.prompts < 1 or args.width < 1 or args.max_nodes < 1 \
+            or args.max_depth < 1 or args.max_new_tokens < 1:
+        raise VerispecError("need a finite --temperature >= 0 and --prompts, --width, --max-nodes, --max-depth, "
+                            "--max-new-tokens >= 1")
+    out = _writable_file(args.out, "--out") if args.out else None
+    _set_threads(args)
+    target = load(args.target)
+    drafter = build_drafter(spec, target)
     report = tune_tree(target, drafter, temperature=args.temperature, children=args.children, prompts=args.prompts,
                        max_new_tokens=args.max_new_tokens, width=args.width, max_nodes=args.max_nodes,
                        max_depth=args.max_depth, log=lambda m: print(m, file=sys.stderr))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
+    if out is not None:
+        out.write_text(json.dumps(report, indent=1))
     print(report["best"]["tree"])
     return 0
-
-
-def _progress(total: int, desc: str):
-    from tqdm import tqdm  # noqa: PLC0415
-
-    return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="verispec",
         description="Speculative decoding whose verification you can trust. "
-                    "Run 'verispec COMMAND --help' for the options of a command.",
-    )
+                    "Run 'verispec COMMAND --help' for the options of a command.")
     parser.add_argument("--version", action="version", version=f"verispec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _add_generate(sub)
-    _add_audit(sub)
-    _add_bench(sub)
-    _add_report(sub)
-    _add_plot(sub)
-    _add_train_draft(sub)
-    _add_tune_tree(sub)
+    for add in (_add_generate, _add_audit, _add_bench, _add_report, _add_plot, _add_train_draft, _add_eval_draft,
+                _add_tune_tree):
+        add(sub)
     return parser
 
 
@@ -559,6 +641,12 @@ def main(argv: list[str] | None = None) -> int:
     except VerispecError as exc:
         print(f"verispec: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `verispec report FILE | head`: the reader left; say nothing more
+        try:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - so that the interpreter's final flush is quiet
+        except OSError:
+            pass
+        return 0
     except KeyboardInterrupt:
         print("\nverispec: interrupted", file=sys.stderr)
         return 130

@@ -14,7 +14,7 @@ import torch
 
 from .drafters.base import Drafter
 from .errors import VerispecError
-from .models import CausalLM
+from .backends import CausalLM
 from .policies import Feedback, Fixed
 from .probs import Sampling, logits_to_probs
 from .rng import TorchRandomness
@@ -85,6 +85,30 @@ class GenerationResult:
         }
 
 
+class TextStream:
+    """Text as tokens arrive, whole characters only: a character whose bytes span several tokens (most non-Latin
+    scripts under byte-level tokenizers) is held back until its last byte arrives, instead of showing as a
+    replacement character. ``push(ids)`` returns the new text; ``flush()`` whatever is left at the end."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self._decode = decode
+        self._ids: list[int] = []
+        self.text = ""
+
+    def push(self, ids: list[int]) -> str:
+        self._ids.extend(ids)
+        return self._advance(self._decode(self._ids).rstrip("\ufffd"))
+
+    def flush(self) -> str:
+        return self._advance(self._decode(self._ids))
+
+    def _advance(self, text: str) -> str:
+        if not text.startswith(self.text):  # the tokenizer rewrote earlier text (rare): show nothing until it settles
+            return ""
+        new, self.text = text[len(self.text):], text
+        return new
+
+
 def _check_args(target, drafter, verifier, prompt_ids, tree, max_new_tokens, sampling, children):
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise VerispecError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
@@ -130,12 +154,14 @@ def generate_steps(
     """
     _check_args(target, drafter, verifier, prompt_ids, tree, max_new_tokens, sampling, children)
     policy = policy or Fixed()
+    plan = getattr(policy, "planned_depth", None)  # optional in the Policy protocol
     if verifier.new_state is not None and verifier_state is None:
         verifier_state = verifier.new_state()
     rng = TorchRandomness(seed)
     t = time.perf_counter()
     state = target.new_state()
-    pre = target.prefill_output(state, prompt_ids[:-1])
+    features = drafter.feature_layers
+    pre = target.prefill_output(state, prompt_ids[:-1], features=features)
     drafter.reset(prompt_ids)
     if drafter.uses_target_hidden:
         drafter.observe(pre.hidden if pre is not None else torch.zeros(0, 0))
@@ -145,10 +171,14 @@ def generate_steps(
     produced = 0
     while True:
         t0 = time.perf_counter()
-        draft = drafter.propose(context, tree, sampling, children, rng, policy)
+        shape = tree
+        if plan is not None and isinstance(tree, Tree):  # a dynamic tree sets its own depth
+            depth = plan(tree.max_depth)
+            shape = tree if depth >= tree.max_depth else tree.truncate(max(depth, 0))
+        draft = drafter.propose(context, shape, sampling, children, rng, policy)
         t1 = time.perf_counter()
         positions = state.committed + torch.tensor(draft.tree.depths)
-        out = target.forward(state, draft.tokens, positions, draft.tree.ancestors_mask())
+        out = target.forward(state, draft.tokens, positions, draft.tree.ancestors_mask(), features=features)
         t2 = time.perf_counter()
         p = logits_to_probs(out.logits, sampling)  # [N, V]
         verdict = verifier(draft, p, rng, verifier_state)

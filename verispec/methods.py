@@ -1,8 +1,10 @@
-"""Named methods: a verifier, a draft-length policy and a draft tree shape (AdaSD's Tables 1-2 rows), plus
-the two Hugging Face peers. Benchmarks pick methods from here by name instead of wiring them again.
+"""Named methods: a verifier, a draft-length policy and a draft tree shape -- what ``verispec generate`` does by
+default (``default``), AdaSD's Tables 1-2 rows -- plus the peers (Hugging Face ``generate`` and assisted
+generation, llama.cpp). Benchmarks pick methods from here by name instead of wiring them again.
 
 ``resolve_method`` also accepts any registered verifier (``specinfer``, ``fsd:0.2``) and a tree after
 ``@`` (``specinfer@3x5``, ``fixed@chain:8``): a verifier alone means fixed-length drafting of a chain of 5.
+The tree ``auto`` is the one tuned for the draft (``Drafter.default_tree``), else ``FALLBACK_TREE``.
 """
 
 from __future__ import annotations
@@ -20,33 +22,48 @@ class Method:
     name: str
     verifier: str | None  # None: a Hugging Face peer
     policy: str
-    shape: str  # draft tree (``Tree.parse`` syntax), "none" for no drafting
+    shape: str  # draft tree (``Tree.parse`` syntax), "none" for no drafting, "auto" for the draft's tuned tree
     note: str
-    peer: str | None = None  # "generate" or "assisted" for the Hugging Face peers
+    peer: str | None = None  # "generate", "assisted", "llama-cpp" or "llama-cpp-lookup" for the peers
 
-    def tree(self) -> Tree:
-        return Tree.root_only() if self.shape == "none" else Tree.parse(self.shape)
-
-    @property
-    def max_depth(self) -> int:
-        return self.tree().max_depth
+    def tree(self, drafter=None) -> Tree:
+        """The draft tree; ``auto`` needs the drafter whose tuned tree it is (without one: ``FALLBACK_TREE``)."""
+        if self.shape == "none":
+            return Tree.root_only()
+        if self.shape == "auto":
+            return Tree.parse(getattr(drafter, "default_tree", None) or FALLBACK_TREE)
+        return Tree.parse(self.shape)
 
     @property
     def uses_draft(self) -> bool:
         """Whether the method's output depends on the draft (plain decoding and HF generate do not)."""
         return self.peer == "assisted" or (self.peer is None and self.shape != "none")
 
-    def build(self):
-        """Fresh (verifier spec, policy, verifier state) for a run; reuse them across prompts to keep learning."""
+    def build(self, drafter=None):
+        """Fresh (verifier spec, policy, verifier state) for a run; reuse them across prompts to keep learning.
+        The drafter, if given, lends the ``auto`` policy its measured step costs."""
         spec = get_verifier(self.verifier or "chain")
-        return spec, get_policy(self.policy), spec.new_state() if spec.new_state else None
+        policy = get_policy(self.policy, getattr(drafter, "step_costs", None))
+        return spec, policy, spec.new_state() if spec.new_state else None
 
+
+FALLBACK_TREE = "chain:5"  # the tree "auto" means for a draft with no tuned tree
+DEFAULT_VERIFIER = "chain"  # what ``verispec generate`` verifies with by default
 
 _ROWS = [
+    Method("default", DEFAULT_VERIFIER, "auto", "auto",
+           "what 'verispec generate' does with no options: the default draft and its tuned tree, exact chain "
+           "verification, the draft length chosen step by step by measured speed (policy auto)"),
     Method("hf-generate", None, "fixed", "none", "Hugging Face generate of the target (no draft)", peer="generate"),
     Method("hf-assisted", None, "fixed", "none",
            "Hugging Face assisted generation with the same draft (a model draft, or prompt lookup for ngram)",
            peer="assisted"),
+    Method("llama-cpp", None, "fixed", "none",
+           "llama.cpp's plain decoding of the same GGUF file (llama-cpp-python; a quantised model: its own target)",
+           peer="llama-cpp"),
+    Method("llama-cpp-lookup", None, "fixed", "none",
+           "llama-cpp-python's prompt-lookup speculative decoding of the same GGUF file (its own target)",
+           peer="llama-cpp-lookup"),
     Method("ar", "chain", "fixed", "none", "plain autoregressive decoding of the target in verispec's loop"),
     Method("fixed", "chain", "fixed", "chain:5", "exact chain speculative sampling, 5 tokens (the papers' Vanilla)"),
     Method("hf", "chain", "hf", "chain:20",
@@ -91,6 +108,7 @@ def resolve_method(spec: str) -> Method:
     if at:
         if method.peer is not None or method.shape == "none":
             raise VerispecError(f"method {name!r} drafts nothing; it takes no tree (got {spec!r})")
-        Tree.parse(shape)  # fail early on a bad tree
+        if shape != "auto":
+            Tree.parse(shape)  # fail early on a bad tree
         method = replace(method, name=spec, shape=shape)
     return method

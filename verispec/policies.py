@@ -1,24 +1,42 @@
-"""Draft-length policies: decide before each drafted depth whether to keep drafting, learn from outcomes.
+"""Draft-length policies: decide how deep to draft, learn from outcomes (the ``Policy`` protocol).
 
-Interface (two methods):
-    ``keep_drafting(depth, q, last, drawn) -> bool``  before drafting depth ``depth + 1``: ``q [F, V]`` are
-        the draft laws at the frontier nodes (the laws the next tokens will be drawn from), ``drawn [F, V]``
-        the laws the frontier nodes' own tokens were drawn from and ``last [F]`` their probabilities under
-        those laws (both ``None`` at depth 0);
-    ``update(feedback)``  after each step, with what verification said (``Feedback``).
-The tree shape bounds the depth; a policy can only stop earlier. Policies are named in ``POLICIES``
-and built from a spec string by ``get_policy`` (``fixed``, ``hf``, ``hf:heuristic``, ``adasd-entropy``,
-``adaedl``, ``bild``). A policy object keeps what it has learned across prompts until it is rebuilt.
+A policy only ever shortens the draft the tree shape allows, so no policy can change the output law: the
+verifiers are exact for any draft, whatever decided its length. Policies are named in ``POLICIES`` and built from a
+spec string by ``get_policy`` (``auto``, ``fixed``, ``hf``, ``hf:heuristic``, ``adasd-entropy``, ``adaedl``,
+``bild``). A policy object keeps what it has learned across prompts until it is rebuilt.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from .errors import VerispecError
+
+
+class Policy(Protocol):
+    """How deep to draft. Three calls, each with a default a policy may keep:
+
+    * ``planned_depth(limit) -> int``: before anything is drafted this step, how many depths to draft at most, up to
+      ``limit`` (the tree's depth); 0 means no draft, a plain decoding step. Asked first, so a policy that skips
+      drafting costs the step nothing;
+    * ``keep_drafting(depth, q, last, drawn) -> bool``: before drafting depth ``depth + 1``. ``q [F, V]`` are the
+      draft laws at the frontier nodes (the laws the next tokens will be drawn from), ``drawn [F, V]`` the laws
+      the frontier nodes' own tokens were drawn from and ``last [F]`` their probabilities under those laws (both
+      ``None`` at depth 0);
+    * ``update(feedback)``: after each step, with what verification said (``Feedback``).
+    """
+
+    name: str
+
+    def planned_depth(self, limit: int) -> int: ...
+
+    def keep_drafting(self, depth: int, q: torch.Tensor, last=None, drawn=None) -> bool: ...
+
+    def update(self, feedback: "Feedback") -> None: ...
 
 
 def entropy(q: torch.Tensor) -> torch.Tensor:
@@ -98,12 +116,28 @@ def roc_threshold(scores: torch.Tensor, positive: torch.Tensor, fn_weight: float
     return float(thresholds[first_min])
 
 
+class _Defaults:
+    """The protocol's defaults: no plan before drafting, keep drafting, learn nothing."""
+
+    def planned_depth(self, limit: int) -> int:
+        return limit
+
+    def keep_drafting(self, depth: int, q: torch.Tensor, last=None, drawn=None) -> bool:
+        return True
+
+    def update(self, feedback: Feedback) -> None:
+        pass
+
+
 @dataclass
-class Fixed:
+class Fixed(_Defaults):
     """Draft the whole tree shape every step, or at most ``length`` levels (the papers' "Vanilla" is 5)."""
 
     length: int | None = None
     name = "fixed"
+
+    def planned_depth(self, limit: int) -> int:
+        return limit if self.length is None else min(limit, self.length)
 
     def keep_drafting(self, depth: int, q: torch.Tensor, last=None, drawn=None) -> bool:
         return self.length is None or depth < self.length
@@ -113,7 +147,7 @@ class Fixed:
 
 
 @dataclass
-class HFAssisted:
+class HFAssisted(_Defaults):
     """Hugging Face assisted generation's draft-length rules (``transformers`` 5.24, AssistedCandidateGenerator).
 
     * length: draft at most ``num_tokens`` tokens (20 by default). ``schedule="heuristic"``: after a step
@@ -162,7 +196,7 @@ class HFAssisted:
 
 
 @dataclass
-class AdaSDEntropy:
+class AdaSDEntropy(_Defaults):
     """AdaSD's generation rule: stop drafting when the draft law's entropy exceeds a learned threshold.
 
     The paper says the threshold is "adaptively updated based on feedback from the target model" and
@@ -198,7 +232,7 @@ class AdaSDEntropy:
 
 
 @dataclass
-class AdaEDL:
+class AdaEDL(_Defaults):
     """AdaEDL (Agrawal et al. 2024): stop before drafting a token if ``1 - sqrt(gamma * H(q)) < lambda``.
 
     ``1 - sqrt(gamma H)`` approximates a lower bound on the token's acceptance probability (gamma = 0.2).
@@ -228,7 +262,7 @@ class AdaEDL:
 
 
 @dataclass
-class BiLDFallback:
+class BiLDFallback(_Defaults):
     """BiLD's fallback rule (Kim et al. 2023): the draft hands over to the target as soon as its top
     probability falls below ``threshold`` (0.6), before drafting that token (possibly drafting nothing)."""
 
@@ -242,7 +276,84 @@ class BiLDFallback:
         pass
 
 
+GENERIC_COSTS = (1.0, 1.12, 1.24, 1.36, 1.48, 1.6, 1.72, 1.84, 1.96)  # a plain step = 1; see AutoDepth
+
+
+@dataclass
+class AutoDepth(_Defaults):
+    """Draft as deep as pays on the text at hand, down to not drafting at all (the default policy).
+
+    It keeps, per depth d, the chain acceptance ``a_d`` (among steps that drafted depth d and accepted every depth
+    before it, the share that accepted depth d too; counts decay by ``decay`` per observation so recent text
+    weighs most, with ``prior`` as ``prior_weight`` pseudo-observations). Each step drafts the depth with the most
+    expected tokens per unit of cost, ``(1 + a_1 + a_1 a_2 + ...) / costs[d]``, where ``costs[d]`` is the cost of a
+    step drafting d depths relative to a plain decoding step (``costs[0] = 1``): measured for a shipped draft head
+    by ``verispec tune-tree`` and kept in its sidecar, else ``GENERIC_COSTS`` (each depth 12 % of a plain step),
+    continued linearly past the last entry. Every ``probe_every`` steps it drafts one depth more than its choice,
+    so that a depth it stopped drafting keeps being measured and a draft that turns good is taken back up.
+
+    It decides lengths only, so the output law is the verifier's, exactly. Costs are fixed numbers rather than live
+    timings, so the same seed gives the same text. When drafting is a loss it costs only its probes (a draft that
+    is always wrong costs one drafted step in ``probe_every``)."""
+
+    costs: tuple[float, ...] = GENERIC_COSTS
+    probe_every: int = 16
+    prior: float = 0.5
+    prior_weight: float = 2.0
+    decay: float = 0.98
+    reached: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+    steps: int = 0
+    name = "auto"
+
+    def __post_init__(self):
+        self.costs = tuple(float(c) for c in self.costs)
+        if not self.costs or self.costs[0] <= 0 or any(b < a for a, b in zip(self.costs, self.costs[1:])):
+            raise VerispecError(f"auto policy costs must start positive and never decrease, got {self.costs}")
+
+    def acceptance(self, depth: int) -> float:
+        """Estimated ``a_depth`` (1-based)."""
+        i = depth - 1
+        r = self.reached[i] if i < len(self.reached) else 0.0
+        a = self.accepted[i] if i < len(self.accepted) else 0.0
+        return (a + self.prior * self.prior_weight) / (r + self.prior_weight)
+
+    def cost(self, depth: int) -> float:
+        if depth < len(self.costs):
+            return self.costs[depth]
+        step = self.costs[-1] - self.costs[-2] if len(self.costs) > 1 else 0.12 * self.costs[0]
+        return self.costs[-1] + (depth - len(self.costs) + 1) * step
+
+    def best_depth(self, limit: int) -> int:
+        """The depth in 0..limit with the most expected tokens per unit of cost."""
+        best, best_rate, expected, chain = 0, 1.0 / self.cost(0), 1.0, 1.0
+        for d in range(1, max(limit, 0) + 1):
+            chain *= self.acceptance(d)
+            expected += chain
+            if expected / self.cost(d) > best_rate + 1e-12:
+                best, best_rate = d, expected / self.cost(d)
+        return best
+
+    def planned_depth(self, limit: int) -> int:
+        best = self.best_depth(limit)
+        if self.steps and self.steps % self.probe_every == 0 and best < limit:
+            return best + 1
+        return best
+
+    def update(self, feedback: Feedback) -> None:
+        self.steps += 1
+        d, a = feedback.drafted, feedback.accepted
+        while len(self.reached) < d:
+            self.reached.append(0.0)
+            self.accepted.append(0.0)
+        for i in range(1, min(d, a + 1) + 1):  # depth i was reached if depths 1..i-1 were accepted
+            self.reached[i - 1] = self.decay * self.reached[i - 1] + 1
+            self.accepted[i - 1] = self.decay * self.accepted[i - 1] + (a >= i)
+
+
 POLICIES = {
+    "auto": "draft as deep as pays on the text at hand (measured acceptance against the draft's step costs), down "
+            "to plain decoding",
     "fixed": "draft the whole tree shape (fixed:G caps the depth at G)",
     "hf": "Hugging Face assisted generation defaults: 20 tokens, confidence stop 0.4 with ROC re-fit",
     "hf:heuristic": "Hugging Face's +2/-1 length schedule (start 20) with the confidence stop and ROC re-fit",
@@ -252,9 +363,12 @@ POLICIES = {
 }
 
 
-def get_policy(spec: str):
-    """Build a policy from its spec string (see ``POLICIES``)."""
+def get_policy(spec: str, costs: tuple[float, ...] | None = None):
+    """Build a policy from its spec string (see ``POLICIES``); ``costs`` are the relative step costs the ``auto``
+    policy weighs depths by (default: ``GENERIC_COSTS``; drafters with measured ones carry them as ``step_costs``)."""
     name, _, arg = spec.partition(":")
+    if name == "auto" and not arg:
+        return AutoDepth(costs) if costs else AutoDepth()
     if name == "fixed":
         if not arg:
             return Fixed()

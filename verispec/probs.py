@@ -26,8 +26,8 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise VerispecError(f"temperature must be >= 0, got {self.temperature}")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < float("inf"):
+            raise VerispecError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise VerispecError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:

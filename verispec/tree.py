@@ -14,17 +14,23 @@ Shapes:
 
 A ``DynamicTree`` (``Tree.parse("dyn:6,4,24")``) is not a shape but a rule the drafter follows (EAGLE-2):
 expand the K most probable frontier nodes at each depth with their K most probable children, then keep
-the N most probable drafted nodes overall.
+the N most probable drafted nodes overall. Both are a ``TreeShape``: what ``Tree.parse`` returns and what drafters
+and the loop take (``size``, ``max_depth``, ``is_chain``, ``describe``).
+
+``Tree.parse`` refuses, before building anything, a tree of more than ``MAX_NODES`` drafted nodes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Union
 
 import torch
 
 from .errors import VerispecError
+
+MAX_NODES = 1024  # drafted nodes per step; a larger tree is refused (its mask alone would be millions of cells)
 
 
 @dataclass(frozen=True)
@@ -93,27 +99,48 @@ class Tree:
         return cls(tuple(parents))
 
     @classmethod
-    def parse(cls, text: str) -> "Tree":
-        """CLI form: ``chain:G``, ``BxD`` (complete), ``b1,b2,...`` (per-depth) or ``paths:0;1;0.0``."""
-        s = text.strip().lower()
+    def parse(cls, text: str) -> "TreeShape":
+        """CLI form: ``chain:G``, ``BxD`` (complete), ``b1,b2,...`` (per-depth), ``paths:0;1;0.0``, ``dyn:D,K,N``, or
+        ``none`` (the root alone: no draft)."""
+        s = str(text).strip().lower()
+        usage = ("use chain:G, BxD (e.g. 3x5), b1,b2,... (e.g. 3,1,1), paths:0;1;0.0 or dyn:DEPTH,K,N "
+                 "(e.g. dyn:6,4,24)")
+        if s == "none":
+            return cls.root_only()
         try:
             if s.startswith("chain:"):
-                return cls.chain(int(s[6:]))
+                n = _count(int(s[6:]), text)
+                if n < 1:
+                    raise VerispecError(f"tree {text!r} drafts nothing; a chain needs G >= 1 (for no draft say so: "
+                                        "the tree 'none', the draft 'none' or the method 'ar')")
+                return cls.chain(n)
             if s.startswith("dyn:"):
-                return DynamicTree(*(int(v) for v in s[4:].split(",")))
+                tree = DynamicTree(*(int(v) for v in s[4:].split(",")))
+                _count(tree.size - 1, text)
+                return tree
             if s.startswith("paths:"):
-                return cls.from_paths([tuple(int(r) for r in p.split(".")) for p in s[6:].split(";") if p])
+                paths = [tuple(int(r) for r in p.split(".")) for p in s[6:].split(";") if p.strip()]
+                if not paths:
+                    raise VerispecError(f"tree {text!r} lists no paths; {usage}")
+                _count(len(paths), text)
+                return cls.from_paths(paths)
             if "x" in s:
-                b, d = s.split("x")
-                return cls.complete(int(b), int(d))
-            return cls.from_branching([int(b) for b in s.split(",")])
-        except (ValueError, TypeError) as exc:
-            if isinstance(exc, VerispecError):
-                raise
-            raise VerispecError(
-                f"cannot parse tree {text!r}: use chain:G, BxD (e.g. 3x5), b1,b2,... (e.g. 3,1,1), paths:0;1;0.0 "
-                "or dyn:DEPTH,K,N (e.g. dyn:6,4,24)"
-            ) from None
+                b, d = (int(v) for v in s.split("x"))
+                if b < 1 or d < 1:
+                    raise VerispecError(f"tree {text!r} needs B >= 1 and D >= 1")
+                _count(sum(b**i for i in range(1, min(d, 64) + 1)) if b > 1 else d, text)
+                return cls.complete(b, d)
+            branching = [int(v) for v in s.split(",")]
+            total, level = 0, 1
+            for b in branching:
+                level *= max(b, 0)
+                total += level
+                _count(total, text)
+            return cls.from_branching(branching)
+        except VerispecError:
+            raise
+        except (ValueError, TypeError):
+            raise VerispecError(f"cannot parse tree {text!r}: {usage}") from None
 
     # ---------- derived structure ----------
     @property
@@ -181,6 +208,13 @@ class Tree:
         return f"tree({self.size - 1} drafted nodes, depth {self.max_depth}, width per depth {widths})"
 
 
+def _count(nodes: int, text: str) -> int:
+    if nodes > MAX_NODES:
+        raise VerispecError(f"tree {text!r} has {nodes if nodes < 10**6 else 'millions of'} drafted nodes; at most "
+                            f"{MAX_NODES} are allowed")
+    return nodes
+
+
 @dataclass(frozen=True)
 class DynamicTree:
     """EAGLE-2's dynamic draft tree: at each of ``depth`` levels expand the ``k`` frontier nodes with the highest
@@ -218,3 +252,6 @@ class DynamicTree:
 
     def describe(self) -> str:
         return f"dynamic tree (depth {self.depth}, top-{self.k} expansion, {self.nodes} nodes kept)"
+
+
+TreeShape = Union[Tree, DynamicTree]

@@ -137,7 +137,7 @@ def best_shape(p: Sequence[float], step_cost: Callable[[int, int], float], max_n
 def tree_spec(tree: Tree) -> str:
     """``tree`` in ``--tree`` syntax (``chain:G`` or ``paths:...``), so the bench and the CLI can use it."""
     if tree.size == 1:
-        return "chain:0"
+        return "none"
     if tree.is_chain:
         return f"chain:{tree.size - 1}"
     paths = []

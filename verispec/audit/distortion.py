@@ -161,3 +161,36 @@ def sequence_nll(target, drafter, spec: VerifierSpec | None, prompts: list[str],
         total += target_nll(target, out.prompt_ids, out.token_ids, temperature) * n
         count += n
     return total / max(count, 1)
+
+
+def distortion_report(target, drafter, specs: list[VerifierSpec], temperatures: list[float], prompts: int,
+                      positions: int, sequence_prompts: int, sequence_tokens: int, seed: int = 0,
+                      progress=None) -> tuple[list[DistortionRow], list[dict]]:
+    """Per-position distortion rows of ``specs`` on real (p, q) pairs at each temperature, then the sequence-level
+    NLL rows (the target's own samples first). ``progress(label)`` is called after each unit of work."""
+    from ..datasets import spec_bench_prompts  # noqa: PLC0415
+    from .real import real_pairs  # noqa: PLC0415
+
+    rows = []
+    for t in temperatures:
+        rows += distortion(specs, real_pairs(target, drafter, prompts, positions, t, seed), t, seed)
+        if progress is not None:
+            progress(f"pairs at T={t:g}")
+    nll_rows = []
+    if sequence_prompts > 0:
+        texts = [p for _, p in spec_bench_prompts(sequence_prompts)]
+        for t in (t for t in temperatures if t > 0):
+            own = sequence_nll(target, drafter, None, texts, t, sequence_tokens, seed=seed)
+            nll_rows.append({"temperature": t, "rule": "target samples", "nll": own, "delta": 0.0})
+            for spec in specs:
+                v = sequence_nll(target, drafter, spec, texts, t, sequence_tokens, seed=seed)
+                nll_rows.append({"temperature": t, "rule": spec.name, "nll": v, "delta": v - own})
+                if progress is not None:
+                    progress(f"NLL of {spec.name} at T={t:g}")
+    return rows, nll_rows
+
+
+def format_nll(rows: list[dict]) -> str:
+    lines = ["| T | text from | NLL/token | minus target's own |", "|---|---|---|---|"]
+    lines += [f"| {r['temperature']:g} | {r['rule']} | {r['nll']:.3f} | {r['delta']:+.3f} |" for r in rows]
+    return "\n".join(lines)

@@ -73,3 +73,36 @@ def monte_carlo_node(spec: VerifierSpec, p: torch.Tensor, q: torch.Tensor, k: in
     se = (var / n_draws).sqrt()
     tv = 0.5 * float((mean - p).abs().sum())
     return MonteCarloResult(spec.name, n_draws, int(uniq.shape[0]), tv, 0.5 * z * float(se.sum()), acc / n_draws)
+
+
+def monte_carlo_report(target, drafter, specs: list[VerifierSpec], pairs: int, k: int, draws: int,
+                       temperature: float, seed: int = 0, progress=None) -> list[dict]:
+    """``monte_carlo_node`` for each verifier on ``pairs`` real (p, q) pairs of ``target`` and ``drafter`` (a model
+    draft); one row per (pair, verifier) with the i.i.d. optimum beside it. ``progress()`` is called per row."""
+    from dataclasses import asdict  # noqa: PLC0415
+
+    from .optimum import alpha_star_iid  # noqa: PLC0415
+    from .real import real_pairs  # noqa: PLC0415
+
+    rows = []
+    for i, (p, q) in enumerate(real_pairs(target, drafter, 1, pairs, temperature, seed)[:pairs]):
+        star = alpha_star_iid(p, q, k)
+        for spec in specs:
+            r = monte_carlo_node(spec, p, q, k, n_draws=draws, seed=seed + i)
+            rows.append({"pair": i, "alpha_star": star, "claims_exact": spec.exact, **asdict(r), "biased": r.biased})
+            if progress is not None:
+                progress()
+    return rows
+
+
+def format_monte_carlo(rows: list[dict]) -> str:
+    lines = ["| pair | verifier | claims exact | distinct tuples | TV from p | noise bound | verdict | acceptance | "
+             "alpha*_iid |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        verdict = "biased" if r["biased"] else "consistent with p"
+        if r["claims_exact"] and r["biased"]:
+            verdict += " (FAIL)"
+        lines.append(f"| {r['pair']} | {r['verifier']} | {'yes' if r['claims_exact'] else 'no'} | "
+                     f"{r['distinct_tuples']} | {r['tv']:.4f} | {r['noise_bound']:.4f} | {verdict} | "
+                     f"{r['acceptance']:.4f} | {r['alpha_star']:.4f} |")
+    return "\n".join(lines)

@@ -99,3 +99,44 @@ def format_table(rows: list[AuditRow]) -> str:
         lines.append(f"| {r.verifier} | {'yes' if r.claims_exact else 'no'} | {r.cases} | {r.max_tv:.2e} | "
                      f"{r.max_kl:.2e} | {acc} | {star} | {r.verdict} |")
     return "\n".join(lines)
+
+
+def never_lose_rows(specs: list[VerifierSpec], cases: int = 100, seed: int = 0) -> list[dict]:
+    """Per exact rule over i.i.d. children, on random small (p, q) with k = 2 and 3 candidates (exact acceptance by
+    enumeration): nodes where it accepts less than ``specinfer``, nodes where k candidates accept less than k - 1,
+    and its mean share of the i.i.d. optimum ``alpha*_iid``."""
+    from ..verifiers import get_verifier  # noqa: PLC0415
+
+    base = get_verifier("specinfer")
+    rows = []
+    cache: dict[tuple, float] = {}
+    for spec in specs:
+        worse = fewer = 0
+        shares = []
+        for i in range(cases):
+            rnd = random.Random(seed * 100_003 + i)
+            vocab, k = rnd.choice([3, 4, 5]), 2 + i % 2
+            p, q = (t((0,)) for t in random_tables(vocab, seed * 7919 + i, concentration=rnd.choice([0.3, 0.7, 1.5]),
+                                                     sparsity=rnd.choice([0.0, 0.0, 0.3])))
+            if i % 5 == 4:  # p close to q, where residual drift is worst
+                p = (0.9 * q + 0.1 * p) / (0.9 * q + 0.1 * p).sum()
+            key = (i, k)
+            if key not in cache:
+                cache[key] = node_acceptance(base, p, q, k)
+            acc, acc_less = node_acceptance(spec, p, q, k), node_acceptance(spec, p, q, k - 1)
+            worse += acc < cache[key] - 1e-9
+            fewer += acc < acc_less - 1e-9
+            star = alpha_star_iid(p, q, k)
+            shares.append(acc / star if star > 0 else 1.0)
+        rows.append({"verifier": spec.name, "cases": cases, "below_specinfer": worse, "below_fewer_candidates": fewer,
+                     "mean_share_of_alpha_star": sum(shares) / len(shares)})
+    return rows
+
+
+def never_lose_table(specs: list[VerifierSpec], cases: int = 100, seed: int = 0) -> str:
+    rows = never_lose_rows(specs, cases, seed)
+    lines = ["| verifier | nodes | accepts less than specinfer | k candidates accept less than k - 1 | "
+             "mean share of alpha*_iid |", "|---|---|---|---|---|"]
+    lines += [f"| {r['verifier']} | {r['cases']} | {r['below_specinfer']} | {r['below_fewer_candidates']} | "
+              f"{r['mean_share_of_alpha_star']:.4f} |" for r in rows]
+    return "\n".join(lines)

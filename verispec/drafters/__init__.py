@@ -1,7 +1,10 @@
-"""Drafters: a separate draft model, a layer-skip self-draft, n-gram prompt lookup, or none."""
+"""Drafters: a separate draft model, a layer-skip self-draft, an int8 copy, n-gram prompt lookup, the EAGLE head, or
+none; built from spec strings by ``build_drafter``."""
 
 from .base import CHILD_MODES, Draft, Drafter, NoDrafter
+from .factory import DRAFT_HELP, DraftSpec, build_drafter, parse_layers, sidecar
 from .model import ModelDrafter, layer_skip_drafter
 from .ngram import NgramDrafter
 
-__all__ = ["CHILD_MODES", "Draft", "Drafter", "ModelDrafter", "NgramDrafter", "NoDrafter", "layer_skip_drafter"]
+__all__ = ["CHILD_MODES", "DRAFT_HELP", "Draft", "DraftSpec", "Drafter", "ModelDrafter", "NgramDrafter", "NoDrafter",
+           "build_drafter", "layer_skip_drafter", "parse_layers", "sidecar"]

@@ -33,7 +33,7 @@ class Draft:
     tokens: torch.Tensor  # [N] long; tokens[0] is the root (the last committed token)
     q: torch.Tensor  # [N, V] law each node's children were drawn from (zero rows for leaves)
     child_prob: torch.Tensor  # [N] P(node | parent, earlier siblings); 1 for the root
-    sampling: str  # one of CHILD_MODES
+    children: str  # how each node's children were drawn: one of CHILD_MODES
     soft_q: torch.Tensor | None = None  # at temperature 0: the draft's softmax laws (T = 1), for policies
 
     def policy_q(self) -> torch.Tensor:
@@ -72,11 +72,13 @@ class Drafter:
     name = "drafter"
     vocab_size: int | None = None
     uses_target_hidden = False  # True: the loop calls ``observe`` with the target's hidden states
+    feature_layers: tuple[int, ...] = (-1,)  # which of the target's hidden states ``observe`` receives
     default_tree: str | None = None  # the tree ``--tree auto`` uses with this drafter (a tuned one, if known)
+    step_costs: tuple[float, ...] | None = None  # measured cost of a step drafting d depths, a plain step = 1
 
     def observe(self, hidden: torch.Tensor) -> None:
-        """The target's last hidden states ``[n, H]`` of the next n committed positions (prompt, then at each
-        step the root and the accepted path); only called when ``uses_target_hidden``."""
+        """The target's hidden states ``[n, k H]`` (the ``feature_layers``) of the next n committed positions (the
+        prompt, then at each step the root and the accepted path); only called when ``uses_target_hidden``."""
 
     def reset(self, prompt: list[int]) -> None:
         """Start a new sequence (drop any cached state)."""
@@ -225,7 +227,7 @@ def _finish(g: _Growing, children: str, vocab: int, dtype: torch.dtype) -> Draft
         tokens=torch.tensor(g.tokens, dtype=torch.long),
         q=q,
         child_prob=torch.tensor(g.child_prob, dtype=torch.float64),
-        sampling=children,
+        children=children,
         soft_q=soft_q,
     )
 

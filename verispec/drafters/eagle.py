@@ -24,6 +24,7 @@ class EagleDrafter(Drafter):
     def __init__(self, head, name: str = "eagle"):
         self.head = head
         self.lm = head.lm
+        self.feature_layers = head.feature_layers
         self.name = name
         self.vocab_size = head.target.vocab_size
         self.state = self.lm.new_state()
@@ -62,7 +63,7 @@ class EagleDrafter(Drafter):
         start = self.state.committed
         feats = self._feature_rows(start, last + 1)
         tokens = torch.tensor(context[start + 1:last + 2])
-        out = self.lm.prefill_output(self.state, tokens, self.head.inputs(feats, tokens))
+        out = self.lm.prefill_output(self.state, tokens, self.head.target_inputs(feats, tokens))
         self._pred[0] = out.hidden[-1]
         return self.head.full_logits(out.logits[-1])
 
@@ -71,7 +72,7 @@ class EagleDrafter(Drafter):
         # the last cached pair (f_{L-2}, x_{L-1}) sits at position L - 2, so a node at depth d lands at L - 2 + d
         tokens, positions, attend = tree_level(g, nodes, self._anc, self._slot, self.state)
         feats = torch.stack([self._pred[g.parents[n]] for n in nodes])
-        out = self.lm.forward(self.state, tokens, positions, attend, self.head.inputs(feats, tokens))
+        out = self.lm.forward(self.state, tokens, positions, attend, self.head.draft_inputs(feats, tokens))
         for row, n in enumerate(nodes):
             self._pred[n] = out.hidden[row]
         return self.head.full_logits(out.logits)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import VerispecError
-from ..models import CausalLM
+from ..backends import CausalLM
 from .base import Draft, Drafter, _Growing
 
 

@@ -57,8 +57,8 @@ class VerifierSpec:
     def __call__(self, draft: Draft, p: torch.Tensor, rng: Randomness, state=None) -> Verdict:
         if self.chain_only and not draft.tree.is_chain:
             raise VerispecError(f"verifier {self.name!r} only verifies chains; use a tree verifier for {draft.tree.describe()}")
-        if self.children is not None and draft.tree.size > 1 and draft.sampling != self.children:
-            raise VerispecError(f"verifier {self.name!r} needs children drawn {self.children!r}, got {draft.sampling!r}")
+        if self.children is not None and draft.tree.size > 1 and draft.children != self.children:
+            raise VerispecError(f"verifier {self.name!r} needs children drawn {self.children!r}, got {draft.children!r}")
         if self.new_state is not None:
             return self.fn(draft, p, rng, state if state is not None else self.new_state())
         return self.fn(draft, p, rng)
@@ -115,7 +115,7 @@ def get_verifier(name: str) -> VerifierSpec:
 
 def first_child_law(draft: Draft, node: int) -> torch.Tensor:
     """The law the first child of ``node`` was drawn from: ``q`` for random draws, a point mass for top-k."""
-    if draft.sampling == "topk":
+    if draft.children == "topk":
         child = draft.tree.children[node][0]
         return torch.nn.functional.one_hot(draft.tokens[child], draft.q.shape[-1]).to(draft.q.dtype)
     return draft.q[node]

@@ -8,8 +8,8 @@ import math
 import textwrap
 from pathlib import Path
 
-from .bench import NO_DRAFT
-from .report import Results, Row, summarize, width_series
+from .records import NO_DRAFT, Results
+from .report import Row, summarize, width_series
 
 
 def _pyplot():

@@ -1,53 +1,47 @@
-"""The benchmark harness: methods x drafts x data sets x temperatures x seeds, one JSONL record per step and
-per prompt, resumable.
+"""The benchmark harness: methods x drafts x data sets x temperatures x seeds in one process, interleaved prompt by
+prompt, written as records (``verispec.bench.records``) and resumable.
 
-A results file holds, one JSON object per line:
-
-* ``{"type": "header", ...}``: the resolved configuration, package versions, git revision, machine, command;
-* ``{"type": "step", "cell": KEY, ...}``: one per decoding step (verispec methods, and Hugging Face assisted
-  generation's verifications), with drafted nodes, accepted length, candidates tested and the time split;
-* ``{"type": "prompt", "cell": KEY, ...}``: one per finished (method, draft, prompt, temperature, seed) cell,
-  written after its steps: tokens, wall time, text;
-* ``{"type": "audit", ...}``: the exhaustive exactness audit of the verifiers used (one per verifier).
-
-A cell counts as done once its prompt record is in the file; resuming drops the step records of an
-unfinished cell and runs it again. Every figure is derived from these records (``verispec.report``).
-Each cell starts with a fresh draft-length policy and learning state, so cells are independent and a
-resumed run gives the same records as an uninterrupted one (timings aside).
+Each cell starts with a fresh draft-length policy and learning state unless ``BenchConfig.carry_state`` keeps a
+method's policy and verifier state across its prompts (online learning, as AdaSD's tables run); cells are then
+independent and a resumed run gives the same records as an uninterrupted one (timings aside).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import platform
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from .datasets import Problem, load_prompts
-from .errors import VerispecError
-from .methods import Method, resolve_method
-from .models import DEFAULT_TARGET
+from ..backends import DEFAULT_TARGET
+from ..datasets import Problem, load_prompts
+from ..errors import VerispecError
+from ..methods import Method, resolve_method
+from .records import (
+    NO_DRAFT, LoadMeter, cell_id, finished_cells, git_revision, machine, read_records, step_record,
+)
 
-NO_DRAFT = "-"  # the draft field of methods that use none (plain decoding, Hugging Face generate)
 HF_LOOKUP_TOKENS = 10  # Hugging Face prompt lookup's default number of proposed tokens
 
 
 @dataclass
 class BenchConfig:
     target: str = DEFAULT_TARGET
-    drafts: list[str] = field(default_factory=lambda: ["int8"])
-    methods: list[str] = field(default_factory=lambda: ["hf-generate", "hf-assisted", "ar", "fixed"])
+    drafts: list[str] = field(default_factory=lambda: ["auto"])
+    methods: list[str] = field(default_factory=lambda: ["hf-generate", "hf-assisted", "ar", "default"])
     datasets: list[str] = field(default_factory=lambda: ["spec-bench"])
-    limit: int | None = 2  # prompts per Spec-Bench category / per other data set
+    limit: int | None = 3  # prompts per Spec-Bench category / per other data set
     temperatures: list[float] = field(default_factory=lambda: [0.0, 0.6])
     seeds: list[int] = field(default_factory=lambda: [0])
-    max_new_tokens: int = 64
+    max_new_tokens: int = 128
     dtype: str = "float32"
     audit_cases: int = 0  # exhaustive audit cases per verifier used (0: no audit)
+    carry_state: bool = False  # keep a method's policy and verifier state across its prompts (online learning)
+    shadow: list[str] = field(default_factory=list)  # verifiers run beside the driver on the same steps
+    shadow_seeds: int = 4  # coin seeds per shadow verifier and step
+    distortion: bool = False  # record lossy rules' exact TV at every decoded position, and each cell's NLL
 
     @classmethod
     def from_dict(cls, d: dict) -> "BenchConfig":
@@ -62,8 +56,12 @@ class BenchConfig:
             raise VerispecError("no methods given")
         if not self.drafts:
             raise VerispecError("no drafts given")
-        if not self.temperatures or any(t < 0 for t in self.temperatures):
-            raise VerispecError("temperatures must be given and >= 0")
+        if not self.temperatures or any(not 0 <= t < float("inf") for t in self.temperatures):
+            raise VerispecError("temperatures must be given, finite and >= 0")
+        if self.limit is not None and self.limit < 1:
+            raise VerispecError("limit must be >= 1")
+        if self.shadow_seeds < 1:
+            raise VerispecError("shadow_seeds must be >= 1")
         if self.max_new_tokens < 1:
             raise VerispecError("max_new_tokens must be >= 1")
         if not self.seeds:
@@ -75,6 +73,26 @@ class BenchConfig:
             raise VerispecError("a method is listed twice")
         return methods
 
+
+BENCH_HELP = {
+    "target": "target model: built-in alias, .gguf file, folder or hub id",
+    "drafts": "drafts to run every drafting method with",
+    "methods": "methods",
+    "datasets": "prompt sets",
+    "limit": "prompts per Spec-Bench category / per other set",
+    "temperatures": "sampling temperatures (0: greedy)",
+    "seeds": "random seeds",
+    "max_new_tokens": "new tokens per prompt",
+    "dtype": "model weights dtype",
+    "audit_cases": "exhaustive exactness audit of the verifiers used, cases each (0: none)",
+    "carry_state": "keep each method's draft-length policy and learning verifier state across its prompts (online "
+                   "learning, as AdaSD's tables run); by default every cell starts fresh",
+    "shadow": "verifiers to run beside each method's own on the very same steps (same draft, same target "
+              "probabilities, no extra forwards): paired comparisons of acceptance",
+    "shadow_seeds": "coin seeds per shadow verifier and step",
+    "distortion": "record, for lossy rules, the exact total variation of their law from the target's at every "
+                  "position a run tests, and for every cell at T > 0 the NLL of its text under the target",
+}
 
 # the --quick preset: every piece of the harness on the default model, under 10 minutes on 2 CPU cores
 QUICK = BenchConfig(
@@ -96,10 +114,6 @@ class Cell:
     def key(self) -> dict:
         return {"T": self.temperature, "seed": self.seed, "prompt": self.problem.id, "draft": self.draft,
                 "method": self.method.name}
-
-
-def cell_id(key: dict) -> tuple:
-    return key["T"], key["seed"], key["prompt"], key["draft"], key["method"]
 
 
 def supports_assisted(draft: str) -> bool:
@@ -130,36 +144,11 @@ def plan(config: BenchConfig, methods: list[Method], problems: list[Problem]) ->
     return cells, notes
 
 
-def git_revision() -> str:
-    root = Path(__file__).resolve().parent.parent
-    try:
-        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             check=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True, timeout=10).stdout.strip()
-        return rev + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def machine() -> dict:
-    import torch  # noqa: PLC0415
-
-    out = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-           "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": "cpu"}
-    try:
-        with open("/proc/meminfo") as f:
-            out["memory_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
-    except (OSError, ValueError, IndexError):
-        pass
-    return out
-
-
 def header(config: BenchConfig, command: str | None = None) -> dict:
     import torch  # noqa: PLC0415
     import transformers  # noqa: PLC0415
 
-    from . import __version__  # noqa: PLC0415
+    from .. import __version__  # noqa: PLC0415
 
     return {
         "type": "header", "config": config.to_dict(),
@@ -168,25 +157,6 @@ def header(config: BenchConfig, command: str | None = None) -> dict:
         "git": git_revision(), "machine": machine(),
         "command": command or " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-
-
-def finished_cells(records: list[dict]) -> set[tuple]:
-    """Ids of the cells whose prompt record is written (their step records count; others' do not)."""
-    return {cell_id(r["cell"]) for r in records if r.get("type") == "prompt"}
-
-
-def read_records(path: str | Path) -> list[dict]:
-    """All complete JSON lines of a results file (a line cut short by an interrupted write is dropped)."""
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.endswith("\n"):
-                break  # the last line of an interrupted write
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
-    return out
 
 
 def _resume_records(path: Path, config: BenchConfig) -> list[dict]:
@@ -209,16 +179,16 @@ class Runner:
     """Runs cells on one target; drafters are built once per draft spec and reused."""
 
     def __init__(self, config: BenchConfig, target=None):
-        from .models import CausalLM  # noqa: PLC0415
+        from ..backends import load  # noqa: PLC0415
 
         self.config = config
-        self.target = target if target is not None else CausalLM.load(config.target, dtype=config.dtype)
+        self.target = target if target is not None else load(config.target, dtype=config.dtype)
         self._drafters: dict[str, object] = {}
         self._prompt_ids: dict[str, list[int]] = {}
+        self._states: dict[tuple, tuple] = {}  # carried policy and verifier state per (method, draft, T, seed)
 
     def drafter(self, spec: str):
-        from .cli import build_drafter  # noqa: PLC0415
-        from .drafters import NoDrafter  # noqa: PLC0415
+        from ..drafters import NoDrafter, build_drafter  # noqa: PLC0415
 
         if spec == NO_DRAFT:
             return NoDrafter()
@@ -239,18 +209,51 @@ class Runner:
             if kind in seen:
                 continue
             seen.add(kind)
-            self.run(Cell(c.temperature, c.seed, c.problem, c.draft, c.method), max_new_tokens=4)
+            self.run(Cell(c.temperature, c.seed, c.problem, c.draft, c.method), max_new_tokens=4, warm=True)
 
-    def run(self, cell: Cell, max_new_tokens: int | None = None) -> tuple[list[dict], dict]:
+    def _build(self, cell: Cell, warm: bool):
+        """(verifier spec, policy, verifier state) for a cell: fresh, or carried across the method's prompts."""
+        key = (cell.method.name, cell.draft, cell.temperature, cell.seed)
+        drafter = self.drafter(cell.draft)
+        if warm or not self.config.carry_state:
+            return cell.method.build(drafter)
+        if key not in self._states:
+            self._states[key] = cell.method.build(drafter)
+        return self._states[key]
+
+    def run(self, cell: Cell, max_new_tokens: int | None = None, warm: bool = False) -> tuple[list[dict], dict]:
         """Run one cell; returns (step records, prompt record)."""
-        from .decode import generate  # noqa: PLC0415
-        from .peers import hf_generate  # noqa: PLC0415
         from .tasks import score  # noqa: PLC0415
 
         target, m, ids = self.target, cell.method, self.prompt_ids(cell.problem)
         budget = max_new_tokens or self.config.max_new_tokens
-        key = cell.key
+        meter = LoadMeter()
         if m.peer is not None:
+            steps, out_ids, wall, prefill, tree_nodes = self._run_peer(cell, ids, budget)
+        else:
+            steps, out_ids, wall, prefill, tree_nodes = self._run_verispec(cell, ids, budget, warm)
+        load = meter.stop()
+        text = target.decode([t for t in out_ids if t not in target.eos_token_ids])
+        correct = score(cell.problem, text) if cell.problem.task in ("gsm8k", "humaneval") else None
+        prompt = {"type": "prompt", "cell": cell.key, "dataset": cell.problem.task, "category": cell.problem.group,
+                  "tree_nodes": tree_nodes, "prompt_tokens": len(ids), "tokens": len(out_ids),
+                  "wall_s": wall, "prefill_s": prefill, "steps": len(steps),
+                  "stop": "eos" if out_ids and out_ids[-1] in target.eos_token_ids else "max_new_tokens",
+                  "correct": correct, "token_ids": out_ids, "text": text, "load": load}
+        if self.config.distortion and cell.temperature > 0 and m.peer in (None, "generate", "assisted") and out_ids:
+            from ..audit.distortion import target_nll  # noqa: PLC0415
+
+            prompt["nll"] = target_nll(target, ids, out_ids, cell.temperature)
+        return steps, prompt
+
+    def _run_peer(self, cell: Cell, ids: list[int], budget: int):
+        from .peers import hf_generate, llama_generate  # noqa: PLC0415
+
+        m, key = cell.method, cell.key
+        if m.peer in ("llama-cpp", "llama-cpp-lookup"):
+            res = llama_generate(self.config.target, ids, budget, cell.temperature, seed=cell.seed,
+                                 lookup=HF_LOOKUP_TOKENS if m.peer == "llama-cpp-lookup" else None)
+        else:
             kwargs = {}
             if m.peer == "assisted":
                 drafter = self.drafter(cell.draft)
@@ -258,27 +261,63 @@ class Runner:
                     kwargs["assistant"] = drafter.model
                 else:
                     kwargs["prompt_lookup"] = HF_LOOKUP_TOKENS
-            res = hf_generate(target, ids, budget, cell.temperature, seed=cell.seed, **kwargs)
-            steps = [{"type": "step", "cell": key, "i": i, "drafted": d, "accepted_length": a + 1}
-                     for i, (d, a) in enumerate(zip(res.drafted, res.accepted))]
-            out_ids, wall, prefill = res.token_ids, res.wall_s, None
+            res = hf_generate(self.target, ids, budget, cell.temperature, seed=cell.seed, **kwargs)
+        steps = [{"type": "step", "cell": key, "i": i, "drafted": d, "accepted_length": a + 1}
+                 for i, (d, a) in enumerate(zip(res.drafted, res.accepted))]
+        return steps, res.token_ids, res.wall_s, None, 0
+
+    def _run_verispec(self, cell: Cell, ids: list[int], budget: int, warm: bool):
+        from ..decode import generate  # noqa: PLC0415
+        from .shadow import Shadow, check_shadows  # noqa: PLC0415
+
+        m = cell.method
+        spec, policy, state = self._build(cell, warm)
+        drafter = self.drafter(cell.draft)
+        tree = m.tree(drafter)
+        children = spec.children or "iid"
+        shadow = tvs = None
+        driver = spec
+        if self.config.shadow and not warm and tree.size > 1:
+            shadow = Shadow(spec, check_shadows(self.config.shadow, spec, children, tree.is_chain),
+                            self.config.shadow_seeds, cell.seed * 7919 + hash(cell.problem.id) % 100_003)
+            driver = shadow.spec()
+        if self.config.distortion and spec.position_rule is not None and not warm:
+            driver, tvs = _recording(driver)
+        res = generate(self.target, drafter, driver, ids, tree=tree, max_new_tokens=budget,
+                       temperature=cell.temperature, policy=policy, verifier_state=state, seed=cell.seed)
+        steps = []
+        for i, s in enumerate(res.steps):
+            extra = {}
+            if shadow is not None and i < len(shadow.records):
+                extra["shadow"] = shadow.records[i]
+            if tvs is not None and i < len(tvs):
+                extra["tv"] = tvs[i]
+            steps.append(step_record(cell.key, i, s, **extra))
+        return steps, res.token_ids, res.wall_s, res.prefill_s, tree.size - 1
+
+
+def _recording(spec):
+    """``spec`` recording, at each step, the exact total variation of its law from the target's at every position
+    it tested (with its learning state as it is then): the distortion of the run itself. Returns (spec, tvs)."""
+    import dataclasses  # noqa: PLC0415
+
+    from ..verifiers.chain import chain_laws, position_law  # noqa: PLC0415
+
+    tvs: list[list[float]] = []
+    rule = spec.position_rule
+
+    def fn(draft, p, rng, *state):
+        verdict = spec.fn(draft, p, rng, *state)
+        tested = len(verdict.tested)
+        if draft.num_drafted and tested:
+            _, laws = chain_laws(draft)
+            law = position_law(rule, p[:tested], laws[:tested], state[0] if state else None)
+            tvs.append((0.5 * (law - p[:tested].double()).abs().sum(-1)).tolist())
         else:
-            spec, policy, state = m.build()
-            res = generate(target, self.drafter(cell.draft), spec, ids, tree=m.tree(), max_new_tokens=budget,
-                           temperature=cell.temperature, policy=policy, verifier_state=state, seed=cell.seed)
-            steps = [{"type": "step", "cell": key, "i": i, "drafted": s.drafted, "depth": s.draft_depth,
-                      "accepted_length": s.accepted_length, "accepted_ranks": list(s.accepted_ranks),
-                      "tested": list(s.tested), "emitted": len(s.emitted), "draft_s": s.draft_s,
-                      "target_s": s.target_s, "verify_s": s.verify_s} for i, s in enumerate(res.steps)]
-            out_ids, wall, prefill = res.token_ids, res.wall_s, res.prefill_s
-        text = target.decode([t for t in out_ids if t not in target.eos_token_ids])
-        correct = score(cell.problem, text) if cell.problem.task in ("gsm8k", "humaneval") else None
-        prompt = {"type": "prompt", "cell": key, "dataset": cell.problem.task, "category": cell.problem.group,
-                  "tree_nodes": m.tree().size - 1, "prompt_tokens": len(ids), "tokens": len(out_ids),
-                  "wall_s": wall, "prefill_s": prefill, "steps": len(steps),
-                  "stop": "eos" if out_ids and out_ids[-1] in target.eos_token_ids else "max_new_tokens",
-                  "correct": correct, "token_ids": out_ids, "text": text}
-        return steps, prompt
+            tvs.append([])
+        return verdict
+
+    return dataclasses.replace(spec, fn=fn), tvs
 
 
 def run_bench(config: BenchConfig, out: str | Path, *, resume: bool = False, overwrite: bool = False,
@@ -331,8 +370,8 @@ def run_bench(config: BenchConfig, out: str | Path, *, resume: bool = False, ove
         bar.close()
     verifiers = sorted({m.verifier for m in methods if m.verifier and m.shape != "none"} - audited)
     if config.audit_cases and verifiers:
-        from .audit.run import audit  # noqa: PLC0415
-        from .verifiers import get_verifier  # noqa: PLC0415
+        from ..audit.run import audit  # noqa: PLC0415
+        from ..verifiers import get_verifier  # noqa: PLC0415
 
         with out.open("a", encoding="utf-8") as f:
             for name in tqdm(verifiers, desc="audit", disable=not progress, file=sys.stderr):

@@ -21,51 +21,13 @@ import io
 import math
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-from .bench import NO_DRAFT, cell_id, finished_cells, read_records
-from .errors import VerispecError
-from .methods import resolve_method
-from .tree import Tree
-from .metrics import mean_accepted_length, per_candidate_acceptance
+from ..methods import resolve_method
+from ..metrics import mean_accepted_length, per_candidate_acceptance
+from ..tree import Tree
+from .records import NO_DRAFT, Results, cell_id
 
 NAN = float("nan")
-
-
-@dataclass
-class Results:
-    header: dict
-    prompts: list[dict]
-    steps: dict[tuple, list[dict]]  # cell id -> its step records
-    audits: list[dict]
-
-    @classmethod
-    def load(cls, path: str | Path) -> "Results":
-        path = Path(path)
-        if not path.is_file():
-            raise VerispecError(f"results file not found: {path}")
-        records = read_records(path)
-        if not records or records[0].get("type") != "header":
-            raise VerispecError(f"{path} is not a verispec results file (no header line)")
-        return cls.from_records(records)
-
-    @classmethod
-    def from_records(cls, records: list[dict]) -> "Results":
-        prompts = [r for r in records if r.get("type") == "prompt"]
-        done = finished_cells(records)
-        steps = defaultdict(list)
-        for r in records:
-            if r.get("type") == "step" and cell_id(r["cell"]) in done:  # steps of unfinished cells do not count
-                steps[cell_id(r["cell"])].append(r)
-        return cls(records[0], prompts, dict(steps), [r for r in records if r.get("type") == "audit"])
-
-    def describe(self) -> str:
-        """One line: the command and the machine the results came from."""
-        m = self.header.get("machine", {})
-        v = self.header.get("versions", {})
-        return (f"`{self.header.get('command', '?')}` -- {m.get('processor', '?')}, {m.get('cpu_count', '?')} cores, "
-                f"{m.get('device', 'cpu')}, torch {v.get('torch', '?')}, transformers {v.get('transformers', '?')}, "
-                f"git {str(self.header.get('git', '?'))[:12]}, {self.header.get('started', '?')}")
 
 
 @dataclass
@@ -147,7 +109,7 @@ def summarize(res: Results, by_category: bool = False) -> list[Row]:
             row.target_ms = 1000 * _mean(s["target_s"] for s in timed)
             row.verify_ms = 1000 * _mean(s["verify_s"] for s in timed)
             later = [s for s in timed if s.get("i", 1) > 0]
-            levels = sum(s.get("depth", 0) for s in later)
+            levels = sum(s.get("draft_depth", s.get("depth", 0)) for s in later)  # "depth" in older files
             if levels and (t, cat) in ar_target_ms:
                 row.draft_cost = 1000 * sum(s["draft_s"] for s in later) / levels / ar_target_ms[(t, cat)]
         scored = [r["correct"] for r in prompts if r.get("correct") is not None]

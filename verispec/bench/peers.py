@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .models import CausalLM
+from ..backends import CausalLM
 
 
 @dataclass(frozen=True)
@@ -101,3 +101,67 @@ def hf_generate(target: CausalLM, prompt_ids: list[int], max_new_tokens: int, te
             ids = ids[: i + 1]
             break
     return PeerResult(ids, wall, drafted, accepted)
+
+
+_LLAMAS: dict[tuple, object] = {}
+
+
+def gguf_path(target_spec: str) -> str | None:
+    """The GGUF file behind a target spec (a built-in alias or a .gguf path), or None."""
+    import os  # noqa: PLC0415
+
+    from ..backends.loading import BUILTIN_MODELS  # noqa: PLC0415
+
+    if target_spec in BUILTIN_MODELS:
+        folder, name = BUILTIN_MODELS[target_spec]()
+        return os.path.join(folder, name)
+    return target_spec if target_spec.endswith(".gguf") and os.path.isfile(target_spec) else None
+
+
+def llama_available() -> bool:
+    import importlib.util  # noqa: PLC0415
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def llama_generate(target_spec: str, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int = 0,
+                   lookup: int | None = None, threads: int | None = None) -> PeerResult:
+    """llama.cpp's own decoding of the target's GGUF file (``llama-cpp-python``): plain, or with its prompt-lookup
+    speculative decoding proposing ``lookup`` tokens. The quantised model llama.cpp runs is a target of its own:
+    its law is not the float32 model's. Sampling matched to verispec's: temperature only (top-k, top-p, min-p and
+    the repetition penalty off). Stops at EOS (kept in the output)."""
+    import torch  # noqa: PLC0415
+
+    from ..errors import VerispecError  # noqa: PLC0415
+
+    if not llama_available():
+        raise VerispecError("the llama-cpp peers need llama-cpp-python: pip install 'verispec[llama]'")
+    path = gguf_path(target_spec)
+    if path is None:
+        raise VerispecError(f"the llama-cpp peers need a GGUF target (a built-in alias or a .gguf file), not "
+                            f"{target_spec!r}")
+    threads = threads or torch.get_num_threads()
+    key = (path, lookup, threads)
+    if key not in _LLAMAS:
+        import llama_cpp  # noqa: PLC0415
+
+        draft = None
+        if lookup:
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding  # noqa: PLC0415
+
+            draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup)
+        _LLAMAS[key] = llama_cpp.Llama(model_path=path, n_ctx=8192, n_threads=threads, n_threads_batch=threads,
+                                       verbose=False, draft_model=draft)
+    llm = _LLAMAS[key]
+    eos = llm.token_eos()
+    llm.reset()
+    llm.set_seed(seed)
+    out = []
+    t = time.perf_counter()
+    for tok in llm.generate(prompt_ids, temp=float(temperature), top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0,
+                            repeat_penalty=1.0, reset=True):
+        out.append(int(tok))
+        if tok == eos or len(out) >= max_new_tokens:
+            break
+    wall = time.perf_counter() - t
+    return PeerResult(out, wall, [], [])

@@ -1,0 +1,48 @@
+"""Target engines behind one small interface (``Target``): what the decoding loop needs from a model.
+
+``hf`` is the Hugging Face adapter (unmodified ``transformers`` models driven by 4-D masks and explicit positions),
+``loading`` finds and loads models (built-in aliases, GGUF files, folders, hub ids), ``kernels`` holds the optional
+CPU linear-layer plan.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from .hf import CausalLM, ForwardOutput, KVState, quantized_copy
+from .loading import BUILTIN_MODELS, DEFAULT_TARGET, load
+
+
+class Target(Protocol):
+    """A target model as the decoding loop uses it.
+
+    A *state* holds one sequence's cache: ``committed`` entries (the text so far) and *pending* ones (tree nodes of
+    the last forward). ``forward`` runs tokens at given positions on top of a state, each token seeing the committed
+    entries and the pending ones ``attend`` allows, and returns per-token logits (and hidden states of the requested
+    ``features`` layers, where the engine has them); ``commit`` keeps the listed pending entries, in order, and drops
+    the rest."""
+
+    name: str
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    max_context: int
+
+    def new_state(self): ...
+
+    def prefill_output(self, state, tokens: list[int], inputs_embeds=None,
+                       features: tuple[int, ...] = (-1,)) -> ForwardOutput | None: ...
+
+    def forward(self, state, tokens: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor,
+                features: tuple[int, ...] = (-1,)) -> ForwardOutput: ...
+
+    def commit(self, state, keep: list[int]) -> None: ...
+
+    def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+__all__ = ["BUILTIN_MODELS", "DEFAULT_TARGET", "CausalLM", "ForwardOutput", "KVState", "Target", "load",
+           "quantized_copy"]

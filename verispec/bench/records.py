@@ -1,0 +1,181 @@
+"""The one records format: what ``verispec bench`` writes and ``verispec report`` / ``verispec plot`` read.
+
+A results file holds one JSON object per line:
+
+* ``{"type": "header", ...}``: the resolved configuration, package versions, git revision, machine, command;
+* ``{"type": "step", "cell": KEY, "i": I, ...}``: one per decoding step -- a ``StepRecord`` written field by field
+  (``step_record``) and read back as one (``read_step``); Hugging Face assisted generation's verifications carry
+  only ``drafted`` and ``accepted_length``. Shadow verifiers add a ``shadow`` field (see ``verispec.bench.shadow``);
+* ``{"type": "prompt", "cell": KEY, ...}``: one per finished (method, draft, prompt, temperature, seed) cell,
+  written after its steps: tokens, wall time, text, the machine's load while it ran;
+* ``{"type": "audit", ...}``: the exhaustive exactness audit of the verifiers used (one per verifier).
+
+A cell counts as done once its prompt record is written; the steps of an unfinished cell never count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from collections import defaultdict
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from ..decode import StepRecord
+from ..errors import VerispecError
+
+NO_DRAFT = "-"  # the draft field of methods that use none (plain decoding, Hugging Face generate)
+_STEP_FIELDS = {f.name for f in fields(StepRecord)}
+
+
+def cell_id(key: dict) -> tuple:
+    return key["T"], key["seed"], key["prompt"], key["draft"], key["method"]
+
+
+def step_record(cell: dict, i: int, step: StepRecord, **extra) -> dict:
+    """A step record: the ``StepRecord``'s fields as they are (tuples as lists), with its cell and index."""
+    return {"type": "step", "cell": cell, "i": i, **asdict(step), **extra}
+
+
+def read_step(record: dict) -> StepRecord:
+    """The ``StepRecord`` a step record was written from."""
+    d = {k: v for k, v in record.items() if k in _STEP_FIELDS}
+    for k in ("accepted_ranks", "tested", "emitted"):
+        if k in d:
+            d[k] = tuple(d[k])
+    return StepRecord(**d)
+
+
+def finished_cells(records: list[dict]) -> set[tuple]:
+    """Ids of the cells whose prompt record is written (their step records count; others' do not)."""
+    return {cell_id(r["cell"]) for r in records if r.get("type") == "prompt"}
+
+
+def read_records(path: str | Path, warn=None) -> list[dict]:
+    """All complete JSON lines of a results file. A last line cut short by an interrupted write is dropped, and
+    ``warn(message)`` (if given) is told; a broken line elsewhere is an error."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    for n, line in enumerate(lines, start=1):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if n == len(lines):
+                if warn is not None:
+                    warn(f"{path}: the last line is cut short (an interrupted run?); it is left out")
+                break
+            raise VerispecError(f"{path}: line {n} is not a JSON record") from None
+        if not line.endswith("\n") and warn is not None:
+            warn(f"{path}: the last line has no newline (an interrupted run?)")
+    return out
+
+
+def git_revision() -> str:
+    root = Path(__file__).resolve().parents[2]
+    try:
+        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+        return rev + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def machine() -> dict:
+    import torch  # noqa: PLC0415
+
+    out = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+           "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": "cpu"}
+    try:
+        with open("/proc/meminfo") as f:
+            out["memory_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+@dataclass
+class Results:
+    """A results file, read: its header, finished cells' prompt and step records, and audit rows."""
+
+    header: dict
+    prompts: list[dict]
+    steps: dict[tuple, list[dict]]  # cell id -> its step records
+    audits: list[dict]
+    source: str = ""
+
+    @classmethod
+    def load(cls, path: str | Path, warn=None) -> "Results":
+        path = Path(path)
+        if not path.is_file():
+            raise VerispecError(f"results file not found: {path}")
+        try:
+            records = read_records(path, warn)
+        except UnicodeDecodeError:
+            raise VerispecError(f"{path} is not a verispec results file (not text)") from None
+        if not records or not isinstance(records[0], dict) or records[0].get("type") != "header":
+            raise VerispecError(f"{path} is not a verispec results file (no header line)")
+        res = cls.from_records(records)
+        res.source = str(path)
+        return res
+
+    @classmethod
+    def from_records(cls, records: list[dict]) -> "Results":
+        prompts = [r for r in records if r.get("type") == "prompt"]
+        done = finished_cells(records)
+        steps = defaultdict(list)
+        for r in records:
+            if r.get("type") == "step" and cell_id(r["cell"]) in done:  # steps of unfinished cells do not count
+                steps[cell_id(r["cell"])].append(r)
+        return cls(records[0], prompts, dict(steps), [r for r in records if r.get("type") == "audit"])
+
+    def describe(self) -> str:
+        """One line: the command and the machine the results came from."""
+        m = self.header.get("machine", {})
+        v = self.header.get("versions", {})
+        return (f"`{self.header.get('command', '?')}` -- {m.get('processor', '?')}, {m.get('cpu_count', '?')} cores, "
+                f"{m.get('device', 'cpu')}, torch {v.get('torch', '?')}, transformers {v.get('transformers', '?')}, "
+                f"git {str(self.header.get('git', '?'))[:12]}, {self.header.get('started', '?')}")
+
+
+CONTENDED = 0.25  # cores' worth of other work during a cell above which the report leaves the cell out
+
+
+class LoadMeter:
+    """How much of the machine other processes used while a cell ran: (busy CPU time of the whole machine minus
+    this process's own) over the cell's wall time, in cores. A concurrent job can slow a torch run many times over
+    when threads outnumber cores, so cells measured beside one are marked (``others_cores > CONTENDED``)."""
+
+    def __init__(self):
+        self._start = self._read()
+
+    @staticmethod
+    def _read():
+        import time  # noqa: PLC0415
+
+        t = os.times()
+        try:
+            with open("/proc/stat") as f:
+                parts = [int(v) for v in f.readline().split()[1:]]
+            busy = (sum(parts[:3]) + sum(parts[5:8])) / os.sysconf("SC_CLK_TCK")  # user nice system irq softirq steal
+        except (OSError, ValueError):
+            busy = None
+        return time.perf_counter(), t.user + t.system, busy
+
+    def stop(self) -> dict:
+        wall0, own0, busy0 = self._start
+        wall1, own1, busy1 = self._read()
+        wall = max(wall1 - wall0, 1e-9)
+        out = {"own_cores": round((own1 - own0) / wall, 3)}
+        if busy0 is not None and busy1 is not None:
+            out["others_cores"] = round(max(0.0, (busy1 - busy0) - (own1 - own0)) / wall, 3)
+        return out
+
+
+def contended(prompt: dict) -> bool:
+    """Whether a prompt record's cell ran while other work competed for the cores."""
+    return prompt.get("load", {}).get("others_cores", 0.0) > CONTENDED

@@ -1,0 +1,73 @@
+"""95 % intervals for the figures the report compares, over prompts (the unit that varies).
+
+* ``mean_interval(values)``: mean and a Student-t interval of per-prompt values;
+* ``bootstrap(groups, statistic)``: an interval for any statistic of per-prompt groups by resampling prompts with
+  replacement (percentile bootstrap, seeded: the same records give the same interval). Ratios of sums (tokens/s of
+  one method over another on the same prompts) use it, paired: each resampled prompt brings both methods' cells.
+
+With one prompt there is no interval (NaN bounds).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+
+NAN = float("nan")
+
+# two-sided 95 % Student-t quantiles by degrees of freedom (then the normal's 1.96)
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086,
+        25: 2.060, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}
+
+
+def t95(df: int) -> float:
+    """The 0.975 quantile of Student's t with ``df`` degrees of freedom (tabulated; between table entries the
+    smaller df, so the interval errs wide)."""
+    if df < 1:
+        return NAN
+    if df > 120:
+        return 1.96
+    return _T95[max(d for d in _T95 if d <= df)]
+
+
+def mean_interval(values: Sequence[float]) -> tuple[float, float, float]:
+    """(mean, low, high): the mean of ``values`` with a 95 % t interval (NaN bounds for fewer than 2 values)."""
+    xs = [float(x) for x in values if x == x]
+    if not xs:
+        return NAN, NAN, NAN
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return m, NAN, NAN
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+    half = t95(len(xs) - 1) * sd / math.sqrt(len(xs))
+    return m, m - half, m + half
+
+
+def bootstrap(groups: Sequence, statistic: Callable[[Sequence], float], n: int = 2000,
+              seed: int = 0) -> tuple[float, float, float]:
+    """(statistic, low, high): a 95 % percentile-bootstrap interval resampling ``groups`` (one per prompt)."""
+    groups = list(groups)
+    est = statistic(groups)
+    if len(groups) < 2:
+        return est, NAN, NAN
+    rnd = random.Random(seed)
+    draws = []
+    for _ in range(n):
+        v = statistic([groups[rnd.randrange(len(groups))] for _ in groups])
+        if v == v and not math.isinf(v):
+            draws.append(v)
+    if len(draws) < n // 2:
+        return est, NAN, NAN
+    draws.sort()
+    return est, draws[int(0.025 * (len(draws) - 1))], draws[int(math.ceil(0.975 * (len(draws) - 1)))]
+
+
+def fmt(est: float, low: float, high: float, spec: str = ".2f", suffix: str = "") -> str:
+    """``est [low, high]`` (just ``est`` without an interval, ``-`` without an estimate)."""
+    if est != est:
+        return "-"
+    if low != low:
+        return format(est, spec) + suffix
+    return f"{format(est, spec)}{suffix} [{format(low, spec)}, {format(high, spec)}]"

@@ -1,0 +1,124 @@
+"""Drafters from spec strings (``--draft``): parsed and checked first, built on a target second.
+
+``DraftSpec.parse`` needs no model, so a bad spec fails before anything loads; ``build_drafter`` turns a spec into
+a drafter for a target, including the EAGLE head shipped for a built-in target and its sidecar (how it was made
+and the tree tuned for it).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import VerispecError
+from .base import Drafter, NoDrafter
+from .model import ModelDrafter, layer_skip_drafter
+from .ngram import NgramDrafter
+
+DRAFT_HELP = (
+    "'none' (plain autoregressive decoding), 'layerskip:L' (the first L layers of the target) or 'layerskip:0,2,4' / "
+    "'layerskip:0-9,20-29' (a chosen subset), 'ngram' or 'ngram:N' (prompt lookup, n-grams up to N), 'int8' (an "
+    "int8 copy of the target), 'eagle' (the EAGLE-style head shipped for the target; 'eagle:PATH' for one from "
+    "'verispec train-draft'), 'model:SPEC' (a separate draft model with the target's tokenizer: alias, .gguf file, "
+    "folder or hub id), or 'auto' (the default: 'eagle' when a head ships for the target, else 'ngram')"
+)
+KINDS = ("auto", "none", "layerskip", "ngram", "int8", "eagle", "model")
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    kind: str
+    arg: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.arg}" if self.arg else self.kind
+
+    @classmethod
+    def parse(cls, text: str) -> "DraftSpec":
+        """Check a ``--draft`` string without loading anything (see ``DRAFT_HELP``)."""
+        kind, _, arg = str(text).strip().partition(":")
+        if kind not in KINDS:
+            raise VerispecError(f"unknown draft {text!r}; use one of: {', '.join(KINDS)} (see --help)")
+        if kind in ("auto", "none", "int8") and arg:
+            raise VerispecError(f"draft {kind!r} takes no argument (got {text!r})")
+        if kind == "ngram" and arg and (not arg.isdigit() or int(arg) < 1):
+            raise VerispecError(f"bad n-gram length in draft {text!r}; use ngram or ngram:N with N >= 1")
+        if kind == "layerskip" and arg:
+            parse_layers(arg, text)
+        if kind == "model" and not arg:
+            raise VerispecError("draft 'model' needs a model: model:SPEC (alias, .gguf file, folder or hub id)")
+        if kind == "eagle" and arg:
+            path = Path(arg)
+            if not path.is_file():
+                raise VerispecError(f"draft head not found: {arg}")
+            if path.suffix != ".pt":
+                raise VerispecError(f"a draft head is a .pt file written by 'verispec train-draft', not {arg!r}")
+        return cls(kind, arg)
+
+
+def parse_layers(text: str, spec: str = "") -> list[int]:
+    """``0,2,4`` or ranges ``0-9,20-29`` -> sorted layer indices."""
+    out = []
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            out.extend(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise VerispecError(f"bad layer list in draft {spec or text!r}; use layerskip:L, layerskip:0,2,4 or "
+                            "layerskip:0-9,20-29") from None
+    return out
+
+
+def shipped_head_path(target) -> Path | None:
+    """The head shipped for ``target`` (by its alias), or None."""
+    from ..eagle import head  # noqa: PLC0415  (read at call time: tests point HEADS_DIR elsewhere)
+
+    path = head.HEADS_DIR / f"{target.name}.pt"
+    return path if path.is_file() else None
+
+
+def sidecar(path: Path) -> dict:
+    """What ``scripts/ship_head.py`` wrote beside a head: the command that made it, its measurements, its tree."""
+    side = Path(path).with_suffix(".json")
+    if not side.is_file():
+        return {}
+    try:
+        return json.loads(side.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def build_drafter(spec: str | DraftSpec, target, dtype: str = "float32") -> Drafter:
+    """A drafter for ``target`` from a ``--draft`` string (see ``DRAFT_HELP``)."""
+    spec = spec if isinstance(spec, DraftSpec) else DraftSpec.parse(spec)
+    kind, arg = spec.kind, spec.arg
+    if kind == "auto":
+        return build_drafter("eagle" if shipped_head_path(target) is not None else "ngram", target, dtype)
+    if kind == "none":
+        return NoDrafter()
+    if kind == "layerskip":
+        if not arg:
+            return layer_skip_drafter(target, target.num_layers // 4)
+        return layer_skip_drafter(target, int(arg) if arg.isdigit() else parse_layers(arg, str(spec)))
+    if kind == "ngram":
+        return NgramDrafter(target.vocab_size, max_n=int(arg) if arg else 3)
+    if kind == "int8":
+        from ..backends.hf import quantized_copy  # noqa: PLC0415
+
+        return ModelDrafter(quantized_copy(target), name="int8")
+    if kind == "eagle":
+        from ..eagle import EagleHead, shipped_head  # noqa: PLC0415
+        from .eagle import EagleDrafter  # noqa: PLC0415
+
+        path = Path(arg) if arg else shipped_head(target.name)
+        drafter = EagleDrafter(EagleHead.load(path, target), name=str(spec))
+        info = sidecar(path)
+        drafter.default_tree = info.get("default_tree")
+        drafter.step_costs = tuple(info["step_costs"]) if info.get("step_costs") else None
+        return drafter
+    from ..backends import load  # noqa: PLC0415
+
+    drafter = ModelDrafter(load(arg, dtype=dtype))
+    drafter.check_compatible(target)
+    return drafter

@@ -1,0 +1,196 @@
+"""The EAGLE-style draft head (Li et al. 2024; EAGLE-3's fused features, Li et al. 2025): one decoder layer of the
+target's own architecture, sharing the target's embeddings and output head.
+
+At a committed position t the head reads the pair ``(g_t, x_{t+1})``: ``g_t`` is made from the target's hidden
+states at t and ``x_{t+1}`` is the next token. Its input is ``fc([g_t; embedding(x_{t+1})])``; its own last hidden
+state ``h_t`` is read out by the (shared) output head as the draft law of ``x_{t+2}``. A drafted node one level
+deeper reads the pair ``(h_t, x_{t+2})``: the head's own output stands in for the target features it does not have.
+
+* ``feature_layers = (-1,)`` (EAGLE-1): ``g_t`` is the target's last hidden state (after its final norm), and
+  training also pulls ``h_t`` towards the target's next feature, so that both live in one space.
+* several layers (EAGLE-3), e.g. a low, a middle and the last one: each is scaled to unit RMS, concatenated and
+  mapped to the hidden size by ``fuse``. Nothing ties ``h_t`` to a target layer; training on the head's own
+  outputs (``verispec.eagle.train``, the "training-time test") teaches it to read them.
+
+``feature_layers`` index the target's ``hidden_states`` tuple: 0 is the embedding output, i the output of decoder
+layer i, and -1 (or the layer count) the final normed state.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import VerispecError
+
+FORMAT = 2  # format 1 (last-layer features only) still loads
+HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"  # heads shipped with the package, one per target alias
+
+
+def shipped_head(target_name: str) -> Path:
+    """The draft head shipped for a built-in target (``verispec/heads/<alias>.pt``)."""
+    path = HEADS_DIR / f"{target_name}.pt"
+    if not path.is_file():
+        have = sorted(p.stem for p in HEADS_DIR.glob("*.pt"))
+        raise VerispecError(f"no draft head ships for target {target_name!r} (shipped: {', '.join(have) or 'none'}); "
+                            "train one with 'verispec train-draft' and pass --draft eagle:PATH")
+    return path
+
+
+class _SubsetHead(nn.Module):
+    """The target's output head restricted to the rows ``vocab``: a copy of those rows (not a parameter), in
+    bfloat16 for drafting and float32 for training. Drafting one level reads this matrix once, so halving its
+    bytes halves that cost; the draft's law only has to be a law, so rounding costs acceptance, never exactness."""
+
+    def __init__(self, full: nn.Module, vocab: torch.Tensor, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        weight = getattr(full, "weight", None)
+        if not isinstance(weight, torch.Tensor) or getattr(full, "bias", None) is not None:
+            raise VerispecError("a restricted-vocabulary head needs the target's output head to be a plain bias-free "
+                                "linear layer")
+        self.register_buffer("weight", weight.detach()[vocab].to(dtype), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+
+
+def unit_rms(x: torch.Tensor, chunks: int) -> torch.Tensor:
+    """Scale each of the ``chunks`` equal slices of the last axis to unit root-mean-square."""
+    parts = x.reshape(*x.shape[:-1], chunks, x.shape[-1] // chunks)
+    parts = parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return parts.reshape(x.shape)
+
+
+class EagleHead(nn.Module):
+    """``fuse`` (several feature layers only) + ``fc`` + a one-layer causal LM of the target's architecture.
+
+    ``vocab`` (token ids), if given, restricts the head's output to those tokens: the draft's logits cost
+    ``len(vocab) / V`` of the full output head, and every other token gets probability 0 (``full_logits``).
+    Verification stays exact: the verifiers are exact for any draft law, including one with holes.
+    """
+
+    def __init__(self, target, vocab: torch.Tensor | None = None, head_dtype: torch.dtype = torch.bfloat16,
+                 feature_layers: tuple[int, ...] = (-1,)):
+        super().__init__()
+        from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+        from ..backends import CausalLM  # noqa: PLC0415
+
+        layers = tuple(int(i) for i in feature_layers)
+        n_layers = target.num_layers
+        if not layers or len(set(layers)) != len(layers) or any(not -1 <= i <= n_layers for i in layers):
+            raise VerispecError(f"feature layers must be distinct indices in [0, {n_layers}] (or -1 for the last), "
+                                f"got {list(feature_layers)}")
+        self.feature_layers = layers
+        cfg = copy.deepcopy(target.hf.config.get_text_config(decoder=True))
+        cfg.num_hidden_layers = 1
+        if getattr(cfg, "layer_types", None):
+            cfg.layer_types = cfg.layer_types[-1:]
+        n_vocab = target.vocab_size
+        cfg.vocab_size, cfg.pad_token_id, cfg.tie_word_embeddings = 1, None, False  # no big tables allocated here
+        hf = AutoModelForCausalLM.from_config(cfg).float()
+        hidden = int(cfg.hidden_size)
+        self.fuse = nn.Linear(len(layers) * hidden, hidden, bias=False) if len(layers) > 1 else None
+        self.fc = nn.Linear(2 * hidden, hidden)
+        self.body = hf.base_model  # trainable: its decoder layer and final norm
+        # share the target's tables (not parameters of this module: they are never saved or trained here)
+        hf.set_input_embeddings(target.hf.get_input_embeddings())
+        self.vocab = None if vocab is None else torch.as_tensor(vocab, dtype=torch.long)
+        self.position = None
+        if self.vocab is None:
+            hf.set_output_embeddings(target.hf.get_output_embeddings())
+        else:
+            if self.vocab.ndim != 1 or not len(self.vocab) or len(set(self.vocab.tolist())) != len(self.vocab) \
+                    or int(self.vocab.min()) < 0 or int(self.vocab.max()) >= n_vocab:
+                raise VerispecError(f"a draft vocabulary must be distinct token ids in [0, {n_vocab})")
+            hf.set_output_embeddings(_SubsetHead(target.hf.get_output_embeddings(), self.vocab, head_dtype))
+            self.position = torch.full((n_vocab,), -1, dtype=torch.long)  # token id -> row of the restricted head
+            self.position[self.vocab] = torch.arange(len(self.vocab))
+            n_vocab = len(self.vocab)
+        hf.config.vocab_size = n_vocab
+        self.__dict__["lm"] = CausalLM(hf.eval(), target.tokenizer, name=f"eagle-head[{target.name}]")
+        self.__dict__["target"] = target
+        self.hidden = hidden
+        self.meta: dict = {}
+
+    @property
+    def feature_weight_applies(self) -> bool:
+        """Whether the head's output can be compared with a target feature (last-layer features only)."""
+        return self.feature_layers in ((-1,), (self.target.num_layers,))
+
+    def own_parameters(self):
+        """(name, parameter) of the head itself: everything but the target's shared embedding."""
+        return ((n, p) for n, p in self.named_parameters() if not n.startswith("body.embed_tokens"))
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for _, p in self.own_parameters()]
+
+    def _embed(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.target.hf.get_input_embeddings()(tokens).to(dtype)
+
+    def target_inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Inputs for committed pairs (target features at t ``[..., k H]``, token t+1); any leading shape."""
+        g = features if self.fuse is None else self.fuse(unit_rms(features, len(self.feature_layers)))
+        return self.fc(torch.cat([g, self._embed(tokens, features.dtype)], dim=-1))
+
+    def draft_inputs(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Inputs for drafted pairs (the head's own output at the parent ``[..., H]``, the drafted token)."""
+        return self.fc(torch.cat([hidden, self._embed(tokens, hidden.dtype)], dim=-1))
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's logits over the target's whole vocabulary (-inf outside a restricted vocabulary)."""
+        if self.vocab is None:
+            return logits
+        out = logits.new_full((*logits.shape[:-1], self.target.vocab_size), float("-inf"))
+        out[..., self.vocab] = logits
+        return out
+
+    def extra_numel(self) -> int:
+        """Numbers this head adds to the target in memory: its own parameters, plus the rows a restricted
+        output head copies."""
+        n = sum(p.numel() for _, p in self.own_parameters())
+        return n + (0 if self.vocab is None else self.lm.hf.get_output_embeddings().weight.numel())
+
+    def head_state(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.own_parameters()}
+
+    def shape(self) -> dict:
+        return {"vocab_size": self.target.vocab_size, "hidden_size": self.hidden,
+                "target_layers": self.target.num_layers, "feature_layers": list(self.feature_layers),
+                "draft_vocab": self.target.vocab_size if self.vocab is None else len(self.vocab)}
+
+    def save(self, path: str | Path, meta: dict | None = None, half: bool = True) -> None:
+        state = {n: (t.half() if half else t) for n, t in self.head_state().items()}
+        vocab = None if self.vocab is None else self.vocab.int()
+        torch.save({"format": FORMAT, "state": state, "vocab": vocab, "meta": {**(meta or {}), **self.shape()}}, path)
+
+    @classmethod
+    def load(cls, path: str | Path, target) -> "EagleHead":
+        path = Path(path)
+        if not path.is_file():
+            raise VerispecError(f"draft head not found: {path}")
+        try:
+            blob = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same one-line answer
+            raise VerispecError(f"{path} is not a verispec draft head ({type(exc).__name__})") from None
+        if not isinstance(blob, dict) or blob.get("format") not in (1, FORMAT):
+            raise VerispecError(f"{path} is not a verispec draft head")
+        vocab, meta = blob.get("vocab"), blob.get("meta", {})
+        if vocab is not None and (int(vocab.max()) >= target.vocab_size or int(vocab.min()) < 0):
+            raise VerispecError(f"{path} does not fit target {target.name!r} (its draft vocabulary has ids beyond "
+                                f"the target's {target.vocab_size})")
+        layers = tuple(meta.get("feature_layers", (-1,)))
+        if any(not -1 <= i <= target.num_layers for i in layers):
+            raise VerispecError(f"{path} does not fit target {target.name!r} (it reads layers {list(layers)})")
+        head = cls(target, None if vocab is None else vocab.long(), feature_layers=layers)
+        state = {n: t.float() for n, t in blob["state"].items()}
+        missing = set(head.head_state()) - set(state)
+        wrong = [k for k, v in head.shape().items() if k in meta and meta[k] != v]
+        if missing or state["fc.weight"].shape != head.fc.weight.shape or wrong:
+            raise VerispecError(f"{path} does not fit target {target.name!r} (trained for {meta.get('target')!r})")
+        head.load_state_dict(state, strict=False)
+        head.meta = meta
+        return head.eval()

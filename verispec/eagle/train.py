@@ -1,0 +1,469 @@
+"""Training a draft head by distillation on text the target wrote itself (``verispec train-draft``).
+
+For every sequence the target's hidden states (the head's ``feature_layers``) and its top-k next-token laws are
+computed once. The head is then trained to predict the target's law at each position the target wrote as the
+assistant, at several *depths*, exactly as the decoding loop drafts (the "training-time test" of HASS and
+EAGLE-3):
+
+* depth 1: the pair ``(g_j, x_{j+1})`` made from the target's features at j predicts ``x_{j+2}``;
+* depth k >= 2: the pair ``(h^{k-1}_j, x_{j+k})`` -- the head's own output one depth up stands in for the features
+  the loop does not have -- sits at position ``j + k - 1``, sees the committed pairs ``0..j`` and its own drafted
+  ancestors, and predicts ``x_{j+k+1}``.
+
+All depths of a sequence run as successive forwards of the head over one KV cache with explicit 4-D masks, so
+gradients flow through the head's own outputs. The loss at depth k is the cross-entropy against the target's
+law (conditioned on the draft vocabulary), weighted ``depth_weight ** (k - 1)``; heads that read the last layer
+only also pull ``h^1_j`` towards the target's feature at ``j + 1`` (EAGLE-1's feature loss).
+
+``depth_counts`` gives, per depth, top-1 agreement with the target and the *chain* acceptance at temperature 0
+(agreement at depth k among the positions whose depths 1..k-1 all agreed): the acceptance a greedy chain sees.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import VerispecError
+from .corpus import CorpusConfig, Record, read_corpus, write_corpus
+from .head import EagleHead
+
+
+@dataclass
+class TrainConfig:
+    rounds: int = 64  # corpus rounds (each: gen_batch items of one task shape; see verispec.eagle.corpus)
+    gen_batch: int = 64
+    seed: int = 0
+    top_k: int = 64  # target probabilities kept per position
+    feature_layers: str = "-1"  # target hidden states the head reads: "-1" (EAGLE-1) or e.g. "3,15,-1" (EAGLE-3)
+    depths: int = 3  # training-time test: train depths 1..depths on the head's own outputs
+    depth_weight: float = 0.8
+    epochs: int = 2
+    batch: int = 4  # sequences per optimiser step
+    lr: float = 1e-3
+    feature_weight: float = 1.0  # EAGLE-1 feature loss (last-layer heads only)
+    noise: float = 0.05  # uniform noise on input features (EAGLE), as a fraction of their scale
+    held_out: float = 0.05  # fraction of corpus rounds kept for validation
+    max_sequences: int = 0  # train on the first N training sequences only (0: all), for data-size curves
+    checkpoint_every: int = 50  # optimiser steps
+    vocab: int = 16384  # draft vocabulary (the most frequent tokens of the corpus); 0: the target's whole vocabulary
+
+    def layers(self) -> tuple[int, ...]:
+        try:
+            out = tuple(int(v) for v in self.feature_layers.split(","))
+        except ValueError:
+            raise VerispecError(f"bad --feature-layers {self.feature_layers!r}; use e.g. -1 or 3,15,-1") from None
+        return out
+
+    def validate(self) -> None:
+        if self.rounds < 2 or self.gen_batch < 1 or self.epochs < 1 or self.batch < 1 or self.depths < 1 \
+                or not 0 < self.held_out < 1 or self.vocab < 0 or self.top_k < 1 or self.max_sequences < 0:
+            raise VerispecError("need --rounds >= 2, --gen-batch, --epochs, --batch, --depths, --top-k >= 1, "
+                                "0 < --held-out < 1, --vocab >= 0 and --max-sequences >= 0")
+        self.layers()
+
+
+TRAIN_HELP = {
+    "rounds": "corpus rounds; each writes gen-batch items of one task shape (a longer corpus extends a shorter one)",
+    "gen_batch": "items per corpus round, generated as one batch",
+    "seed": "seed of the corpus and of training",
+    "top_k": "target probabilities kept per position (the distillation label)",
+    "feature_layers": "target hidden states the head reads: -1 (the last, EAGLE-1) or several, e.g. 3,15,-1 (EAGLE-3)",
+    "depths": "train depths 1..D, the head reading its own outputs from depth 2 on (training-time test); 1: off",
+    "depth_weight": "loss weight of depth k is depth-weight^(k-1)",
+    "epochs": "passes over the training sequences",
+    "batch": "sequences per optimiser step",
+    "lr": "peak learning rate (AdamW, warm-up then cosine decay)",
+    "feature_weight": "weight of EAGLE-1's feature loss (heads reading the last layer only)",
+    "noise": "uniform noise on the input features, as a fraction of their mean magnitude",
+    "held_out": "fraction of corpus rounds kept for validation",
+    "max_sequences": "train on the first N training sequences only (0: all), for data-size curves",
+    "checkpoint_every": "optimiser steps between checkpoints (and validations)",
+    "vocab": "draft vocabulary: the head's output layer keeps this many tokens (the corpus's most frequent), cutting "
+             "its cost; other tokens get draft probability 0, which every verifier handles exactly. 0: all",
+}
+CORPUS_KEYS = ("gen_batch", "seed")  # a corpus of n rounds is the first n rounds of any longer one with these
+FEATURE_KEYS = ("top_k", "feature_layers")
+
+
+# ---------------------------------------------------------------- data
+
+def response_mask(record: Record) -> torch.Tensor:
+    """``[T]`` bool: which tokens the target wrote as the assistant (the positions a head is judged on)."""
+    mask = torch.zeros(len(record.tokens), dtype=torch.bool)
+    for a, b in record.spans:
+        mask[a:b] = True
+    return mask
+
+
+@torch.inference_mode()
+def features(target, record: Record | list[int], top_k: int, layers: tuple[int, ...] = (-1,)) -> dict:
+    """The target's features ``[T, k H]`` (fp16), top-k next-token laws and the response mask of one sequence."""
+    if isinstance(record, list):
+        record = Record(record, [[1, len(record)]], "", -1)
+    out = target.hf(input_ids=torch.tensor([record.tokens]), output_hidden_states=True)
+    hs = out.hidden_states
+    feat = torch.cat([hs[i][0] for i in layers], dim=-1)
+    p, i = torch.softmax(out.logits[0].float(), dim=-1).topk(top_k, dim=-1)
+    return {"feat": feat.half(), "p": p.half(), "i": i.int(), "tokens": torch.tensor(record.tokens),
+            "mask": response_mask(record)}
+
+
+def draft_vocabulary(corpus: list[list[int]], size: int, vocab_size: int, always=()) -> torch.Tensor:
+    """The ``size`` token ids a restricted draft head keeps: ``always`` (end-of-sequence tokens) first, then by
+    frequency in the training corpus, then unseen tokens by id (BPE ids roughly follow merge frequency)."""
+    counts = torch.bincount(torch.tensor([t for seq in corpus for t in seq], dtype=torch.long), minlength=vocab_size)
+    score = counts[:vocab_size].double()
+    if always:
+        score[torch.tensor(sorted(always), dtype=torch.long)] = float("inf")
+    order = torch.sort(-score, stable=True).indices  # ties (unseen tokens) by id
+    return order[:size].sort().values
+
+
+# ---------------------------------------------------------------- the loss at every depth
+
+def _mask_arg(head: EagleHead, visible: torch.Tensor):
+    """A 4-D additive mask for the head's forward (``visible [q, kv]`` bool)."""
+    m = torch.zeros(visible.shape, dtype=torch.float32)
+    m.masked_fill_(~visible, torch.finfo(torch.float32).min)
+    m = m[None, None]
+    types = getattr(head.lm.hf.config, "layer_types", None) or []
+    return {"full_attention": m, "sliding_attention": m} if "sliding_attention" in types else m
+
+
+def depth_outputs(head: EagleHead, data: dict, depths: int, noise: float = 0.0):
+    """Run the head at depths 1..``depths`` over one sequence; yields ``(k, rows j, hidden [n_k, H], logits)``.
+
+    Depth 1 covers every pair ``j = 0..T-2``; deeper depths only the pairs whose prediction (``x_{j+k+1}``) at
+    some depth >= 2 is a response token, so a long prompt costs one pass, not ``depths``."""
+    from transformers import DynamicCache  # noqa: PLC0415
+
+    f = data["feat"].float()
+    tokens, resp = data["tokens"], data["mask"]
+    T = len(tokens)
+    n = T - 1
+    x = f[:n]
+    if noise:
+        x = x + (torch.rand_like(x) - 0.5) * 2 * noise * x.abs().mean()
+    cache = DynamicCache()
+    out = head.lm.hf(inputs_embeds=head.target_inputs(x, tokens[1:n + 1])[None], position_ids=torch.arange(n)[None],
+                     cache=cache, use_cache=True, output_hidden_states=True)
+    rows = torch.arange(n)
+    hidden = out.hidden_states[-1][0]
+    yield 1, rows, hidden, out.logits[0]
+    if depths < 2:
+        return
+    wanted = torch.zeros(n, dtype=torch.bool)
+    for k in range(2, depths + 1):
+        ok = rows + k + 1 <= T - 1
+        wanted[ok] |= resp[(rows + k + 1)[ok]]
+    chosen = rows[wanted]
+    blocks = [n]  # sizes of the cached blocks: depth 1, then one per deeper depth
+    prev_rows, prev_hidden = rows, hidden
+    for k in range(2, depths + 1):
+        cur = chosen[chosen + k <= T - 1]
+        if not len(cur):
+            return
+        where = torch.searchsorted(prev_rows, cur)
+        inputs = head.draft_inputs(prev_hidden[where], tokens[cur + k])
+        visible = torch.zeros(len(cur), sum(blocks) + len(cur), dtype=torch.bool)
+        visible[:, :n] = torch.arange(n)[None, :] <= cur[:, None]  # committed pairs 0..j
+        offset = n
+        for m in range(2, k + 1):  # its own entries at depths 2..k (the block of depth k is being added now)
+            block_rows = chosen[chosen + m <= T - 1]
+            visible[torch.arange(len(cur)), offset + torch.searchsorted(block_rows, cur)] = True
+            offset += len(block_rows)
+        out = head.lm.hf(inputs_embeds=inputs[None], position_ids=(cur + k - 1)[None], attention_mask=_mask_arg(head, visible),
+                         cache=cache, use_cache=True, output_hidden_states=True)
+        prev_rows, prev_hidden = cur, out.hidden_states[-1][0]
+        blocks.append(len(cur))
+        yield k, cur, prev_hidden, out.logits[0]
+
+
+def _labels(head: EagleHead, data: dict, target_rows: torch.Tensor):
+    """The target's top-k law at ``target_rows`` mapped into the head's vocabulary, and its top-1 token there."""
+    p, idx = data["p"][target_rows].float(), data["i"][target_rows].long()
+    top1 = idx[:, 0]
+    if head.vocab is not None:  # a restricted head is trained on the target's law conditioned on its vocabulary
+        idx = head.position[idx]
+        top1 = idx[:, 0]  # -1 (never matched) when the target's choice lies outside the draft vocabulary
+        p = p * (idx >= 0)
+        idx = idx.clamp(min=0)
+    return p, idx, top1
+
+
+def head_loss(head: EagleHead, data: dict, depths: int = 1, noise: float = 0.0, feature_weight: float = 1.0,
+              depth_weight: float = 0.8, counts: dict | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Training loss of one sequence (see the module docstring); returns (loss, {ce_k, top1_k, feat}).
+
+    ``counts``, if given (a dict like ``new_counts(depths)``), is increased by this sequence's ``depth_counts``."""
+    tokens, resp = data["tokens"], data["mask"]
+    T = len(tokens)
+    total, stats = 0.0, {}
+    chain: dict[int, bool] = {}
+    for k, rows, hidden, logits in depth_outputs(head, data, depths, noise):
+        pred = rows + k + 1  # index of the predicted token
+        inside = pred <= T - 1
+        keep = inside.clone()
+        keep[inside] = resp[pred[inside]]
+        if k == 1 and feature_weight and head.feature_weight_applies:
+            f = data["feat"].float()
+            feat = nn.functional.smooth_l1_loss(hidden, f[1:], reduction="none").mean(-1)
+            total = total + feature_weight * feat.mean()
+            stats["feat"] = float(feat.mean().detach())
+        _, _, top1_all = _labels(head, data, (rows + k).clamp(max=T - 1))
+        hit = (logits.argmax(-1) == top1_all).tolist()
+        if counts is not None:  # greedy chain: depth k is reached where depths 1..k-1 all agreed
+            for j, h, ok, r in zip(rows.tolist(), hit, inside.tolist(), keep.tolist()):
+                if not ok:
+                    continue
+                prior = chain.get(j, True) if k > 1 else True
+                if r:
+                    counts["n"][k - 1] += 1
+                    counts["agree"][k - 1] += h
+                    counts["reached"][k - 1] += prior
+                    counts["accepted"][k - 1] += prior and h
+                chain[j] = prior and h
+        if not keep.any():
+            continue
+        p, idx, top1 = _labels(head, data, (rows + k)[keep])
+        logq = torch.log_softmax(logits[keep].float(), dim=-1)
+        ce = -(p * logq.gather(1, idx)).sum(-1) / p.sum(-1).clamp(min=1e-9)
+        total = total + depth_weight ** (k - 1) * ce.mean()
+        stats[f"ce_{k}"] = float(ce.mean().detach())
+        stats[f"top1_{k}"] = float((logq.argmax(-1) == top1).float().mean())
+    if not torch.is_tensor(total):
+        total = torch.zeros((), requires_grad=True)
+    return total, stats
+
+
+def new_counts(depths: int) -> dict[str, list[int]]:
+    """Per depth k: ``n`` response positions a depth-k draft predicts, ``agree`` (the head's top-1 is the
+    target's), and for the greedy chain ``reached`` (depths 1..k-1 all agreed) and ``accepted`` (depth k too)."""
+    return {key: [0] * depths for key in ("n", "agree", "reached", "accepted")}
+
+
+@torch.no_grad()
+def depth_counts(head: EagleHead, data: dict, depths: int) -> dict[str, list[int]]:
+    """``new_counts`` filled from one sequence (counts add up across sequences)."""
+    counts = new_counts(depths)
+    head_loss(head, data, depths, counts=counts)
+    return counts
+
+
+def summarize_counts(counts: dict[str, list[int]]) -> dict[str, list[float]]:
+    """Rates from ``depth_counts`` sums: per-depth agreement and greedy chain acceptance (NaN where nothing counted)."""
+    rate = lambda a, b: [x / y if y else float("nan") for x, y in zip(a, b)]  # noqa: E731
+    return {"agreement": rate(counts["agree"], counts["n"]), "chain_acceptance": rate(counts["accepted"],
+                                                                                     counts["reached"]),
+            "positions": counts["n"]}
+
+
+@torch.no_grad()
+def evaluate(head: EagleHead, data: list[dict], depths: int = 1) -> dict[str, float]:
+    """Mean per-sequence losses (``ce_k``, ``feat``), pooled agreement (``top1_k``) and greedy chain acceptance
+    (``chain_k``) on held-out sequences."""
+    was = head.training
+    head.eval()
+    acc: dict[str, float] = {}
+    counts = new_counts(depths)
+    for d in data:
+        _, s = head_loss(head, d, depths, counts=counts)
+        for k, v in s.items():
+            if k.startswith(("ce", "feat")):
+                acc[k] = acc.get(k, 0.0) + v / len(data)
+    rates = summarize_counts(counts)
+    for k, (a, c) in enumerate(zip(rates["agreement"], rates["chain_acceptance"]), start=1):
+        acc[f"top1_{k}"], acc[f"chain_{k}"] = a, c
+    head.train(was)
+    return acc
+
+
+# ---------------------------------------------------------------- the pipeline
+
+SHARD = 256  # sequences per features file
+
+
+def _feature_dir(out: Path, top_k: int, layers: tuple[int, ...]) -> Path:
+    return out / f"features-k{top_k}-l{'_'.join(str(i).replace('-', 'm') for i in layers)}"
+
+
+def _stored_layers(target, out: Path, config: TrainConfig, layers: tuple[int, ...],
+                   store: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The layers to compute (``store``, else ``layers``) or, if a feature folder with more layers exists, its."""
+    norm = lambda ls: tuple(target.num_layers if i == -1 else i for i in ls)  # noqa: E731
+    if store is not None:
+        if not set(norm(layers)) <= set(norm(store)):
+            raise VerispecError(f"--store-layers {list(store)} must include the feature layers {list(layers)}")
+        return tuple(store)
+    for folder in sorted(out.glob(f"features-k{config.top_k}-l*")):
+        have = tuple(int(v.replace("m", "-")) for v in folder.name.split("-l", 1)[1].split("_"))
+        if set(norm(layers)) <= set(norm(have)) and have != layers:
+            return tuple(have) if all(i in have for i in layers) else layers
+    return layers
+
+
+def _split(records: list[Record], config: TrainConfig) -> tuple[list[int], list[int]]:
+    """Indices of (training, validation) records: whole rounds are held out, so a document's tasks stay together."""
+    rounds = sorted({r.round for r in records})
+    rnd = random.Random(config.seed)
+    held = set(rnd.sample(rounds, max(1, round(len(rounds) * config.held_out))))
+    train = [i for i, r in enumerate(records) if r.round not in held]
+    val = [i for i, r in enumerate(records) if r.round in held]
+    return train, val
+
+
+def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = True, progress: bool = True, log=print,
+          max_steps: int | None = None, until: str | None = None, store_layers: tuple[int, ...] | None = None) -> Path:
+    """The whole pipeline into ``out_dir``: corpus (``corpus.jsonl``), target features (``features-*/``), training
+    with checkpoints (``checkpoint.pt``) and a log (``log.jsonl``), then ``head.pt``. Each stage resumes.
+
+    ``until`` ("corpus" or "features") stops after that stage. ``store_layers`` computes features for more layers
+    than the head reads (a superset of ``feature_layers``), so that heads reading other subsets reuse them."""
+    from tqdm import tqdm  # noqa: PLC0415
+
+    config.validate()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_path = out / "config.json"
+    if cfg_path.exists() and resume:  # the corpus can be reused by a run with other training options
+        old = json.loads(cfg_path.read_text())
+        diff = sorted(k for k in CORPUS_KEYS if old.get(k) != getattr(config, k))
+        if diff:
+            raise VerispecError(f"{out} holds a corpus made with another configuration ({', '.join(diff)}); "
+                                "use another --out or the same options")
+    cfg_path.write_text(json.dumps(asdict(config), indent=1))
+    t_start = time.time()
+
+    # 1. corpus
+    corpus_path = out / "corpus.jsonl"
+    records = read_corpus(corpus_path) if resume else []
+    done = len({r.round for r in records})
+    if done < config.rounds:
+        bar = tqdm(total=config.rounds, initial=done, desc="self-written corpus", unit="round", disable=not progress)
+
+        def tick(i, new):
+            bar.set_postfix_str(f"{new[0].shape if new else '-'}: {len(new)} sequences")
+            bar.update(1)
+
+        records = write_corpus(target, corpus_path, CorpusConfig(config.rounds, config.gen_batch, config.seed),
+                               on_round=tick)
+        bar.close()
+    records = [r for r in records if r.round < config.rounds]
+    log(f"corpus: {len(records)} sequences, {sum(len(r.tokens) for r in records)} tokens, "
+        f"{sum(b - a for r in records for a, b in r.spans)} written by the target")
+    if until == "corpus":
+        return corpus_path
+
+    # 2. features (one target forward per sequence), in shards so that a resumed or other run reuses them; a
+    # folder holding more layers than the head reads serves it too
+    layers = config.layers()
+    stored = _stored_layers(target, out, config, layers, store_layers)
+    shard_dir = _feature_dir(out, config.top_k, stored)
+    shard_dir.mkdir(exist_ok=True)
+    data = []
+    for n_shard in range(math.ceil(len(records) / SHARD)):
+        part = records[n_shard * SHARD:(n_shard + 1) * SHARD]
+        path = shard_dir / f"{n_shard:04d}.pt"
+        if path.exists() and resume:
+            blob = torch.load(path, map_location="cpu", weights_only=True)["data"]
+            if len(blob) == len(part) and all(d["tokens"].tolist() == r.tokens for d, r in zip(blob, part)):
+                data += blob
+                continue
+        break
+    if len(data) < len(records):
+        bar = tqdm(total=len(records), initial=len(data), desc="target features", unit="seq", disable=not progress)
+        shard: list[dict] = []
+        for i in range(len(data), len(records)):
+            shard.append(features(target, records[i], config.top_k, stored))
+            bar.update(1)
+            if len(shard) == SHARD or i + 1 == len(records):
+                torch.save({"data": shard}, shard_dir / f"{i // SHARD:04d}.pt")
+                data += shard
+                shard = []
+        bar.close()
+    if until == "features":
+        return shard_dir
+    if stored != layers:  # keep the columns of the layers the head reads
+        h = target.config.hidden_size
+        cols = torch.cat([torch.arange(stored.index(i) * h, (stored.index(i) + 1) * h) for i in layers])
+        data = [{**d, "feat": d["feat"][:, cols]} for d in data]
+    train_idx, val_idx = _split(records, config)
+    if config.max_sequences:
+        train_idx = train_idx[: config.max_sequences]
+    trn, val = [data[i] for i in train_idx], [data[i] for i in val_idx][:96]
+
+    # 3. training (the target's own weights stay frozen: only the head's are trained)
+    for p in target.hf.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(config.seed)
+    vocab = None
+    if 0 < config.vocab < target.vocab_size:
+        vocab = draft_vocabulary([records[i].tokens for i in train_idx], config.vocab, target.vocab_size,
+                                 always=target.eos_token_ids)
+    head = EagleHead(target, vocab, head_dtype=torch.float32, feature_layers=layers)
+    opt = torch.optim.AdamW(head.trainable(), lr=config.lr, weight_decay=0.0)
+    steps_per_epoch = math.ceil(len(trn) / config.batch)
+    total = steps_per_epoch * config.epochs
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
+    step = 0
+    ckpt = out / "checkpoint.pt"
+    if ckpt.exists() and resume:
+        blob = torch.load(ckpt, map_location="cpu", weights_only=False)
+        if blob.get("config") != asdict(config):
+            raise VerispecError(f"{ckpt} was trained with other options; delete it to train again with these")
+        head.load_state_dict(blob["head"], strict=False)
+        opt.load_state_dict(blob["opt"])
+        sched.load_state_dict(blob["sched"])
+        step = blob["step"]
+        log(f"resuming training at step {step} of {total}")
+    log_f = (out / "log.jsonl").open("a")
+    bar = tqdm(total=total, initial=step, desc="training", unit="step", disable=not progress)
+    head.train()
+    t0 = time.time()
+    while step < total and (max_steps is None or step < max_steps):
+        epoch, k = divmod(step, steps_per_epoch)
+        perm = list(range(len(trn)))
+        random.Random(config.seed * 1000 + epoch).shuffle(perm)
+        idx = perm[k * config.batch:(k + 1) * config.batch]
+        opt.zero_grad()
+        stats: dict[str, float] = {}
+        for i in idx:
+            loss, s = head_loss(head, trn[i], config.depths, config.noise, config.feature_weight, config.depth_weight)
+            (loss / len(idx)).backward()
+            for key, v in s.items():
+                stats[key] = stats.get(key, 0.0) + v / len(idx)
+        nn.utils.clip_grad_norm_(head.trainable(), 1.0)
+        opt.step()
+        sched.step()
+        step += 1
+        rec = {"step": step, "epoch": epoch, "lr": sched.get_last_lr()[0], **stats, "elapsed_s": time.time() - t0}
+        if step % config.checkpoint_every == 0 or step == total:
+            rec.update({f"val_{k}": v for k, v in evaluate(head, val, config.depths).items()})
+            torch.save({"head": head.head_state(), "opt": opt.state_dict(), "sched": sched.state_dict(), "step": step,
+                        "config": asdict(config)}, ckpt)
+            head.train()
+        log_f.write(json.dumps(rec) + "\n")
+        log_f.flush()
+        bar.set_postfix_str(" ".join(f"{k} {stats[k]:.2f}" for k in ("ce_1", "top1_1", "top1_2") if k in stats))
+        bar.update(1)
+    bar.close()
+    log_f.close()
+    head.eval()
+    final = out / "head.pt"
+    if step >= total:
+        meta = {"target": target.name, "config": asdict(config), "sequences": len(trn),
+                "corpus_tokens": sum(len(records[i].tokens) for i in train_idx),
+                "validation": evaluate(head, val, max(config.depths, 4)), "steps": step,
+                "session_s": time.time() - t_start}
+        head.save(final, meta)
+        log(f"wrote {final}: validation {meta['validation']}")
+    return final
