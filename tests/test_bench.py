@@ -96,8 +96,70 @@ def test_metrics_from_hand_written_records(tmp_path):
     assert cats["fixed", "qa"].speedup_ar == pytest.approx((4 / 1.0) / (4 / 2.0))
     assert cats["fixed", "rag"].speedup_ar == pytest.approx((6 / 1.0) / (6 / 2.0))
     text = report(res)
-    assert "| 0.6 | d | fixed | 2 | 10 | 5.0 | 2.00x | 1.60x | 1.20x | 2.50 |" in text
+    line = next(x for x in text.splitlines() if x.startswith("| 0.6 | d | fixed |"))
+    assert line.startswith("| 0.6 | d | fixed | 2 | 10 | 5.0 [") and "| 2.00x [" in line and "| 1.60x |" in line
+    # intervals resample prompts: prompt a runs at 4 tokens/s, prompt b at 6 (a bootstrap sees only those)
+    assert 4.0 <= fixed.ci["tokens_per_s"][0] <= 5.0 <= fixed.ci["tokens_per_s"][1] <= 6.0
+    assert fixed.ci["speedup_ar"] == pytest.approx((2.0, 2.0))  # 2x on both prompts: no spread
     assert rows_csv(summarize(res)).splitlines()[0].startswith("T,draft,method,category,prompts")
+    assert "tokens_per_s_low" in rows_csv(summarize(res)).splitlines()[0]
+
+
+def test_intervals_against_hand_computed_values():
+    from verispec.bench.stats import bootstrap, mean_interval, t95
+
+    # mean 2.5, sd 1.2910, se 0.6455, t(3) = 3.182: 2.5 -+ 2.054
+    m, low, high = mean_interval([1, 2, 3, 4])
+    assert m == 2.5 and low == pytest.approx(0.4460, abs=1e-4) and high == pytest.approx(4.5540, abs=1e-4)
+    assert math.isnan(mean_interval([3.0])[1]) and t95(500) == 1.96
+    # a paired ratio of sums that is 2 on every prompt has no spread; one that is not, has
+    est, low, high = bootstrap([(2, 1), (4, 2), (6, 3)], lambda g: sum(a for a, _ in g) / sum(b for _, b in g))
+    assert (est, low, high) == (2.0, 2.0, 2.0)
+    est, low, high = bootstrap([(1, 1), (3, 1)], lambda g: sum(a for a, _ in g) / sum(b for _, b in g))
+    assert est == 2.0 and low == 1.0 and high == 3.0  # resamples of two prompts: 1, 2 or 3
+
+
+def test_contended_cells_are_left_out_and_counted(tmp_path):
+    recs = hand_records()
+    for r in recs:
+        if r.get("type") == "prompt" and r["cell"]["method"] == "fixed" and r["cell"]["prompt"] == "b":
+            r["load"] = {"own_cores": 1.0, "others_cores": 1.5}  # another job used 1.5 cores meanwhile
+    path = tmp_path / "r.jsonl"
+    write(path, recs, partial_tail=False)
+    res = Results.load(path)
+    fixed = next(r for r in summarize(res) if r.method == "fixed")
+    assert fixed.prompts == 1 and fixed.speedup_ar == pytest.approx((4 / 1.0) / (4 / 2.0))
+    assert "1 of 7 cells are left out" in report(res)  # ar 2, fixed 2, hf-generate 1, hf-assisted 2
+
+
+def test_shadow_rows_and_paired_differences_from_hand_written_records(tmp_path):
+    from verispec.bench.report import shadow_summary, share_of_bias_gain
+
+    recs = [dict(HEADER, config={"methods": ["specinfer@2x2"], "drafts": ["d"]})]
+    # two prompts, two steps each; shadows with two seeds each
+    lengths = {"a": [({"specinfer": [2, 2], "reserve": [3, 2], "resispec": [3, 3]}),
+                     ({"specinfer": [1, 1], "reserve": [1, 2], "resispec": [2, 2]})],
+               "b": [({"specinfer": [2, 2], "reserve": [2, 2], "resispec": [3, 3]}),
+                     ({"specinfer": [3, 3], "reserve": [3, 4], "resispec": [4, 4]})]}
+    for prompt, steps in lengths.items():
+        c = cell("specinfer@2x2", prompt, "d")
+        for i, sh in enumerate(steps):
+            shadow = {v: [{"accepted_length": x, "tested": [1], "accepted_ranks": [0] * (x - 1)} for x in xs]
+                      for v, xs in sh.items()}
+            recs.append(dict(step(c, 2, 6, 2), i=i, shadow=shadow))
+        recs.append(prompt_rec(c, 4, 1.0))
+    path = tmp_path / "s.jsonl"
+    write(path, recs, partial_tail=False)
+    res = Results.load(path)
+    rows = {r.verifier: r for r in shadow_summary(res)}
+    # per-step seed means: specinfer 2, 1, 2, 3 (mean 2); reserve 2.5, 1.5, 2, 3.5 (mean 2.375)
+    assert rows["specinfer"].mean_accepted_length == pytest.approx(2.0)
+    assert rows["reserve"].mean_accepted_length == pytest.approx(2.375)
+    assert rows["reserve"].diff == pytest.approx(0.375) and rows["reserve"].reference == "specinfer"
+    # resispec gains 1 on every step: reserve achieves 0.375 of it
+    (est, low, high), = share_of_bias_gain(res, "reserve").values()
+    assert est == pytest.approx(0.375) and low <= est <= high
+    assert "minus specinfer (paired)" in report(res)
 
 
 def test_eta_from_hand_written_width_records(tmp_path):
@@ -166,13 +228,22 @@ class FakeTime:
         return self.now
 
 
+class QuietMachine:
+    """A load meter that reports no other work (the tests run beside anything)."""
+
+    def stop(self):
+        return {"own_cores": 1.0, "others_cores": 0.0}
+
+
 @pytest.fixture
 def tiny_target(monkeypatch):
-    import verispec.decode
     import verispec.bench.peers
+    import verispec.bench.runner
+    import verispec.decode
 
     monkeypatch.setattr(verispec.decode, "time", FakeTime())
     monkeypatch.setattr(verispec.bench.peers, "time", FakeTime())
+    monkeypatch.setattr(verispec.bench.runner, "LoadMeter", QuietMachine)  # the real one reads this machine's load
     target = tiny_model("llama")
     target.tokenizer = ByteTokenizer(target.vocab_size)
     return target
@@ -210,12 +281,12 @@ def test_tiny_bench_end_to_end_and_resume(tmp_path, tiny_target, monkeypatch):
     calls = {"n": 0}
     original = Runner.run
 
-    def flaky(self, cell, max_new_tokens=None):
+    def flaky(self, cell, max_new_tokens=None, warm=False):
         if max_new_tokens is None:
             calls["n"] += 1
             if calls["n"] > 17:
                 raise KeyboardInterrupt
-        return original(self, cell, max_new_tokens)
+        return original(self, cell, max_new_tokens, warm)
 
     monkeypatch.setattr(Runner, "run", flaky)
     part = tmp_path / "part.jsonl"
@@ -245,6 +316,58 @@ def test_tiny_bench_end_to_end_and_resume(tmp_path, tiny_target, monkeypatch):
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in figures)
 
 
+def test_shadows_never_change_the_text_and_match_separate_runs(tmp_path, tiny_target):
+    """Shadow verification on a tiny model: the driven text is the same with and without shadows (same seed), and
+    a shadow's mean accepted length agrees with the same verifier's own runs within noise."""
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"p{i} " * (1 + i % 3)}) + "\n" for i in range(12)))
+    base = dict(target="tiny", drafts=["layerskip:2"], datasets=[str(f)], limit=None, temperatures=[0.9],
+                seeds=[0], max_new_tokens=24)
+    plain = run_bench(BenchConfig(methods=["specinfer@3x2", "reserve@3x2"], **base), tmp_path / "plain.jsonl",
+                      target=tiny_target, progress=False, warm_up=False, log=lambda m: None)
+    shadowed = run_bench(BenchConfig(methods=["specinfer@3x2"], shadow=["specinfer", "reserve"], shadow_seeds=6,
+                                     **base), tmp_path / "shadow.jsonl", target=tiny_target, progress=False,
+                         warm_up=False, log=lambda m: None)
+    a, b = Results.load(plain), Results.load(shadowed)
+    text = {r["cell"]["prompt"]: r["token_ids"] for r in a.prompts if r["cell"]["method"] == "specinfer@3x2"}
+    assert all(r["token_ids"] == text[r["cell"]["prompt"]] for r in b.prompts)
+    from verispec.bench.report import shadow_summary
+
+    own = {r.method: r for r in summarize(a)}
+    shadow = {r.verifier: r for r in shadow_summary(b)}
+    for name in ("specinfer", "reserve"):
+        low, high = own[f"{name}@3x2"].ci["mean_accepted_length"]
+        s_low, s_high = shadow[name].ci
+        assert s_low <= high and low <= s_high, (name, own[f"{name}@3x2"], shadow[name])  # intervals overlap
+    assert shadow["reserve"].diff >= -1e-9 or shadow["reserve"].diff_ci[1] >= 0
+    with pytest.raises(VerispecError, match="needs children drawn"):
+        run_bench(BenchConfig(methods=["specinfer@2x2"], shadow=["swor"], **base), tmp_path / "x.jsonl",
+                  target=tiny_target, progress=False, warm_up=False, log=lambda m: None)
+
+
+def test_carried_state_and_decoded_position_distortion(tmp_path, tiny_target):
+    """--carry-state keeps a learning verifier's state across prompts; --distortion records the exact TV of a lossy
+    rule at the positions it tested (0 for an exact rule) and each sampled cell's NLL under the target."""
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"q{i} " * 2}) + "\n" for i in range(3)))
+    config = BenchConfig(target="tiny", drafts=["layerskip:2"], methods=["fixed", "fsd@chain:3", "adasd"],
+                         datasets=[str(f)], limit=None, temperatures=[0.9], seeds=[0], max_new_tokens=12,
+                         carry_state=True, distortion=True)
+    out = run_bench(config, tmp_path / "d.jsonl", target=tiny_target, progress=False, warm_up=False,
+                    log=lambda m: None)
+    res = Results.load(out)
+    rows = {r.method: r for r in summarize(res)}
+    assert rows["fixed"].tv == pytest.approx(0.0, abs=1e-6) and rows["fsd@chain:3"].tv > 1e-3  # float32 laws
+    assert all(r.get("nll") is not None and r["nll"] > 0 for r in res.prompts)
+    runner = Runner(config, tiny_target)
+    cells, _ = plan(config, config.validate(), load_prompts(str(f)))
+    adasd = [c for c in cells if c.method.name == "adasd"]
+    runner.run(adasd[0])
+    state = runner._build(adasd[1], warm=False)[2]
+    assert len(state.accepted) + len(state.rejected) > 0  # learned on the first prompt, carried to the second
+
+
+@pytest.mark.slow
 def test_cli_bench_report_and_plot_on_the_default_model(tmp_path, capsys):
     out = tmp_path / "b.jsonl"
     argv = ["bench", "--methods", "hf-generate", "ar", "fixed", "--drafts", "ngram", "--datasets", "spec-bench:qa",

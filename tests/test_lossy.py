@@ -16,7 +16,7 @@ from verispec.drafters.base import Draft
 from verispec.errors import VerispecError
 from verispec.rng import TorchRandomness
 from verispec.verifiers.chain import exact_rule, position_law
-from verispec.verifiers.lossy import LOSSY, AdaSDState, adasd_rule, gaussian_kde, js_distance, js_divergence
+from verispec.verifiers.lossy import COLLABORATIVE, LOSSY, TRUNCATION, AdaSDState, adasd_rule, gaussian_kde, js_distance, js_divergence
 
 V = 8
 
@@ -151,7 +151,7 @@ def test_lossy_rules_survive_degenerate_distributions(name, case):
                       torch.tensor([1.0, float(q[x]), float(q[x])], dtype=torch.float64), "iid")
         v = spec(draft, torch.stack([p, p, p]), rng, state_for(spec))
         assert 0 <= v.token < V and (v.path or p[v.token] > 0)
-    if case.startswith("one-hot"):  # temperature 0: exactly greedy
+    if case.startswith("one-hot") and name in TRUNCATION:  # temperature 0: exactly greedy
         assert torch.allclose(law, p)
     if case == "disjoint supports" and name in ("adasd", "fsd"):
         assert torch.allclose(law, p)  # JS = 1: always rejected
@@ -194,3 +194,25 @@ def test_parametrised_rules():
     loose, strict = get_verifier("fsd:1.01"), get_verifier("fsd:0")
     assert torch.allclose(position_law(strict.position_rule, p, q), p)  # never accepts: draws from p
     assert torch.allclose(position_law(loose.position_rule, p, q), q)  # always accepts: the draft's law
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_collaborative_rules_have_their_closed_form_distortion_and_acceptance(seed):
+    """mix:l emits (1 - l) p + l q (total variation l TV(p, q)); budget:e moves p towards q by at most e of total
+    variation, and accepts 1 - max(TV(p, q) - e, 0)."""
+    p, q = random_pair(seed)
+    tv = float(0.5 * (p - q).abs().sum())
+    for weight in (0.0, 0.2, 0.7):
+        rule = get_verifier(f"mix:{weight}").position_rule
+        law = position_law(rule, p, q)
+        assert torch.allclose(law, (1 - weight) * p + weight * q, atol=1e-12)
+        assert float(0.5 * (law - p).abs().sum()) == pytest.approx(weight * tv, abs=1e-12)
+    for eps in (0.0, 0.05, 0.3, 1.0):
+        rule = get_verifier(f"budget:{eps}").position_rule
+        law = position_law(rule, p, q)
+        assert float(0.5 * (law - p).abs().sum()) == pytest.approx(min(eps, tv), abs=1e-12)
+        accept, _ = rule(p, q)
+        assert float((q * accept).sum()) == pytest.approx(1 - max(tv - eps, 0.0), abs=1e-12)
+    assert set(COLLABORATIVE) <= set(LOSSY) and not set(COLLABORATIVE) & set(TRUNCATION)
+    with pytest.raises(VerispecError, match="mix:l"):
+        get_verifier("mix:1.5")

@@ -7,6 +7,7 @@ import torch
 from ..probs import residual
 from ..rng import TorchRandomness
 from ..verifiers.base import NodeOutcome, Verdict, VerifierSpec, first_child_law, walk_tree
+from ..verifiers.traversal import traverse
 
 
 def _mss_skip_duplicates(draft, node, p, rng):
@@ -42,6 +43,11 @@ NEGATIVE_CONTROLS = {
         "ctl-mss-skip-dup", lambda d, p, rng: walk_tree(d, p, rng, _mss_skip_duplicates), exact=False,
         note="negative control: MSS skipping the residual update on a duplicate child", children="iid",
         node_rule=_mss_skip_duplicates,
+    ),
+    "ctl-traversal-no-residual": VerifierSpec(
+        "ctl-traversal-no-residual", lambda d, p, rng: traverse(d, p, rng, residual_update=False), exact=False,
+        note="negative control: traversal verification without the residual update after a rejection",
+        children="swor",
     ),
     "ctl-reseeded": VerifierSpec(
         "ctl-reseeded", _chain_reseeded, exact=False, chain_only=True,

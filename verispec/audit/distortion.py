@@ -100,12 +100,25 @@ def distortion(specs: list[VerifierSpec], pairs, temperature: float, seed: int =
     return rows
 
 
+def family(verifier: str) -> str:
+    """``exact``, ``truncation`` (judges from one law or a divergence, falls back to the target) or
+    ``collaborative`` (verifies against a law made from both models)."""
+    from ..verifiers.lossy import COLLABORATIVE, TRUNCATION  # noqa: PLC0415
+
+    base = verifier.partition(":")[0]
+    return "collaborative" if base in COLLABORATIVE else "truncation" if base in TRUNCATION else "exact"
+
+
 def format_distortion(rows: list[DistortionRow]) -> str:
-    lines = ["| T | rule | pairs | mean TV | max TV | mean KL(p‖law) | mean overshoot | acceptance | exact acceptance |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    """Rows grouped by family (exact first, then truncation, then collaborative rules), per temperature."""
+    order = {"exact": 0, "truncation": 1, "collaborative": 2}
+    rows = sorted(rows, key=lambda r: (r.temperature, order[family(r.verifier)]))
+    lines = ["| T | family | rule | pairs | mean TV | max TV | mean KL(p‖law) | mean overshoot | acceptance | "
+             "exact acceptance |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r.temperature:g} | {r.verifier} | {r.pairs} | {r.mean_tv:.4f} | {r.max_tv:.4f} | "
-                     f"{r.mean_kl:.4f} | {r.mean_overshoot:.4f} | {r.acceptance:.4f} | {r.exact_acceptance:.4f} |")
+        lines.append(f"| {r.temperature:g} | {family(r.verifier)} | {r.verifier} | {r.pairs} | {r.mean_tv:.4f} | "
+                     f"{r.max_tv:.4f} | {r.mean_kl:.4f} | {r.mean_overshoot:.4f} | {r.acceptance:.4f} | "
+                     f"{r.exact_acceptance:.4f} |")
     return "\n".join(lines)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..verifiers.reserve import reservation
+from ..verifiers.reserve import best_plan, stage_plan
 
 
 def alpha_star_iid(p: torch.Tensor, q: torch.Tensor, k: int) -> float:
@@ -23,22 +23,10 @@ def alpha_star_iid(p: torch.Tensor, q: torch.Tensor, k: int) -> float:
 def sequential_acceptance(p: torch.Tensor, q: torch.Tensor, k: int, reserve: bool) -> float:
     """Exact acceptance of ``specinfer`` (``reserve=False``) or ``reserve`` at a node with k i.i.d. children.
 
-    Both rules' targets after a rejection do not depend on the rejected token, so the acceptance follows
-    from one pass over the stages: mass ``M`` still owed per token and the probability ``rho`` of
-    reaching the stage; stage acceptance ``rho * q * a``.
-    """
-    p, q = p.double(), q.double()
-    M, rho = p.clone(), 1.0
-    for j in range(k):
-        if rho <= 1e-15:
-            break
-        P = M / rho
-        free = (P - reservation(P, q, k - j)).clamp_min(0) if reserve else P
-        a = torch.where(q > 0, free / q.clamp_min(1e-300), torch.zeros_like(q)).clamp(max=1.0)
-        A = rho * q * a
-        M = (M - A).clamp_min(0)
-        rho -= float(A.sum())
-    return 1.0 - rho
+    Both rules' targets after a rejection do not depend on the rejected token, so a node's whole plan, and its
+    acceptance, follow from ``(p, q, k)`` in one pass over the stages (``verispec.verifiers.reserve.stage_plan``)."""
+    masses, _, _ = best_plan(p, q, k) if reserve else stage_plan(p, q, k, 1)
+    return sum(masses)
 
 
 def ordered_acceptance_k2(p: torch.Tensor, q: torch.Tensor, chunk: int = 256, slack: float = 0.0) -> float:

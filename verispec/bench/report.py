@@ -7,11 +7,17 @@ Definitions (the same everywhere):
   other split), summed over the cells of a row;
 * speedup: a row's tokens/s over the baseline's, both over the (seed, prompt) cells they share, in the same run;
   ``ar`` is the target's plain decoding in verispec's loop, ``hf-generate`` Hugging Face's, ``hf-assisted``
-  Hugging Face assisted generation with the same draft;
+  Hugging Face assisted generation with the same draft, ``llama-cpp`` llama.cpp's plain decoding of the GGUF file
+  (a quantised model, so a target of its own: its rows are speed beside verispec's, not the same law);
 * per-candidate acceptance: P(candidate i accepted | candidates 1..i-1 rejected) over all tree nodes visited;
 * draft cost: drafting time per drafted tree level over the target's time per forward in ``ar``, leaving out
   each prompt's first step (its drafting time includes the draft model's own prefill of the prompt);
+* outside share: the part of a step spent outside the target's forward (drafting, verification, commits);
 * eta (ResiSpec Table 5): marginal gain in accepted length per extra candidate, between successive widths N.
+
+Every comparison carries a 95 % interval from a bootstrap that resamples prompts (paired: a resampled prompt
+brings both sides' cells; ``verispec.bench.stats``). Cells that ran while other work competed for the cores
+(``records.contended``) are left out, and the report says how many.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from dataclasses import asdict, dataclass, field
 from ..methods import resolve_method
 from ..metrics import mean_accepted_length, per_candidate_acceptance
 from ..tree import Tree
-from .records import NO_DRAFT, Results, cell_id
+from .records import NO_DRAFT, Results, cell_id, contended
+from .stats import bootstrap, fmt
 
 NAN = float("nan")
 
@@ -53,6 +60,11 @@ class Row:
     draft_cost: float = NAN
     correct: str = "-"
     per_candidate: list[float] = field(default_factory=list)
+    vs_llama_cpp: float = NAN
+    outside_share: float = NAN  # of a step, the time outside the target forward
+    nll: float = NAN  # mean NLL per token of the text under the target (records with --distortion)
+    tv: float = NAN  # mean exact TV of a lossy rule's law from the target's, over the positions it tested
+    ci: dict = field(default_factory=dict)  # metric -> (low, high), 95 % over prompts
 
     @property
     def verifier(self) -> str:
@@ -61,6 +73,11 @@ class Row:
     @property
     def tree(self) -> str:
         return resolve_method(self.method).shape
+
+    def show(self, metric: str, spec: str = ".2f", suffix: str = "") -> str:
+        """``estimate [low, high]`` of a metric."""
+        low, high = self.ci.get(metric, (NAN, NAN))
+        return fmt(getattr(self, metric), low, high, spec, suffix)
 
 
 def _mean(xs) -> float:
@@ -73,19 +90,41 @@ def _rate(prompts: list[dict]) -> float:
     return sum(r["tokens"] for r in prompts) / wall if wall > 0 else NAN
 
 
-def _ratio(mine: list[dict], base: list[dict]) -> float:
-    """tokens/s of ``mine`` over ``base`` on the (seed, prompt) cells both have."""
-    key = lambda r: (r["cell"]["seed"], r["cell"]["prompt"])  # noqa: E731
-    shared = {key(r) for r in mine} & {key(r) for r in base}
-    if not shared:
-        return NAN
-    return _rate([r for r in mine if key(r) in shared]) / _rate([r for r in base if key(r) in shared])
+def _key(r: dict) -> tuple:
+    return r["cell"]["seed"], r["cell"]["prompt"]
+
+
+def _ratio(mine: list[dict], base: list[dict]) -> tuple[float, float, float]:
+    """tokens/s of ``mine`` over ``base`` on the (seed, prompt) cells both have, with a paired bootstrap interval."""
+    theirs = {_key(r): r for r in base}
+    pairs = [(r, theirs[_key(r)]) for r in mine if _key(r) in theirs]
+    if not pairs:
+        return NAN, NAN, NAN
+    return bootstrap(pairs, lambda g: _rate([a for a, _ in g]) / _rate([b for _, b in g]))
+
+
+def _pooled(groups: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """sum(a) / sum(b) over per-prompt (a, b), with a bootstrap interval over prompts."""
+    groups = [g for g in groups if g[1] > 0]
+    if not groups:
+        return NAN, NAN, NAN
+    return bootstrap(groups, lambda g: sum(a for a, _ in g) / sum(b for _, b in g) if sum(b for _, b in g) else NAN)
+
+
+def usable(res: Results) -> tuple[list[dict], int]:
+    """The prompt records a summary counts (cells that ran beside other work are left out), and how many were.
+    If every cell ran beside other work, all are kept (the report says so) rather than none."""
+    kept = [r for r in res.prompts if not contended(r)]
+    if not kept:
+        return list(res.prompts), 0
+    return kept, len(res.prompts) - len(kept)
 
 
 def summarize(res: Results, by_category: bool = False) -> list[Row]:
     """One row per (temperature, draft, method), or per (temperature, draft, method, category)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
-    for r in res.prompts:
+    prompts_kept, _ = usable(res)
+    for r in prompts_kept:
         c = r["cell"]
         groups[(c["T"], c["draft"], c["method"], r["category"] if by_category else "all")].append(r)
     ar_target_ms = {}
@@ -95,7 +134,8 @@ def summarize(res: Results, by_category: bool = False) -> list[Row]:
             ar_target_ms[(t, cat)] = 1000 * _mean(s["target_s"] for s in steps)
     rows = []
     for (t, d, m, cat), prompts in groups.items():
-        steps = [s for r in prompts for s in res.steps.get(cell_id(r["cell"]), [])]
+        per_prompt = [res.steps.get(cell_id(r["cell"]), []) for r in prompts]
+        steps = [s for ss in per_prompt for s in ss]
         timed = [s for s in steps if "draft_s" in s]
         row = Row(
             T=t, draft=d, method=m, category=cat, prompts=len(prompts), tokens=sum(r["tokens"] for r in prompts),
@@ -104,31 +144,123 @@ def summarize(res: Results, by_category: bool = False) -> list[Row]:
             drafted_per_step=_mean(s["drafted"] for s in steps),
             per_candidate=per_candidate_acceptance(s for s in steps if "tested" in s),
         )
+        row.ci["tokens_per_s"] = _pooled([(r["tokens"], r["wall_s"]) for r in prompts])[1:]
+        if steps:
+            row.ci["mean_accepted_length"] = _pooled([(sum(s["accepted_length"] for s in ss), len(ss))
+                                                       for ss in per_prompt])[1:]
         if timed:
             row.draft_ms = 1000 * _mean(s["draft_s"] for s in timed)
             row.target_ms = 1000 * _mean(s["target_s"] for s in timed)
             row.verify_ms = 1000 * _mean(s["verify_s"] for s in timed)
+            total = row.draft_ms + row.target_ms + row.verify_ms
+            row.outside_share = (row.draft_ms + row.verify_ms) / total if total > 0 else NAN
             later = [s for s in timed if s.get("i", 1) > 0]
             levels = sum(s.get("draft_depth", s.get("depth", 0)) for s in later)  # "depth" in older files
             if levels and (t, cat) in ar_target_ms:
                 row.draft_cost = 1000 * sum(s["draft_s"] for s in later) / levels / ar_target_ms[(t, cat)]
+        tvs = [x for s in steps for x in s.get("tv", [])]
+        row.tv = _mean(tvs)
+        nlls = [r["nll"] for r in prompts if r.get("nll") is not None and r["nll"] == r["nll"]]
+        row.nll = _mean(nlls)
         scored = [r["correct"] for r in prompts if r.get("correct") is not None]
         if scored:
             row.correct = f"{sum(scored)}/{len(scored)}"
         for attr, base_method, base_draft in (("speedup_ar", "ar", NO_DRAFT), ("vs_hf_generate", "hf-generate", NO_DRAFT),
-                                              ("vs_hf_assisted", "hf-assisted", d)):
+                                              ("vs_hf_assisted", "hf-assisted", d),
+                                              ("vs_llama_cpp", "llama-cpp", NO_DRAFT)):
             base = groups.get((t, base_draft, base_method, cat))
             if base:
-                setattr(row, attr, _ratio(prompts, base))
+                est, low, high = _ratio(prompts, base)
+                setattr(row, attr, est)
+                row.ci[attr] = (low, high)
         assisted = [g for (t2, _, m2, c2), g in groups.items() if (t2, m2, c2) == (t, "hf-assisted", cat)]
         if assisted:
-            row.vs_best_hf_assisted = _ratio(prompts, max(assisted, key=_rate))
+            est, low, high = _ratio(prompts, max(assisted, key=_rate))
+            row.vs_best_hf_assisted, row.ci["vs_best_hf_assisted"] = est, (low, high)
         rows.append(row)
     order = {name: i for i, name in enumerate(res.header.get("config", {}).get("methods", []))}
     drafts = {name: i for i, name in enumerate([NO_DRAFT, *res.header.get("config", {}).get("drafts", [])])}
     rows.sort(key=lambda r: (r.T, r.category != "all", r.category, drafts.get(r.draft, 99), order.get(r.method, 99),
                              r.method))
     return rows
+
+
+@dataclass
+class ShadowRow:
+    """What one shadow verifier would have accepted on the steps a method drove (``verispec.bench.shadow``)."""
+
+    T: float
+    draft: str
+    method: str  # the driver
+    category: str
+    verifier: str
+    prompts: int
+    steps: int
+    mean_accepted_length: float
+    ci: tuple[float, float]
+    per_candidate: list[float]
+    diff: float = NAN  # paired per step against ``reference``
+    diff_ci: tuple[float, float] = (NAN, NAN)
+    reference: str = ""
+
+
+def _shadow_lengths(steps: list[dict], name: str) -> list[float]:
+    """Per step, a shadow's accepted length averaged over its coin seeds."""
+    out = []
+    for s in steps:
+        runs = s.get("shadow", {}).get(name)
+        if runs:
+            out.append(sum(r["accepted_length"] for r in runs) / len(runs))
+    return out
+
+
+def shadow_summary(res: Results, by_category: bool = False, reference: str = "specinfer") -> list[ShadowRow]:
+    """One row per (temperature, draft, driving method, category, shadow verifier): its mean accepted length on the
+    driven steps, per-candidate acceptance, and the paired per-step difference from ``reference`` (a shadow too)."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in usable(res)[0]:
+        c = r["cell"]
+        groups[(c["T"], c["draft"], c["method"], r["category"] if by_category else "all")].append(r)
+    rows = []
+    for (t, d, m, cat), prompts in groups.items():
+        per_prompt = [[s for s in res.steps.get(cell_id(r["cell"]), []) if s.get("shadow")] for r in prompts]
+        names = list(dict.fromkeys(n for ss in per_prompt for s in ss for n in s["shadow"]))
+        for name in names:
+            lengths = [_shadow_lengths(ss, name) for ss in per_prompt]
+            est, low, high = _pooled([(sum(x), len(x)) for x in lengths if x])
+            runs = [run for ss in per_prompt for s in ss for run in s["shadow"].get(name, [])]
+            row = ShadowRow(t, d, m, cat, name, sum(1 for x in lengths if x), sum(len(x) for x in lengths), est,
+                            (low, high), per_candidate_acceptance(runs))
+            if reference in names and name != reference:
+                paired = [(sum(a - b for a, b in zip(_shadow_lengths(ss, name), _shadow_lengths(ss, reference))),
+                           len(_shadow_lengths(ss, name))) for ss in per_prompt]
+                row.diff, lo, hi = _pooled(paired)
+                row.diff_ci, row.reference = (lo, hi), reference
+            rows.append(row)
+    return rows
+
+
+def share_of_bias_gain(res: Results, exact: str, biased: str = "resispec", reference: str = "specinfer",
+                       by_category: bool = False) -> dict[tuple, tuple[float, float, float]]:
+    """Per (T, draft, method, category): the share of ``biased``'s extra accepted length over ``reference`` that the
+    exact rule ``exact`` achieves, ``(L_exact - L_ref) / (L_biased - L_ref)``, with a bootstrap interval over
+    prompts (shadows on the same steps)."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in usable(res)[0]:
+        c = r["cell"]
+        groups[(c["T"], c["draft"], c["method"], r["category"] if by_category else "all")].append(r)
+    out = {}
+    for key, prompts in groups.items():
+        per = []
+        for r in prompts:
+            ss = [s for s in res.steps.get(cell_id(r["cell"]), []) if s.get("shadow")]
+            e, b, ref = (_shadow_lengths(ss, n) for n in (exact, biased, reference))
+            if e and b and ref:
+                per.append((sum(e) - sum(ref), sum(b) - sum(ref)))
+        if per:
+            out[key] = bootstrap(per, lambda g: sum(a for a, _ in g) / sum(b for _, b in g)
+                                 if sum(b for _, b in g) > 0 else NAN)
+    return out
 
 
 # ---------------------------------------------------------------- formatting
@@ -144,31 +276,49 @@ def markdown(header: list[str], body: list[list[str]]) -> str:
 
 
 def table_summary(rows: list[Row]) -> str:
-    k = max((len(r.per_candidate) for r in rows), default=0)
-    k = min(k, 4)
+    k = min(max((len(r.per_candidate) for r in rows), default=0), 4)
     head = ["T", "draft", "method", "prompts", "tokens", "tokens/s", "vs ar", "vs HF generate", "vs HF assisted",
-            "accepted length", "drafted/step", "draft ms", "target ms", "verify ms", "draft cost",
-            *[f"cand. {i}" for i in range(1, k + 1)], "correct"]
+            "vs llama.cpp", "accepted length", "drafted/step", "draft ms", "target ms", "verify ms", "outside share",
+            "draft cost", *[f"cand. {i}" for i in range(1, k + 1)], "correct"]
+    optional = {"vs llama.cpp": "vs_llama_cpp", "vs HF assisted": "vs_hf_assisted"}
+    keep = [h for h in head if h not in optional or any(getattr(r, optional[h]) == getattr(r, optional[h])
+                                                       for r in rows)]
     body = []
     for r in rows:
         pc = [_f(x, ".3f") for x in (r.per_candidate + [NAN] * k)[:k]]
-        body.append([f"{r.T:g}", r.draft, r.method, str(r.prompts), str(r.tokens), _f(r.tokens_per_s, ".1f"),
-                     _f(r.speedup_ar, ".2f", "x"), _f(r.vs_hf_generate, ".2f", "x"), _f(r.vs_hf_assisted, ".2f", "x"),
-                     _f(r.mean_accepted_length), _f(r.drafted_per_step, ".1f"), _f(r.draft_ms, ".1f"),
-                     _f(r.target_ms, ".1f"), _f(r.verify_ms, ".1f"), _f(r.draft_cost, ".2f"), *pc, r.correct])
-    return markdown(head, body)
+        cells = [f"{r.T:g}", r.draft, r.method, str(r.prompts), str(r.tokens), r.show("tokens_per_s", ".1f"),
+                 r.show("speedup_ar", ".2f", "x"), r.show("vs_hf_generate", ".2f", "x"),
+                 r.show("vs_hf_assisted", ".2f", "x"), r.show("vs_llama_cpp", ".2f", "x"),
+                 r.show("mean_accepted_length"), _f(r.drafted_per_step, ".1f"), _f(r.draft_ms, ".1f"),
+                 _f(r.target_ms, ".1f"), _f(r.verify_ms, ".1f"), _f(100 * r.outside_share, ".0f", "%"),
+                 _f(r.draft_cost, ".2f"), *pc, r.correct]
+        body.append([c for h, c in zip(head, cells) if h in keep])
+    return markdown(keep, body)
 
 
 def rows_csv(rows: list[Row]) -> str:
     buf = io.StringIO()
-    names = [k for k in asdict(rows[0])] if rows else []
-    w = csv.DictWriter(buf, fieldnames=names, lineterminator="\n")
+    names = [k for k in asdict(rows[0]) if k != "ci"] if rows else []
+    cis = sorted({m for r in rows for m in r.ci})
+    w = csv.DictWriter(buf, fieldnames=names + [f"{m}_{e}" for m in cis for e in ("low", "high")], lineterminator="\n")
     w.writeheader()
     for r in rows:
-        d = asdict(r)
+        d = {k: v for k, v in asdict(r).items() if k != "ci"}
         d["per_candidate"] = ";".join(f"{x:.4f}" for x in r.per_candidate)
+        for m in cis:
+            d[f"{m}_low"], d[f"{m}_high"] = r.ci.get(m, (NAN, NAN))
         w.writerow(d)
     return buf.getvalue()
+
+
+def table_shadow(rows: list[ShadowRow], k: int = 3) -> str:
+    """Shadow verifiers on the same steps: accepted length with its interval, per-candidate acceptance, and the
+    paired difference from the reference (specinfer) with its interval."""
+    body = [[f"{r.T:g}", r.draft, r.method, r.category, r.verifier, str(r.prompts), str(r.steps),
+             fmt(r.mean_accepted_length, *r.ci), *[_f(x, ".3f") for x in (r.per_candidate + [NAN] * k)[:k]],
+             fmt(r.diff, *r.diff_ci, "+.3f") if r.reference else "-"] for r in rows]
+    return markdown(["T", "draft", "driver", "category", "verifier", "prompts", "steps", "accepted length",
+                     *[f"cand. {i}" for i in range(1, k + 1)], "minus specinfer (paired)"], body)
 
 
 def table_verifiers_by_category(rows: list[Row]) -> str:
@@ -183,10 +333,16 @@ def table_verifiers_by_category(rows: list[Row]) -> str:
     return markdown(head, body)
 
 
+def _shaped(r: Row) -> bool:
+    """Rows of methods with a fixed tree (not plain decoding, a peer, or a tree chosen per draft)."""
+    m = resolve_method(r.method)
+    return m.peer is None and m.shape not in ("none", "auto")
+
+
 def table_trees(rows: list[Row]) -> str:
     """ResiSpec Table 3 shape: per tree (and its verification cost in nodes), each verifier's accepted length
     and speed, and the accepted-length gain of each verifier over the first."""
-    rows = [r for r in rows if r.method != "ar" and r.category == "all"]
+    rows = [r for r in rows if _shaped(r) and r.category == "all"]
     verifiers = list(dict.fromkeys(r.verifier for r in rows))
     cells = {(r.T, r.tree, r.verifier): r for r in rows}
     head = ["T", "tree", "nodes", *[f"{v} L" for v in verifiers], *[f"{v} tok/s" for v in verifiers],
@@ -206,7 +362,7 @@ def width_series(rows: list[Row]) -> dict[tuple, list[tuple[int, int, float]]]:
     """(T, draft, verifier, depth) -> [(N, nodes, accepted length)] for complete N x depth trees (and chains)."""
     out = defaultdict(list)
     for r in rows:
-        if r.method == "ar" or r.category != "all":
+        if not _shaped(r) or r.category != "all":
             continue
         tree = resolve_method(r.method).tree()
         if not isinstance(tree, Tree):  # a dynamic tree has no fixed width
@@ -244,14 +400,15 @@ def table_drafts(rows: list[Row]) -> str:
 
 
 def table_peers(rows: list[Row]) -> str:
-    """Speedup against the target's plain decoding and both Hugging Face peers (assisted: with the same draft,
-    and with the draft that made it fastest in the run)."""
-    body = [[f"{r.T:g}", r.draft, r.method, _f(r.tokens_per_s, ".1f"), _f(r.mean_accepted_length),
-             _f(r.speedup_ar, ".2f", "x"), _f(r.vs_hf_generate, ".2f", "x"), _f(r.vs_hf_assisted, ".2f", "x"),
-             _f(r.vs_best_hf_assisted, ".2f", "x")]
+    """Speedup against the target's plain decoding and the peers (Hugging Face ``generate``; assisted generation
+    with the draft that made it fastest in the run; llama.cpp where it ran), each with its 95 % interval."""
+    llama = any(r.vs_llama_cpp == r.vs_llama_cpp for r in rows)
+    body = [[f"{r.T:g}", r.draft, r.method, r.show("tokens_per_s", ".1f"), r.show("mean_accepted_length"),
+             r.show("speedup_ar", ".2f", "x"), r.show("vs_hf_generate", ".2f", "x"),
+             r.show("vs_best_hf_assisted", ".2f", "x"), *([r.show("vs_llama_cpp", ".2f", "x")] if llama else [])]
             for r in rows if r.category == "all"]
     return markdown(["T", "draft", "method", "tokens/s", "accepted length", "vs ar", "vs HF generate",
-                     "vs HF assisted (same draft)", "vs HF assisted (its best draft)"], body)
+                     "vs HF assisted (its best draft)", *(["vs llama.cpp"] if llama else [])], body)
 
 
 def table_categories(rows: list[Row]) -> str:
@@ -275,12 +432,24 @@ def table_audit(audits: list[dict]) -> str:
 def report(res: Results) -> str:
     """The standard summary of a results file (Markdown)."""
     rows = summarize(res)
-    parts = [f"Results of {res.describe()}", "", table_summary(rows)]
+    _, left_out = usable(res)
+    parts = [f"Results of {res.describe()}", ""]
+    if left_out:
+        parts += [f"{left_out} of {len(res.prompts)} cells are left out: they ran while other work used more than a "
+                  "quarter of a core (their records say so).", ""]
+    elif res.prompts and all(contended(r) for r in res.prompts):
+        parts += ["Every cell of this run ran while other work used more than a quarter of a core: its speeds are "
+                  "not to be trusted (acceptance figures are unaffected).", ""]
+    parts += [table_summary(rows)]
     cats = summarize(res, by_category=True)
     if len({r.category for r in cats}) > 1:
         parts += ["", "Speedup over `ar` by category:", "", table_categories(cats)]
     if width_series(rows) and any(len(s) > 1 for s in width_series(rows).values()):
         parts += ["", "Accepted length as the width N grows at fixed depth:", "", table_width(rows)]
+    shadows = shadow_summary(res)
+    if shadows:
+        parts += ["", "Shadow verifiers on the steps each method drove (same drafts and target probabilities):", "",
+                  table_shadow(shadows)]
     if res.audits:
         parts += ["", "Exactness audit (exhaustive, small random cases):", "", table_audit(res.audits)]
     return "\n".join(parts)

@@ -67,6 +67,14 @@ class VerifierSpec:
 VERIFIERS: dict[str, VerifierSpec] = {}
 
 
+def add_verifier(spec: VerifierSpec) -> VerifierSpec:
+    """The one way into the registry: refuses a second verifier of the same name."""
+    if spec.name in VERIFIERS:
+        raise ValueError(f"verifier {spec.name!r} registered twice")
+    VERIFIERS[spec.name] = spec
+    return spec
+
+
 def register(
     name: str, *, exact: bool, note: str, chain_only: bool = False, greedy_only: bool = False, children: str | None = None,
     **extra,
@@ -74,9 +82,7 @@ def register(
     """Decorator registering ``fn`` under ``name``; ``extra`` sets the optional ``VerifierSpec`` fields."""
 
     def wrap(fn: VerifyFn) -> VerifyFn:
-        if name in VERIFIERS:
-            raise ValueError(f"verifier {name!r} registered twice")
-        VERIFIERS[name] = VerifierSpec(name, fn, exact, note, chain_only, greedy_only, children, **extra)
+        add_verifier(VerifierSpec(name, fn, exact, note, chain_only, greedy_only, children, **extra))
         return fn
 
     return wrap
@@ -91,9 +97,7 @@ def register_node_rule(
         return walk_tree(draft, p, rng, rule)
 
     fn.__doc__ = rule.__doc__
-    if name in VERIFIERS:
-        raise ValueError(f"verifier {name!r} registered twice")
-    VERIFIERS[name] = VerifierSpec(name, fn, exact, note, children=children, greedy_only=greedy_only, node_rule=rule)
+    add_verifier(VerifierSpec(name, fn, exact, note, children=children, greedy_only=greedy_only, node_rule=rule))
 
 
 def get_verifier(name: str) -> VerifierSpec:
@@ -101,15 +105,15 @@ def get_verifier(name: str) -> VerifierSpec:
     base, _, arg = name.partition(":")
     spec = VERIFIERS.get(base)
     if spec is None:
-        raise VerispecError(f"unknown method {name!r}; choose from {', '.join(sorted(VERIFIERS))}")
+        raise VerispecError(f"unknown verifier {name!r}; choose from {', '.join(sorted(VERIFIERS))}")
     if not arg:
         return spec
     if spec.with_param is None:
-        raise VerispecError(f"method {base!r} takes no parameter (got {name!r})")
+        raise VerispecError(f"verifier {base!r} takes no parameter (got {name!r})")
     try:
         value = float(arg)
     except ValueError:
-        raise VerispecError(f"bad parameter in method {name!r}; use {base}:NUMBER") from None
+        raise VerispecError(f"bad parameter in verifier {name!r}; use {base}:NUMBER") from None
     return spec.with_param(value)
 
 

@@ -13,8 +13,19 @@ law the rule emits at a position, which is what the distortion diagnostic (``ver
   after a rejection. BiLD's other half (fall back when the draft's top probability < 0.6) is the ``bild``
   draft-length policy.
 
-At temperature 0 ``p`` and ``q`` are point masses; every rule here then accepts exactly the tokens
-greedy verification accepts.
+Those are *truncation* rules: they judge from one model's law or a divergence, and fall back to the target. The
+*collaborative* rules verify exactly against a law made from both models, on the segment from ``p`` towards ``q``:
+
+* ``mix`` (``mix:l``, default 0.2) -- exact speculative sampling against ``(1 - l) p + l q``: its output law is that
+  mixture, at total variation ``l TV(p, q)`` from ``p``;
+* ``budget`` (``budget:e``, default 0.05) -- a mentored target within a divergence budget: the law closest to ``q``
+  within total variation ``e`` of ``p``, ``p + (e / TV) (q - p)`` (``p`` itself moved all the way when
+  ``TV(p, q) <= e``), verified exactly. Distortion at most ``e``; acceptance ``1 - max(TV(p, q) - e, 0)``.
+Both fall back, after a rejection, to ``norm((p - q)_+)``: the residual of a target on that segment points the
+same way as the exact one.
+
+At temperature 0 ``p`` and ``q`` are point masses; the truncation rules then accept exactly the tokens greedy
+verification accepts. The collaborative rules do not: they keep mass on the draft's choice by design.
 """
 
 from __future__ import annotations
@@ -24,8 +35,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import VerispecError
 from ..policies import entropy
-from .base import VERIFIERS, Verdict, VerifierSpec, register
+from ..probs import residual
+from .base import Verdict, VerifierSpec, add_verifier, register
 from .chain import chain_laws, chain_verdict, exact_rule, walk_chain
 
 LN2 = math.log(2.0)
@@ -182,6 +195,35 @@ def bild_rule(rollback: float = 5.0):
     return rule
 
 
+def _moved_rule(target):
+    """Exact speculative sampling against ``target(p, q)`` (a law between ``p`` and ``q``)."""
+    def rule(p, q, state=None):
+        p, q = p.double(), q.double()
+        m = target(p, q)
+        accept = torch.where(q > 0, m / q.clamp_min(1e-300), torch.zeros_like(p)).clamp(max=1.0)
+        return accept, residual(m, q)
+
+    return rule
+
+
+def mix_rule(weight: float):
+    if not 0 <= weight <= 1:
+        raise VerispecError(f"mix:l needs 0 <= l <= 1, got {weight}")
+    return _moved_rule(lambda p, q: (1 - weight) * p + weight * q)
+
+
+def budget_rule(eps: float):
+    if not 0 <= eps <= 1:
+        raise VerispecError(f"budget:e needs 0 <= e <= 1, got {eps}")
+
+    def target(p, q):
+        tv = 0.5 * (p - q).abs().sum(-1, keepdim=True)
+        step = torch.where(tv > eps, eps / tv.clamp_min(1e-300), torch.ones_like(tv))
+        return p + step * (q - p)
+
+    return _moved_rule(target)
+
+
 def _register_fixed(name: str, make, default: float, note: str) -> None:
     def build(value: float) -> VerifierSpec:
         rule = make(value)
@@ -194,13 +236,17 @@ def _register_fixed(name: str, make, default: float, note: str) -> None:
         return VerifierSpec(spec_name, fn, exact=False, note=note, chain_only=True, position_rule=rule,
                             param=value, with_param=build)
 
-    VERIFIERS[name] = build(default)
+    add_verifier(build(default))
 
 
 _register_fixed("fsd", fsd_rule, 0.3, "FSD: accept iff JS(p,q) < T (fsd:T, default 0.3), else draw from p (lossy)")
 _register_fixed("typical", lambda eps: typical_rule(eps, 0.3), 0.09,
                 "Medusa typical acceptance p(x) > min(eps, 0.3 exp(-H(p))) (typical:eps, default 0.09) (lossy)")
 _register_fixed("bild", bild_rule, 5.0, "BiLD rollback: reject x iff -log p(x) > R (bild:R, default 5) (lossy)")
+_register_fixed("mix", mix_rule, 0.2, "collaborative: exact sampling against (1 - l) p + l q (mix:l, default 0.2) (lossy)")
+_register_fixed("budget", budget_rule, 0.05,
+                "collaborative: the law nearest q within total variation e of p (budget:e, default 0.05) (lossy)")
 
-LOSSY = ("adasd", "fsd", "typical", "bild")
+LOSSY = ("adasd", "fsd", "typical", "bild", "mix", "budget")
+TRUNCATION, COLLABORATIVE = ("adasd", "fsd", "typical", "bild"), ("mix", "budget")
 

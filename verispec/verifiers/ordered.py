@@ -17,11 +17,20 @@ token id) -- each against its exact conditional law as an order statistic:
       ``L_j(y) = [sum_{c=1..n} C(n,c) a^c b^(n-c) / C(m+c, c)] / W``, ``W = b^n + W_y``, 0 above y.
 Each stage accepts with ``min(1, P_j(y_j) / L_j(y_j))`` and otherwise moves to ``norm((P_j - L_j)_+)``.
 
-Why it is exact: the exactness lemma (ALGORITHMS.md section 2) needs, at each stage, the true law of
-the tested candidate given everything the rule has used so far (``y_1..y_{j-1}``), and a next target
-that does not depend on the rejected candidate; ``L_j`` is that law and ``norm((P_j - L_j)_+)`` that
-target (it may depend on the earlier history, which the later laws condition on). The accept coins
-are fresh. The audit checks the claim by enumeration.
+Why it is exact: the lemma (docs/algorithms.md) needs, at each stage, the true law of the tested candidate
+given everything the rule has used so far (``y_1..y_{j-1}``), and a next target that does not depend on the
+rejected candidate; ``L_j`` is that law and ``norm((P_j - L_j)_+)`` that target (it may depend on the earlier
+history, which the later laws condition on). The accept coins are fresh. The audit checks the claim by enumeration.
+
+Never below ``specinfer``: when ``p`` is close to ``q`` the top order statistic's law is far from ``p`` and priority
+testing accepts less than testing in draw order. So each node chooses, from ``(p, q, k)`` alone (which keeps it
+exact), between plans "priority-test the first m drawn candidates, then test the rest in draw order" for
+m = 1..k (m = 1 is ``specinfer``), by a guaranteed acceptance: ``specinfer``'s in closed form, and for m >= 2 the
+priority stages' exact acceptance when their histories are few (``exact_acceptance``), else a lower bound that
+costs one pass over the vocabulary (``lower_bound``). The chosen plan therefore never accepts less than
+``specinfer``; with exact acceptances (small supports) it also never accepts less with an extra candidate. On a tree
+whose later children have shallower subtrees, priority testing (which may keep any of the candidates it covers)
+covers only the leading children whose subtrees are as deep as the first's.
 """
 
 from __future__ import annotations
@@ -64,27 +73,125 @@ def stage_law(q_sorted, above, k: int, tested_pos: list[int]) -> torch.Tensor:
     return law / total if total > 0 else law
 
 
+class _Sorted:
+    """A node's laws in priority order (``order[i]`` is the token at position i)."""
+
+    def __init__(self, p: torch.Tensor, q: torch.Tensor):
+        self.order = priority_order(p, q)
+        self.pos_of = torch.empty_like(self.order)
+        self.pos_of[self.order] = torch.arange(self.order.numel())
+        self.q = q[self.order]
+        self.above = torch.cumsum(self.q, 0) - self.q
+        self.p = p[self.order]
+
+
+def exact_acceptance(s: _Sorted, m: int, work: int = 2_000_000) -> float | None:
+    """Acceptance of priority-testing m i.i.d. candidates, summed over every history of rejected candidates (None
+    when that would take more than about ``work`` operations: one pass over the vocabulary per history)."""
+    max_histories = max(1, work // s.p.numel())
+    total, frontier = 0.0, [((), 1.0, s.p)]
+    for j in range(m):
+        new = []
+        for hist, reach, P in frontier:
+            law = stage_law(s.q, s.above, m, list(hist))
+            total += reach * float(torch.minimum(P, law).sum())
+            if j + 1 == m:
+                continue
+            rejected = (law - P).clamp_min(0)
+            left = (P - law).clamp_min(0)
+            if float(left.sum()) <= 0:
+                continue
+            nxt = left / left.sum()
+            for y in torch.nonzero(rejected > 0).flatten().tolist():
+                new.append(((*hist, y), reach * float(rejected[y]), nxt))
+            if len(new) > max_histories:
+                return None
+        frontier = new
+    return total
+
+
+def lower_bound(s: _Sorted, m: int) -> float:
+    """A lower bound on ``exact_acceptance`` in one pass over the vocabulary: stage 1 exactly, stage 2 with its
+    normaliser bounded by 1 (``W <= 1``: the conditional laws are at least their unnormalised weights), later
+    stages as 0."""
+    L1 = _top_law(s.q, s.above, m)
+    first = float(torch.minimum(s.p, L1).sum())
+    left = (s.p - L1).clamp_min(0)
+    if m < 2 or float(left.sum()) <= 0:
+        return first
+    P2 = left / left.sum()
+    reach = (L1 - s.p).clamp_min(0)
+    n = m - 1
+    a, b = s.q, (1 - s.above - s.q).clamp_min(0)
+    w_y = sum(math.comb(n, c) * a**c * b ** (n - c) / math.comb(1 + c, c) for c in range(1, n + 1))
+    below = torch.minimum(P2, _top_law(s.q, s.above, n))
+    suffix = torch.flip(torch.cumsum(torch.flip(below, [0]), 0), [0]) - below  # sum over positions after y
+    return first + float((reach * (torch.minimum(P2, w_y) + suffix)).sum())
+
+
+def guaranteed(s: _Sorted, m: int) -> float:
+    exact = exact_acceptance(s, m)
+    return exact if exact is not None else lower_bound(s, m)
+
+
+def best_prefix(p: torch.Tensor, q: torch.Tensor, k: int, limit: int | None = None) -> tuple[int, _Sorted]:
+    """How many of the first drawn candidates to priority-test (1 = none: ``specinfer``; at most ``limit``), and the
+    sorted laws."""
+    from .reserve import stage_plan  # noqa: PLC0415
+
+    s = _Sorted(p, q)
+    key = (p.double().numpy().tobytes(), q.double().numpy().tobytes(), k, limit) if p.numel() <= 64 else None
+    if key is not None and key in _MEMO:  # the audit replays a node's rule once per enumerated outcome
+        return _MEMO[key], s
+    best, best_value = 1, sum(stage_plan(p, q, k, 1)[0])
+    for m in range(2, min(k, limit or k) + 1):
+        value = guaranteed(s, m)
+        if value > best_value + 1e-12:
+            best, best_value = m, value
+    if key is not None:
+        if len(_MEMO) > 4096:
+            _MEMO.clear()
+        _MEMO[key] = best
+    return best, s
+
+
+_MEMO: dict = {}
+
+
 def _ordered_rule(draft, node, p, rng):
+    from .reserve import subtree_weights  # noqa: PLC0415
+
     kids = draft.tree.children[node]
     q = draft.q[node].to(p.dtype)
-    order = priority_order(p, q)
-    pos_of = torch.empty_like(order)
-    pos_of[order] = torch.arange(order.numel())
-    q_sorted = q[order]
-    above = torch.cumsum(q_sorted, 0) - q_sorted
-    P = p[order]  # the current target, in sorted positions
-    cand = sorted(int(pos_of[draft.tokens[c]]) for c in kids)  # candidates by priority
-    for j, y in enumerate(cand):
-        law = stage_law(q_sorted, above, len(kids), cand[:j])
-        if accept(rng, P, law, y):
-            token = int(order[y])
-            return NodeOutcome(next(r for r, c in enumerate(kids) if int(draft.tokens[c]) == token), None, j + 1)
-        left = (P - law).clamp_min(0)
+    weights = subtree_weights(draft.tree, node)
+    equal = next((i for i, w in enumerate(weights) if w != weights[0]), len(weights))  # leading equal subtrees
+    m, s = best_prefix(p, q, len(kids), equal)
+    P = s.p  # the current target, in priority positions
+    tested = 0
+    if m > 1:
+        first = kids[:m]
+        cand = sorted(int(s.pos_of[draft.tokens[c]]) for c in first)  # the first m candidates by priority
+        for j, y in enumerate(cand):
+            law = stage_law(s.q, s.above, m, cand[:j])
+            tested += 1
+            if accept(rng, P, law, y):
+                token = int(s.order[y])
+                return NodeOutcome(next(r for r, c in enumerate(first) if int(draft.tokens[c]) == token), None, tested)
+            left = (P - law).clamp_min(0)
+            P = left / left.sum() if float(left.sum()) > 0 else P
+    qs = s.q
+    for rank in range(m if m > 1 else 0, len(kids)):  # the rest in draw order, each with law q
+        y = int(s.pos_of[draft.tokens[kids[rank]]])
+        tested += 1
+        if accept(rng, P, qs, y):
+            return NodeOutcome(rank, None, tested)
+        left = (P - qs).clamp_min(0)
         P = left / left.sum() if float(left.sum()) > 0 else P
     out = torch.zeros_like(P)
-    out[order] = P
+    out[s.order] = P
     return NodeOutcome(None, out, len(kids))
 
 
 register_node_rule("ordered", _ordered_rule, exact=True, children="iid",
-                   note="i.i.d. children tested in p/q priority order against their order-statistic laws (this project's rule)")
+                   note="i.i.d. children tested in p/q priority order as order statistics, never below specinfer "
+                        "(this project's rule)")
