@@ -57,7 +57,7 @@ def test_published_counterexample_is_biased_for_resispec():
     first = [sum(w for seq, w in law.items() if seq[0] == t) for t in range(3)]
     # accepted mass min(p, q) = (.4, .3, .1) plus rejected mass .2 spread as (0, .75, .25)
     assert first == pytest.approx([0.4, 0.45, 0.15], abs=1e-15)
-    # the proxy k = (.6, .2, .2) of ALGORITHMS.md section 6 meets the same stated conditions and gives (.4, .4, .2)
+    # the proxy k = (.6, .2, .2) of the published counterexample (docs/algorithms.md) meets the same stated conditions and gives (.4, .4, .2)
     alt_residual = (p_ - torch.tensor([0.6, 0.2, 0.2], dtype=torch.float64)).clamp_min(0)
     alt = torch.minimum(p_, q_) + 0.2 * alt_residual / alt_residual.sum()
     assert alt.tolist() == pytest.approx([0.4, 0.4, 0.2])

@@ -37,7 +37,7 @@ def test_on_a_chain_every_exact_tree_verifier_is_chain_sampling(name):
 
 
 def test_swor_always_accepts_when_the_draft_support_fits():
-    # supp(p) within supp(q) and |supp(q)| <= k: some child is always accepted (ALGORITHMS.md section 4)
+    # supp(p) within supp(q) and |supp(q)| <= k: some child is always accepted (docs/algorithms.md, "Tree rules over one draft")
     p_ = torch.tensor([0.5, 0.5, 0.0], dtype=torch.float64)
     q_ = torch.tensor([0.9, 0.1, 0.0], dtype=torch.float64)
     law = step_law(get_verifier("swor"), lambda s: p_, lambda s: q_, Tree.complete(2, 1), children="swor")

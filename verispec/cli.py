@@ -22,6 +22,7 @@ from .drafters import CHILD_MODES, DRAFT_HELP, DraftSpec
 from .errors import VerispecError
 from .methods import METHODS, METHODS_HELP, resolve_method
 from .policies import POLICIES, get_policy
+from .probs import DEFAULT_TEMPERATURE
 from .tree import MAX_NODES, Tree
 from .verifiers import VERIFIERS, get_verifier
 
@@ -41,8 +42,8 @@ def default_threads() -> int:
 
 def _threads(parser) -> None:
     parser.add_argument("--threads", type=int, default=None,
-                        help=f"CPU threads for torch (default: the cores this process may use, {default_threads()} "
-                             "here). On a busy machine fewer threads than cores run much faster than more")
+                        help="CPU threads for torch (default: the cores this process may use). On a busy machine "
+                             "fewer threads than cores run much faster than more")
 
 
 def _set_threads(args) -> None:
@@ -73,7 +74,7 @@ def _add_generate(sub):
         "generate", help="generate text with speculative decoding",
         description="Generate text from a prompt with speculative decoding; streams the text, then prints a summary. "
                     "With no options: the default model, its shipped draft head and tuned tree, exact verification, "
-                    "and the draft length chosen step by step by measured speed (the method 'default').",
+                    "and the draft length chosen step by step from measured acceptance (the method 'default').",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g.add_argument("--prompt", required=True, help="the user prompt (sent through the chat template if the model has one)")
     g.add_argument("--target", default="smollm2-135m",
@@ -93,7 +94,7 @@ def _add_generate(sub):
     g.add_argument("--children", default=None, choices=CHILD_MODES,
                    help="how the children of a tree node are drawn: i.i.d. from q, without replacement, or the top-k "
                         "(default: what the verifier needs; iid for verifiers that take any)")
-    g.add_argument("--temperature", type=float, default=0.6, help="sampling temperature; 0 means greedy")
+    g.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE, help="sampling temperature; 0 means greedy")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1: off)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="stop after this many new tokens")

@@ -16,7 +16,7 @@ from .drafters.base import Drafter
 from .errors import VerispecError
 from .backends import CausalLM
 from .policies import Feedback, Fixed
-from .probs import Sampling, logits_to_probs
+from .probs import DEFAULT_TEMPERATURE, Sampling, logits_to_probs
 from .rng import TorchRandomness
 from .tree import Tree
 from .verifiers.base import VerifierSpec
@@ -225,7 +225,7 @@ def generate(
     *,
     tree: Tree | None = None,
     max_new_tokens: int = 128,
-    temperature: float = 1.0,
+    temperature: float = DEFAULT_TEMPERATURE,
     top_k: int = 0,
     top_p: float = 1.0,
     children: str | None = None,

@@ -67,6 +67,22 @@ class SpeculativeOutput(_Output):
 _ALLOWED = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper"}
 
 
+def _callers_streamer():
+    """The ``streamer`` given to ``generate``: transformers 5.24 puts the prompt into it but does not pass it on to a
+    callable ``custom_generate`` (only keywords outside its own sampling signature are passed), so read it from the
+    ``generate`` call that called us."""
+    import inspect  # noqa: PLC0415
+
+    frame = inspect.currentframe()
+    try:
+        caller = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
+        if caller is not None and caller.f_code.co_name == "generate":
+            return caller.f_locals.get("streamer")
+        return None
+    finally:
+        del frame
+
+
 def speculative(draft: str = "auto", verifier: str = "chain", tree: str = "auto", policy: str = "auto",
                 children: str | None = None, seed: int = 0):
     """A ``custom_generate`` callable running verispec's loop (see the module docstring). ``draft``, ``verifier``,
@@ -91,6 +107,8 @@ def speculative(draft: str = "auto", verifier: str = "chain", tree: str = "auto"
         from .probs import Sampling  # noqa: PLC0415
 
         cfg = generation_config
+        if streamer is None:
+            streamer = _callers_streamer()
         if getattr(cfg, "num_beams", 1) and cfg.num_beams > 1:
             raise VerispecError("verispec.hf.speculative samples or decodes greedily; beam search (num_beams > 1) "
                                 "is not supported")

@@ -53,7 +53,7 @@ DEFAULT_VERIFIER = "chain"  # what ``verispec generate`` verifies with by defaul
 _ROWS = [
     Method("default", DEFAULT_VERIFIER, "auto", "auto",
            "what 'verispec generate' does with no options: the default draft and its tuned tree, exact chain "
-           "verification, the draft length chosen step by step by measured speed (policy auto)"),
+           "verification, the draft length chosen step by step from measured acceptance (policy auto)"),
     Method("hf-generate", None, "fixed", "none", "Hugging Face generate of the target (no draft)", peer="generate"),
     Method("hf-assisted", None, "fixed", "none",
            "Hugging Face assisted generation with the same draft (a model draft, or prompt lookup for ngram)",

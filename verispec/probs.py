@@ -14,6 +14,9 @@ import torch
 from .errors import VerispecError
 
 
+DEFAULT_TEMPERATURE = 0.6  # what ``verispec generate`` and ``verispec.generate`` sample at unless told otherwise
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How logits become a distribution. ``temperature == 0`` means greedy (a point mass on the argmax).

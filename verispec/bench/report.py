@@ -131,7 +131,7 @@ def summarize(res: Results, by_category: bool = False) -> list[Row]:
     for (t, d, m, cat), prompts in groups.items():
         if m == "ar":
             steps = [s for r in prompts for s in res.steps.get(cell_id(r["cell"]), [])]
-            ar_target_ms[(t, cat)] = 1000 * _mean(s["target_s"] for s in steps)
+            ar_target_ms[(t, cat)] = 1000 * _mean(s["target_s"] for s in steps if "target_s" in s)
     rows = []
     for (t, d, m, cat), prompts in groups.items():
         per_prompt = [res.steps.get(cell_id(r["cell"]), []) for r in prompts]

@@ -1,4 +1,4 @@
-"""Block verification for chains (Sun et al. 2024; ALGORITHMS.md section 8, a reconstruction) -- exact.
+"""Block verification for chains (Sun et al. 2024; docs/algorithms.md, "Chain rules"; a reconstruction) -- exact.
 
 Instead of stopping at the first rejected draft token, block verification decides how many tokens of
 the chain to keep jointly, which accepts at least as much as token-by-token speculative sampling.

@@ -1,6 +1,6 @@
-"""Multi-candidate tree verifiers built on sequential sibling tests (ALGORITHMS.md sections 2-5).
+"""Multi-candidate tree verifiers built on sequential sibling tests (docs/algorithms.md, "Tree rules over one draft").
 
-Exactness lemma (section 2): a node tests its candidates one at a time; at stage j it holds a current
+The lemma (docs/algorithms.md, "The lemma: testing candidates one at a time"): a node tests its candidates one at a time; at stage j it holds a current
 target ``r_j`` and the true conditional law ``q_j`` of candidate ``x_j`` given all earlier draws, and
 accepts with ``min(1, r_j(x)/q_j(x))``. The emitted token has law ``r_1 = p`` iff, after a rejection, the
 next target is ``norm((r_j - q_j)_+)`` -- the same whichever candidate was rejected. Each rule below

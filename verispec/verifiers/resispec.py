@@ -1,4 +1,4 @@
-"""ResiSpec exactly as published (ALGORITHMS.md section 6) -- NOT exact; kept to measure its bias.
+"""ResiSpec exactly as published (docs/algorithms.md, "ResiSpec as published, and why it is not exact") -- NOT exact; kept to measure its bias.
 
 Children are i.i.d. from ``q``. A candidate ``x0`` is tested with ``min(1, R(x0) / q(x0))`` against the
 current target ``R`` (``R = p`` at the first candidate). After a rejection, GetProxy builds a proxy ``k``
@@ -13,7 +13,7 @@ and the next target is ``norm((R - k)_+)``:
 3. proxy: ``k = R - r`` then ``k(x0) = q(x0)`` ("local alignment"), so ``(R - k)_+ = r`` off ``x0`` and 0 at ``x0``.
 
 Why it is not exact: the shaped residual depends on which candidate was rejected, and its mixture over
-rejected candidates is not ``R - q a``; the exactness lemma (section 2) fails. The audit flags it.
+rejected candidates is not ``R - q a``; the lemma (docs/algorithms.md) fails. The audit flags it.
 """
 
 from __future__ import annotations

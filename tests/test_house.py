@@ -1,0 +1,263 @@
+"""The house: the package's import structure, the README's example, streaming text, the Hugging Face door, and the
+one-line errors a new user meets."""
+
+import ast
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "verispec"
+
+
+def _imports(path: Path) -> set[str]:
+    """Absolute module names ``path`` imports (relative imports resolved against its package)."""
+    module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    package = module.rsplit(".", 1)[0] if path.name != "__init__.py" else module.removesuffix(".__init__")
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            if node.level:
+                base = base[: len(base) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            out.add(name)
+            out |= {f"{name}.{a.name}" for a in node.names}
+    return out
+
+
+def test_no_library_module_imports_the_cli():
+    offenders = [str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py") if p.name not in ("cli.py", "__main__.py")
+                 and any(m == "verispec.cli" or m.startswith("verispec.cli.") for m in _imports(p))]
+    assert not offenders, offenders
+    # and the check can fail: a module that does import it is caught
+    assert "verispec.cli" in _imports(PACKAGE / "__main__.py")
+
+
+def test_no_script_or_test_reaches_into_the_cli_for_library_work():
+    """Scripts and tests take library pieces from the library (they may still run the CLI as a command)."""
+    for p in [*ROOT.glob("scripts/*.py"), *ROOT.glob("tests/*.py")]:
+        reached = {m for m in _imports(p) if m.startswith("verispec.cli.")}
+        assert reached <= {"verispec.cli.main", "verispec.cli.build_parser", "verispec.cli.resolve_generation"}, p
+
+
+def test_every_algorithms_reference_in_the_code_resolves():
+    """Docstrings point at docs/algorithms.md (the shared reference document is not in the repository)."""
+    doc = (ROOT / "docs" / "algorithms.md").read_text()
+    shared = "ALGORITHMS" + ".md"
+    for p in [*PACKAGE.rglob("*.py"), *ROOT.glob("tests/*.py")]:
+        text = p.read_text()
+        assert shared not in text, p
+        for quoted in re.findall(r'docs/algorithms\.md, "([^"]+)"', text):
+            assert quoted in doc, (p, quoted)
+
+
+def test_readme_is_a_front_door():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 160
+    first_screen = "\n".join(lines[:40])
+    assert "verispec generate" in first_screen and "pytest" in first_screen
+    for link in re.findall(r"\]\(([^)]+)\)", "\n".join(lines)):
+        assert (ROOT / link).exists(), link
+
+
+def readme_example() -> str:
+    text = (ROOT / "README.md").read_text()
+    return re.search(r"## In Python\n\n```python\n(.*?)```", text, re.S).group(1)
+
+
+def test_readme_example_imports_only_the_public_api():
+    code = readme_example()
+    assert len(code.strip().splitlines()) <= 12
+    tree = ast.parse(code)
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert imported == {"verispec"}
+    import verispec
+
+    for attr in re.findall(r"verispec\.(\w+)", code):
+        assert attr in verispec.__all__, attr
+
+
+@pytest.mark.slow
+def test_readme_example_runs(capsys):
+    exec(compile(readme_example(), "README.md", "exec"), {})  # noqa: S102 - our own README
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0].strip() and float(out[-1].split()[0]) >= 1.0
+
+
+class Bytes:
+    """A byte-level tokenizer: each id is one byte, decoded with replacement of incomplete characters."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_streamed_text_never_shows_half_a_character():
+    from verispec import TextStream
+
+    text = "おはよう, mon ami. 早上好!"
+    ids = list(text.encode())
+    stream = TextStream(Bytes().decode)
+    shown = "".join(stream.push([b]) for b in ids) + stream.flush()
+    assert shown == text and "\ufffd" not in shown
+    pieces = [stream2 for stream2 in [TextStream(Bytes().decode)]][0]
+    assert pieces.push(ids[:1]) == "" and pieces.push(ids[1:3]) == "お"  # held back until its last byte
+
+
+def test_hugging_face_door_matches_verispec_and_plain_generate():
+    import verispec.hf
+    from verispec import Tree, build_drafter, generate, get_policy, get_verifier
+
+    target = tiny_model("llama")
+    ids = torch.tensor([[5, 17, 33, 8, 61, 42]])
+    mask = torch.ones_like(ids)
+    kw = dict(attention_mask=mask, max_new_tokens=20, pad_token_id=0, eos_token_id=2)
+    plain = target.hf.generate(ids, do_sample=False, **kw)
+    door = target.hf.generate(ids, custom_generate=verispec.hf.speculative(draft="ngram", tree="chain:3"),
+                              do_sample=False, **kw)
+    assert door.tolist() == plain.tolist()  # greedy: exactly plain decoding
+    out = target.hf.generate(ids, custom_generate=verispec.hf.speculative(draft="ngram", tree="chain:3", seed=5),
+                             do_sample=True, temperature=0.7, top_k=0, return_dict_in_generate=True, **kw)
+    mine = generate(target, build_drafter("ngram", target), get_verifier("chain"), ids[0].tolist(),
+                    tree=Tree.chain(3), temperature=0.7, max_new_tokens=20, seed=5, policy=get_policy("auto"))
+    assert out.sequences[0, 6:].tolist() == mine.token_ids  # same seed, same tokens
+    assert len(out.steps) == len(mine.steps) and out.steps[0].accepted_length >= 1
+
+
+def test_hugging_face_door_streams_and_refuses_what_it_cannot_do_exactly():
+    import verispec.hf
+    from verispec import VerispecError
+
+    target = tiny_model("llama")
+    ids = torch.tensor([[5, 17, 33, 8, 61, 42]])
+
+    class Collect:
+        def __init__(self):
+            self.parts = []
+
+        def put(self, value):
+            self.parts.append(value.tolist())
+
+        def end(self):
+            self.parts.append("end")
+
+    streamer = Collect()
+    out = target.hf.generate(ids, attention_mask=torch.ones_like(ids), custom_generate=verispec.hf.speculative(
+        draft="ngram"), do_sample=False, max_new_tokens=10, pad_token_id=0, eos_token_id=2, streamer=streamer)
+    streamed = [t for part in streamer.parts[1:-1] for t in part]
+    assert streamer.parts[-1] == "end" and streamed == out[0, 6:].tolist()
+    door = verispec.hf.speculative(draft="ngram")
+    for kw, message in ((dict(num_beams=2), "beam search"), (dict(do_sample=True, repetition_penalty=1.3), "top_p")):
+        with pytest.raises(VerispecError, match=message):
+            target.hf.generate(ids, attention_mask=torch.ones_like(ids), custom_generate=door, max_new_tokens=4,
+                               pad_token_id=0, **kw)
+    with pytest.raises(VerispecError, match="batch of 2"):
+        target.hf.generate(torch.cat([ids, ids]), custom_generate=door, max_new_tokens=4, pad_token_id=0)
+    with pytest.raises(VerispecError, match="unknown draft"):
+        verispec.hf.speculative(draft="bogus")
+
+
+def cli(*args, timeout=120):
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "verispec", *args], capture_output=True, text=True, timeout=timeout,
+                       cwd=ROOT)
+    r.seconds = time.perf_counter() - t
+    return r
+
+
+@pytest.mark.parametrize("args,message", [
+    (["generate", "--prompt", "x", "--draft", "ngram:0"], "ngram:N with N >= 1"),
+    (["generate", "--prompt", "x", "--draft", "eagle:README.md"], "a draft head is a .pt file"),
+    (["generate", "--prompt", "x", "--temperature", "inf"], "finite"),
+    (["generate", "--prompt", "x", "--tree", "chain:0"], "drafts nothing"),
+    (["generate", "--prompt", "x", "--tree", "paths:;;"], "lists no paths"),
+    (["generate", "--prompt", "x", "--tree", "50x50"], "at most 1024"),
+    (["generate", "--prompt", "x", "--threads", "0"], "--threads"),
+    (["bench", "--out", "README.md/x.jsonl", "--methods", "ar"], "is a file, not a folder"),
+    (["plot", "README.md", "--out", "README.md"], "is a file"),
+])
+def test_bad_input_fails_fast_with_one_line(args, message):
+    r = cli(*args)
+    assert r.returncode == 2, r.stderr[-1500:]
+    assert message in r.stderr and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
+    assert r.seconds < 30  # checked before any model loads
+
+
+def test_a_broken_gguf_and_a_broken_head_give_one_line(tmp_path):
+    bad = tmp_path / "junk.gguf"
+    bad.write_bytes(b"GGUF" + bytes(range(256)) * 4)
+    r = cli("generate", "--prompt", "x", "--target", str(bad), "--draft", "none")
+    assert r.returncode == 2 and "cannot load model" in r.stderr and "Traceback" not in r.stderr
+    head = tmp_path / "head.pt"
+    head.write_bytes(b"not a checkpoint")
+    from verispec import VerispecError
+    from verispec.eagle import EagleHead
+
+    with pytest.raises(VerispecError, match="not a verispec draft head"):
+        EagleHead.load(head, tiny_model("llama"))
+
+
+def test_report_warns_on_a_cut_file_and_survives_a_closed_pipe(tmp_path):
+    header = {"type": "header", "config": {"methods": ["ar"], "drafts": ["-"]}, "command": "x", "machine": {},
+              "versions": {}, "git": "x"}
+    c = {"T": 0.0, "seed": 0, "prompt": "a", "draft": "-", "method": "ar"}
+    recs = [header, {"type": "step", "cell": c, "i": 0, "accepted_length": 1, "drafted": 0},
+            {"type": "prompt", "cell": c, "category": "x", "tokens": 1, "wall_s": 1.0}]
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"type": "step", "ce')
+    r = cli("report", str(path))
+    assert r.returncode == 0 and "cut short" in r.stderr and "| 0 | - | ar |" in r.stdout
+    cmd = f"{sys.executable} -m verispec report {path} {path} {path} | head -c 10"
+    r = subprocess.run(cmd, shell=True, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr
+
+
+def test_one_default_temperature():
+    import inspect
+
+    from verispec import generate
+    from verispec.cli import build_parser
+    from verispec.probs import DEFAULT_TEMPERATURE
+
+    assert inspect.signature(generate).parameters["temperature"].default == DEFAULT_TEMPERATURE
+    args = build_parser().parse_args(["generate", "--prompt", "x"])
+    assert args.temperature == DEFAULT_TEMPERATURE
+
+
+def test_deprecated_method_spelling_still_works_with_a_note():
+    from verispec.cli import resolve_generation
+
+    notes = []
+    method, verifier, policy, shape, children = resolve_generation("specinfer@2x2", None, None, None, None,
+                                                                   notes.append)
+    assert verifier.name == "specinfer" and shape == "2x2" and children == "iid" and "deprecated" in notes[0]
+    method, verifier, policy, shape, children = resolve_generation(None, "topk", None, "3,1", None, notes.append)
+    assert method.name == "default" and verifier.name == "topk" and policy.name == "auto" and children == "topk"
+
+
+def test_every_command_option_has_help():
+    from verispec.cli import build_parser
+
+    parser = build_parser()
+    for action in parser._subparsers._group_actions[0].choices.values():  # each command's parser
+        for opt in action._actions:
+            if opt.option_strings and opt.dest != "help":
+                assert opt.help and opt.help.strip(), (action.prog, opt.option_strings)
+
+
+def test_the_cli_reference_is_generated_from_the_parser():
+    r = subprocess.run([sys.executable, "scripts/make_cli_doc.py", "--check"], cwd=ROOT, capture_output=True,
+                       timeout=120)
+    assert r.returncode == 0, "docs/cli.md is out of date: run python scripts/make_cli_doc.py"
