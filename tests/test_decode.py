@@ -74,11 +74,35 @@ def test_same_seed_same_output(target, temperature):
     assert a.token_ids != c.token_ids
 
 
-@pytest.mark.parametrize("method,children", [("specinfer", "iid"), ("swor", "swor"), ("topk", "topk")])
+@pytest.mark.parametrize("method,children", [("specinfer", "iid"), ("swor", "swor"), ("topk", "topk"),
+                                             ("traversal", "swor"), ("reserve", "iid"), ("ordered", "iid")])
 def test_tree_verifiers_sample_through_the_loop(target, method, children):
-    out = run(target, layer_skip_drafter(target, 2), Tree.complete(2, 2), method=method, temperature=0.8,
-              children=children, n=20, seed=3)
-    assert out.num_tokens == 20 and out.mean_accepted_length >= 1.0
+    """Sampling through the loop with the perfect draft (the full-depth self-draft: q = p) accepts a child at every
+    node when children are sampled from q (top-k children: with probability p(children)), and with a draft that
+    never agrees (every drafted token is impossible under the target's top-1) accepts nothing."""
+    good = run(target, layer_skip_drafter(target, [0, 1, 2, 3]), Tree.complete(2, 2), method=method,
+               temperature=0.8, children=children, n=20, seed=3)
+    assert good.num_tokens == 20
+    if children == "topk":
+        assert good.mean_accepted_length > 1.0
+    else:
+        assert all(s.accepted_length == 3 for s in good.steps[:-1]), [s.accepted_length for s in good.steps]
+    bad = generate(target, Contrarian(target.vocab_size), get_verifier(method), PROMPT, tree=Tree.complete(2, 2),
+                   max_new_tokens=12, temperature=0.8, top_k=1, children=children, seed=3)
+    assert all(s.accepted_length == 1 for s in bad.steps)
+
+
+class Contrarian(NgramDrafter):
+    """Proposes only token 0 (a law with all its mass there): never the target's choice under top_k = 1 unless the
+    target's argmax is 0, which the tiny model's never is on this prompt."""
+
+    def _root_logits(self, context):
+        out = torch.full((self.vocab_size,), float("-inf"))
+        out[0] = 0.0
+        return out
+
+    def _node_logits(self, g, nodes):
+        return torch.stack([self._root_logits(None) for _ in nodes])
 
 
 def test_stops_at_eos_and_at_max_new_tokens_exactly():
@@ -96,15 +120,47 @@ def test_stops_at_eos_and_at_max_new_tokens_exactly():
         assert out.stop_reason == "eos"
 
 
-def test_records_are_consistent(target):
-    out = run(target, layer_skip_drafter(target, 2), Tree.complete(2, 2), children="topk", n=20)
-    assert sum(len(s.emitted) for s in out.steps) == out.num_tokens == 20
-    for s in out.steps:
-        assert s.accepted_length == len(s.accepted_ranks) + 1
-        assert s.drafted <= 6 and s.draft_depth <= 2
-        assert all(r < 2 for r in s.accepted_ranks)
-        assert min(s.draft_s, s.target_s, s.verify_s) >= 0
-    assert out.to_dict()["summary"]["tokens"] == 20
+class Oracle(NgramDrafter):
+    """Drafts a fixed continuation (the target's own greedy text, or a wrong one) as a point mass."""
+
+    def __init__(self, vocab_size, text, prompt_len, shift=0):
+        super().__init__(vocab_size)
+        self.text, self.prompt_len, self.shift = text, prompt_len, shift
+
+    def _law(self, position):
+        out = torch.full((self.vocab_size,), float("-inf"))
+        if position < len(self.text):
+            out[(self.text[position] + self.shift) % self.vocab_size] = 0.0
+        return out
+
+    def _root_logits(self, context):
+        self._len = len(context)
+        return self._law(self._len - self.prompt_len)
+
+    def _node_logits(self, g, nodes):
+        return torch.stack([self._law(self._len - self.prompt_len + len(g.path(n))) for n in nodes])
+
+
+def test_records_count_what_verification_did(target):
+    """Against drafts whose fate is known in advance: a draft of the target's own greedy text is accepted whole at
+    every step (accepted length = depth + 1, the bonus included, one candidate tested per depth), and a draft that is
+    always wrong never is (accepted length 1, one candidate tested at depth 1)."""
+    reference = run(target, NoDrafter(), Tree.root_only(), n=20).token_ids
+    right = generate(target, Oracle(target.vocab_size, reference, len(PROMPT)), get_verifier("chain"), PROMPT,
+                     tree=Tree.chain(3), max_new_tokens=20, temperature=0.0)
+    assert right.token_ids == reference
+    assert [s.accepted_length for s in right.steps] == [4] * 5
+    assert all(s.tested == (1, 1, 1) and s.accepted_ranks == (0, 0, 0) and s.drafted == 3 for s in right.steps)
+    assert [len(s.emitted) for s in right.steps] == [4] * 5
+    wrong = generate(target, Oracle(target.vocab_size, reference, len(PROMPT), shift=1), get_verifier("chain"),
+                     PROMPT, tree=Tree.chain(3), max_new_tokens=20, temperature=0.0)
+    assert wrong.token_ids == reference and len(wrong.steps) == 20
+    assert all(s.accepted_length == 1 and s.tested == (1,) and s.accepted_ranks == () for s in wrong.steps)
+    assert out_summary_tokens(wrong) == 20
+
+
+def out_summary_tokens(out):
+    return out.to_dict()["summary"]["tokens"]
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -101,7 +101,8 @@ def test_eagle_greedy_equals_autoregressive_and_sampling_runs(tmp_path):
     for verifier, tree in (("chain", "chain:5"), ("specinfer", "2x3"), ("reserve", "3,1"), ("swor", "2x2")):
         out = generate(target, EagleDrafter(loaded), get_verifier(verifier), prompt, tree=Tree.parse(tree),
                        max_new_tokens=20, temperature=0.8, seed=3)
-        assert (out.num_tokens == 20 or out.stop_reason == "eos") and out.mean_accepted_length >= 1.0
+        assert out.num_tokens == 20 or out.stop_reason == "eos"
+        assert all(len(s.accepted_ranks) <= s.draft_depth for s in out.steps)
 
 
 def test_trained_head_drafts_better_than_untrained(tmp_path):

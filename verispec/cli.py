@@ -100,6 +100,10 @@ def _add_generate(sub):
     g.add_argument("--max-new-tokens", type=int, default=128, help="stop after this many new tokens")
     g.add_argument("--seed", type=int, default=0, help="random seed (same seed, same output on the same machine)")
     g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="model weights dtype")
+    g.add_argument("--backend", default="hf", choices=("hf", "llama"),
+                   help="the target's engine: hf (Hugging Face transformers) or llama (llama.cpp on the GGUF file, a "
+                        "quantised target of its own; pip install 'verispec[llama]'). With llama, drafts are ngram or "
+                        "model:SPEC (a GGUF draft run by llama.cpp too)")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON record (text, ids, summary, per-step records)")
     _threads(g)
@@ -155,8 +159,8 @@ def cmd_generate(args) -> int:
     draft = DraftSpec.parse("none" if method.shape == "none" or shape == "none" else args.draft)
     _set_threads(args)
     t = time.perf_counter()
-    info(f"loading target {args.target} ...")
-    target = load(args.target, dtype=args.dtype)
+    info(f"loading target {args.target} ({args.backend}) ...")
+    target = load(args.target, dtype=args.dtype, backend=args.backend, threads=args.threads)
     drafter = build_drafter(draft, target, dtype=args.dtype)
     if policy.name == "auto" and getattr(drafter, "step_costs", None):
         policy = get_policy("auto", drafter.step_costs)

@@ -11,8 +11,25 @@ from typing import Protocol
 
 import torch
 
+from ..errors import VerispecError
 from .hf import CausalLM, ForwardOutput, KVState, quantized_copy
-from .loading import BUILTIN_MODELS, DEFAULT_TARGET, load
+from .loading import BUILTIN_MODELS, DEFAULT_TARGET
+from .loading import load as _load_hf
+
+BACKENDS = ("hf", "llama")
+
+
+def load(spec: str = DEFAULT_TARGET, dtype: str = "float32", backend: str = "hf", threads: int | None = None,
+         kernel: bool = True):
+    """A target by alias, GGUF file, folder or hub id, run by ``backend``: ``hf`` (Hugging Face ``transformers``,
+    the default) or ``llama`` (llama.cpp on a GGUF file; ``pip install 'verispec[llama]'``)."""
+    if backend == "hf":
+        return _load_hf(spec, dtype=dtype, kernel=kernel)
+    if backend == "llama":
+        from .llama import load_llama  # noqa: PLC0415
+
+        return load_llama(spec, threads=threads)
+    raise VerispecError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
 
 
 class Target(Protocol):
@@ -44,5 +61,5 @@ class Target(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
 
-__all__ = ["BUILTIN_MODELS", "DEFAULT_TARGET", "CausalLM", "ForwardOutput", "KVState", "Target", "load",
+__all__ = ["BACKENDS", "BUILTIN_MODELS", "DEFAULT_TARGET", "CausalLM", "ForwardOutput", "KVState", "Target", "load",
            "quantized_copy"]

@@ -97,6 +97,23 @@ def load(spec: str = DEFAULT_TARGET, dtype: str = "float32", kernel: bool = True
     return out
 
 
+def tokenizer_for(spec: str):
+    """The Hugging Face tokenizer of a built-in alias or a .gguf file (from the de-quantised copy when there is one)."""
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    if spec in BUILTIN_MODELS:
+        folder, gguf = BUILTIN_MODELS[spec]()
+    else:
+        folder, gguf = os.path.dirname(os.path.abspath(spec)), os.path.basename(spec)
+    converted = _converted_dir(folder, gguf, "float32")
+    try:
+        if converted is not None and (converted / "done").exists():
+            return AutoTokenizer.from_pretrained(str(converted))
+        return AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    except Exception as exc:  # noqa: BLE001 - one line for the user
+        raise VerispecError(f"cannot read the tokenizer of {spec!r} ({type(exc).__name__})") from None
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("VERISPEC_CACHE", Path.home() / ".cache" / "verispec"))
 

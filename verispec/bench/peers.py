@@ -151,7 +151,7 @@ def llama_generate(target_spec: str, prompt_ids: list[int], max_new_tokens: int,
 
             draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup)
         _LLAMAS[key] = llama_cpp.Llama(model_path=path, n_ctx=8192, n_threads=threads, n_threads_batch=threads,
-                                       verbose=False, draft_model=draft)
+                                       verbose=False, draft_model=draft, flash_attn=True)
     llm = _LLAMAS[key]
     eos = llm.token_eos()
     llm.reset()

@@ -42,6 +42,7 @@ class BenchConfig:
     shadow: list[str] = field(default_factory=list)  # verifiers run beside the driver on the same steps
     shadow_seeds: int = 4  # coin seeds per shadow verifier and step
     distortion: bool = False  # record lossy rules' exact TV at every decoded position, and each cell's NLL
+    backend: str = "hf"  # the target's engine: hf (transformers) or llama (llama.cpp on the GGUF file)
 
     @classmethod
     def from_dict(cls, d: dict) -> "BenchConfig":
@@ -90,6 +91,8 @@ BENCH_HELP = {
     "shadow": "verifiers to run beside each method's own on the very same steps (same draft, same target "
               "probabilities, no extra forwards): paired comparisons of acceptance",
     "shadow_seeds": "coin seeds per shadow verifier and step",
+    "backend": "the target's engine: hf (Hugging Face transformers, float32) or llama (llama.cpp on the GGUF file, "
+               "a quantised target of its own; pip install 'verispec[llama]')",
     "distortion": "record, for lossy rules, the exact total variation of their law from the target's at every "
                   "position a run tests, and for every cell at T > 0 the NLL of its text under the target",
 }
@@ -126,6 +129,19 @@ def plan(config: BenchConfig, methods: list[Method], problems: list[Problem]) ->
     """All cells, interleaved so that machine load hits the methods alike: per temperature, seed and prompt,
     every method (with every draft it uses) in turn. Returns (cells, notes about combinations left out)."""
     cells, notes = [], []
+    hf_peer = {"generate", "assisted"}
+    if config.backend != "hf":
+        methods = [m for m in methods if m.peer not in hf_peer]
+        notes.append("the Hugging Face peers run the Hugging Face model only; left out with the llama backend")
+    if any(m.peer in ("llama-cpp", "llama-cpp-lookup") for m in methods):
+        from .peers import gguf_path, llama_available  # noqa: PLC0415
+
+        why = None if llama_available() else "llama-cpp-python is not installed (pip install 'verispec[llama]')"
+        if why is None and gguf_path(config.target) is None:
+            why = f"the target {config.target!r} is not a GGUF file"
+        if why:
+            methods = [m for m in methods if m.peer not in ("llama-cpp", "llama-cpp-lookup")]
+            notes.append(f"the llama.cpp peers are left out: {why}")
     for m in methods:
         for d in config.drafts:
             if m.peer == "assisted" and not supports_assisted(d):
@@ -182,7 +198,8 @@ class Runner:
         from ..backends import load  # noqa: PLC0415
 
         self.config = config
-        self.target = target if target is not None else load(config.target, dtype=config.dtype)
+        self.target = target if target is not None else load(config.target, dtype=config.dtype,
+                                                              backend=config.backend)
         self._drafters: dict[str, object] = {}
         self._prompt_ids: dict[str, list[int]] = {}
         self._states: dict[tuple, tuple] = {}  # carried policy and verifier state per (method, draft, T, seed)

@@ -124,6 +124,8 @@ class Drafter:
         for depth in range(shape.max_depth):
             if logits is None:
                 break
+            alive = torch.isfinite(logits).any(-1)  # a row with no finite entry: that node gets no children
+            logits = torch.where(alive[:, None], logits, torch.zeros_like(logits))
             laws = logits_to_probs(logits, sampling)  # [F, V]
             soft = logits_to_probs(logits, Sampling(1.0)) if sampling.greedy else laws
             if policy is not None:
@@ -135,7 +137,7 @@ class Drafter:
             new = []
             for row, node in enumerate(frontier):
                 k = len(shape.children[g.template[node]])
-                if k == 0 or not torch.isfinite(logits[row]).any():
+                if k == 0 or not bool(alive[row]):
                     continue
                 q = laws[row]
                 g.q_rows[node] = q
@@ -172,11 +174,13 @@ class Drafter:
         logp = [0.0]  # draft log path probability of each node
         frontier, logits = [0], root[None]
         for depth in range(shape.depth):
+            alive = torch.isfinite(logits).any(-1)
+            logits = torch.where(alive[:, None], logits, torch.zeros_like(logits))
             laws = logits_to_probs(logits, sampling)
             conf = logits_to_probs(logits, Sampling(1.0)) if sampling.greedy else laws
             new = []
             for row, node in enumerate(frontier):
-                if not torch.isfinite(logits[row]).any():
+                if not bool(alive[row]):
                     continue
                 g.q_rows[node] = laws[row]
                 if sampling.greedy:

@@ -93,8 +93,12 @@ def build_drafter(spec: str | DraftSpec, target, dtype: str = "float32") -> Draf
     """A drafter for ``target`` from a ``--draft`` string (see ``DRAFT_HELP``)."""
     spec = spec if isinstance(spec, DraftSpec) else DraftSpec.parse(spec)
     kind, arg = spec.kind, spec.arg
+    hf = hasattr(target, "hf")  # the Hugging Face backend: a head, an int8 copy and layer skipping need its model
     if kind == "auto":
-        return build_drafter("eagle" if shipped_head_path(target) is not None else "ngram", target, dtype)
+        return build_drafter("eagle" if hf and shipped_head_path(target) is not None else "ngram", target, dtype)
+    if not hf and kind in ("eagle", "int8", "layerskip"):
+        raise VerispecError(f"draft {kind!r} needs the Hugging Face backend (its model's weights and features); with "
+                            "the llama backend use 'ngram' or 'model:SPEC'")
     if kind == "none":
         return NoDrafter()
     if kind == "layerskip":
@@ -119,6 +123,7 @@ def build_drafter(spec: str | DraftSpec, target, dtype: str = "float32") -> Draf
         return drafter
     from ..backends import load  # noqa: PLC0415
 
-    drafter = ModelDrafter(load(arg, dtype=dtype))
+    backend = "hf" if hf else "llama"  # a draft model runs on the target's engine
+    drafter = ModelDrafter(load(arg, dtype=dtype, backend=backend, threads=getattr(target, "threads", None)))
     drafter.check_compatible(target)
     return drafter

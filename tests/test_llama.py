@@ -1,0 +1,130 @@
+"""The llama.cpp backend (run where llama-cpp-python is installed: pip install -e '.[llama]'; the default install
+and CI skip these with the reason): tree logits equal path-by-path logits, a commit leaves the cache as a fresh
+decode would, and greedy speculative decoding reproduces llama.cpp's own greedy text for every tree and draft.
+
+    .venv/bin/python -m pytest -q tests/test_llama.py
+"""
+
+import pytest
+import torch
+
+from verispec.backends.llama import available
+
+pytestmark = [pytest.mark.skipif(not available(), reason="llama-cpp-python is not installed (the optional extra "
+                                                           "'verispec[llama]')"), pytest.mark.slow]
+
+TOL = 1e-4  # logits; measured differences are 0.0 (the same kernels), the tolerance only allows for other builds
+
+
+@pytest.fixture(scope="module")
+def llama():
+    from verispec.backends import load
+
+    return load(backend="llama", threads=1)
+
+
+@pytest.fixture(scope="module")
+def prompt(llama):
+    return llama.encode_prompt("Name three rivers and say where each one flows.")
+
+
+def fresh(llama, ids):
+    state = llama.new_state()
+    return llama.prefill(state, ids)
+
+
+def path_tokens(tree, tokens, node):
+    out = []
+    while node > 0:
+        out.append(int(tokens[node]))
+        node = tree.parents[node]
+    return out[::-1]
+
+
+@pytest.mark.parametrize("shape", ["chain:3", "2x2", "3,1", "paths:0;1;2;0.0;0.1;2.0"])
+def test_tree_logits_equal_each_path_decoded_alone(llama, prompt, shape):
+    from verispec import Tree
+
+    tree = Tree.parse(shape)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.cat([torch.tensor(prompt[-1:]), torch.randint(100, 5000, (tree.size - 1,), generator=g)])
+    state = llama.new_state()
+    llama.prefill(state, prompt[:-1])
+    out = llama.forward(state, tokens, state.committed + torch.tensor(tree.depths), tree.ancestors_mask()).logits
+    for node in range(tree.size):
+        ref = fresh(llama, prompt + path_tokens(tree, tokens, node))
+        assert float((out[node] - ref).abs().max()) <= TOL, (shape, node)
+
+
+@pytest.mark.parametrize("shape,keep", [("2x2", [0, 2, 6]), ("2x2", [0, 1]), ("3,1", [0, 3, 6]), ("chain:3", [0]),
+                                        ("paths:0;1;2;0.0;2.0", [0, 3, 5])])
+def test_after_a_commit_the_next_logits_equal_a_fresh_decode(llama, prompt, shape, keep):
+    from verispec import Tree
+
+    tree = Tree.parse(shape)
+    tokens = torch.tensor(prompt[-1:] + [300 + 7 * i for i in range(1, tree.size)])
+    state = llama.new_state()
+    llama.prefill(state, prompt[:-1])
+    llama.forward(state, tokens, state.committed + torch.tensor(tree.depths), tree.ancestors_mask())
+    llama.commit(state, keep)
+    for step in range(3):  # several steps after the commit, each against a fresh decode of the whole text
+        nxt = llama.forward(state, torch.tensor([77 + step]), torch.tensor([state.committed]),
+                            torch.ones(1, 1, dtype=torch.bool)).logits[0]
+        llama.commit(state, [0])
+        text = prompt[:-1] + [int(tokens[k]) for k in keep] + [77 + i for i in range(step + 1)]
+        assert float((nxt - fresh(llama, text)).abs().max()) <= TOL, (shape, keep, step)
+        state = _replay(llama, text)
+
+
+def _replay(llama, text):
+    state = llama.new_state()
+    llama.prefill(state, text)
+    return state
+
+
+@pytest.mark.parametrize("shape,verifier", [("chain:4", "chain"), ("2x2", "greedy"), ("3,1", "greedy"),
+                                            ("dyn:3,2,4", "greedy")])
+@pytest.mark.parametrize("draft", ["ngram", "self"])
+def test_greedy_speculative_output_equals_llama_cpp_greedy(llama, prompt, shape, verifier, draft):
+    from verispec import Tree, generate, get_policy, get_verifier
+    from verispec.bench.peers import llama_generate
+    from verispec.drafters import ModelDrafter, build_drafter
+
+    ref = llama_generate("smollm2-135m", prompt, 48, 0.0, threads=1).token_ids
+    drafter = build_drafter("ngram", llama) if draft == "ngram" else ModelDrafter(_second_llama())
+    out = generate(llama, drafter, get_verifier(verifier), prompt, tree=Tree.parse(shape), max_new_tokens=48,
+                   temperature=0.0, children="topk", policy=get_policy("fixed"))
+    assert out.token_ids == ref
+    if draft == "self" and shape == "chain:4":  # the same model drafting: every drafted token is the target's
+        assert all(s.accepted_length == 5 for s in out.steps[:-1])
+
+
+_SECOND = []
+
+
+def _second_llama():
+    """The same GGUF file in a second llama.cpp context: a draft that agrees with the target."""
+    from verispec.backends import load
+
+    if not _SECOND:
+        _SECOND.append(load(backend="llama", threads=1))
+    return _SECOND[0]
+
+
+def test_sampling_through_the_llama_backend_is_seeded(llama, prompt):
+    from verispec import Tree, generate, get_verifier
+    from verispec.drafters import build_drafter
+
+    runs = [generate(llama, build_drafter("ngram", llama), get_verifier("specinfer"), prompt, tree=Tree.parse("2,1"),
+                     max_new_tokens=24, temperature=0.8, seed=s).token_ids for s in (3, 3, 4)]
+    assert runs[0] == runs[1] != runs[2]
+
+
+def test_drafts_that_need_the_hugging_face_model_are_refused(llama):
+    from verispec import VerispecError
+    from verispec.drafters import build_drafter
+
+    for spec in ("eagle", "int8", "layerskip:4"):
+        with pytest.raises(VerispecError, match="Hugging Face backend"):
+            build_drafter(spec, llama)
+    assert build_drafter("auto", llama).name == "ngram"
