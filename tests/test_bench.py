@@ -386,3 +386,16 @@ def test_cli_bench_report_and_plot_on_the_default_model(tmp_path, capsys):
     assert cli.main(["plot", str(out), "--out", str(tmp_path / "f")]) == 0
     assert (tmp_path / "f" / "latency.png").exists()
     assert cli.main(["report", str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_committed_summaries_match_what_report_derives_from_their_records():
+    """Every results/NAME.summary.md is what `verispec report results/NAME.jsonl` prints today."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "results"
+    files = sorted(root.glob("*.jsonl"))
+    assert files
+    for path in files:
+        summary = path.with_name(path.stem + ".summary.md")
+        assert summary.exists(), summary
+        assert summary.read_text().strip() == report(Results.load(path)).strip(), path.name

@@ -32,7 +32,7 @@ from ..methods import resolve_method
 from ..metrics import mean_accepted_length, per_candidate_acceptance
 from ..tree import Tree
 from .records import NO_DRAFT, Results, cell_id, contended
-from .stats import bootstrap, fmt
+from .stats import fmt, ratio_of_rates, ratio_of_sums
 
 NAN = float("nan")
 
@@ -100,7 +100,8 @@ def _ratio(mine: list[dict], base: list[dict]) -> tuple[float, float, float]:
     pairs = [(r, theirs[_key(r)]) for r in mine if _key(r) in theirs]
     if not pairs:
         return NAN, NAN, NAN
-    return bootstrap(pairs, lambda g: _rate([a for a, _ in g]) / _rate([b for _, b in g]))
+    return ratio_of_rates([a["tokens"] for a, _ in pairs], [a["wall_s"] for a, _ in pairs],
+                          [b["tokens"] for _, b in pairs], [b["wall_s"] for _, b in pairs])
 
 
 def _pooled(groups: list[tuple[float, float]]) -> tuple[float, float, float]:
@@ -108,7 +109,7 @@ def _pooled(groups: list[tuple[float, float]]) -> tuple[float, float, float]:
     groups = [g for g in groups if g[1] > 0]
     if not groups:
         return NAN, NAN, NAN
-    return bootstrap(groups, lambda g: sum(a for a, _ in g) / sum(b for _, b in g) if sum(b for _, b in g) else NAN)
+    return ratio_of_sums([a for a, _ in groups], [b for _, b in groups])
 
 
 def usable(res: Results) -> tuple[list[dict], int]:
@@ -258,8 +259,7 @@ def share_of_bias_gain(res: Results, exact: str, biased: str = "resispec", refer
             if e and b and ref:
                 per.append((sum(e) - sum(ref), sum(b) - sum(ref)))
         if per:
-            out[key] = bootstrap(per, lambda g: sum(a for a, _ in g) / sum(b for _, b in g)
-                                 if sum(b for _, b in g) > 0 else NAN)
+            out[key] = ratio_of_sums([a for a, _ in per], [b for _, b in per])
     return out
 
 
@@ -279,8 +279,9 @@ def table_summary(rows: list[Row]) -> str:
     k = min(max((len(r.per_candidate) for r in rows), default=0), 4)
     head = ["T", "draft", "method", "prompts", "tokens", "tokens/s", "vs ar", "vs HF generate", "vs HF assisted",
             "vs llama.cpp", "accepted length", "drafted/step", "draft ms", "target ms", "verify ms", "outside share",
-            "draft cost", *[f"cand. {i}" for i in range(1, k + 1)], "correct"]
-    optional = {"vs llama.cpp": "vs_llama_cpp", "vs HF assisted": "vs_hf_assisted"}
+            "draft cost", *[f"cand. {i}" for i in range(1, k + 1)], "correct", "NLL/token", "TV (decoded)"]
+    optional = {"vs llama.cpp": "vs_llama_cpp", "vs HF assisted": "vs_hf_assisted", "NLL/token": "nll",
+                "TV (decoded)": "tv"}
     keep = [h for h in head if h not in optional or any(getattr(r, optional[h]) == getattr(r, optional[h])
                                                        for r in rows)]
     body = []
@@ -291,7 +292,7 @@ def table_summary(rows: list[Row]) -> str:
                  r.show("vs_hf_assisted", ".2f", "x"), r.show("vs_llama_cpp", ".2f", "x"),
                  r.show("mean_accepted_length"), _f(r.drafted_per_step, ".1f"), _f(r.draft_ms, ".1f"),
                  _f(r.target_ms, ".1f"), _f(r.verify_ms, ".1f"), _f(100 * r.outside_share, ".0f", "%"),
-                 _f(r.draft_cost, ".2f"), *pc, r.correct]
+                 _f(r.draft_cost, ".2f"), *pc, r.correct, _f(r.nll, ".3f"), _f(r.tv, ".4f")]
         body.append([c for h, c in zip(head, cells) if h in keep])
     return markdown(keep, body)
 
