@@ -8,7 +8,7 @@ import torch
 
 from conftest import tiny_model
 from verispec import Tree, generate, get_verifier
-from verispec.drafters import ModelDrafter, layer_skip_drafter
+from verispec.drafters import ModelDrafter, NgramDrafter, layer_skip_drafter
 from verispec.drafters.base import Draft
 from verispec.errors import VerispecError
 from verispec.policies import AdaEDL, AdaSDEntropy, BiLDFallback, Feedback, HFAssisted, entropy, get_policy, roc_threshold
@@ -216,3 +216,66 @@ def test_greedy_drafts_show_policies_the_softmax_not_a_point_mass(target):
     assert all(torch.allclose(q.sum(-1), torch.ones(1, dtype=q.dtype)) and q.max() < 1 for q in depth0)
     assert all(last is not None and 0 < float(last.max()) < 1 for d, _, last in pol.seen if d > 0)
     assert (pol.feedback.confidence < 1).all()  # judged by the softmax, as Hugging Face's confidence is
+
+
+def test_auto_policy_keeps_the_output_law_exact():
+    """The whole decoding loop, enumerated on small table models: with the auto policy changing the draft depth
+    from step to step (probing every other step), the law of the first 3 tokens is the target's to rounding."""
+    from verispec.audit.law import loop_law, random_tables, target_law, tv_and_kl
+    from verispec.policies import AutoDepth
+
+    p, q = random_tables(3, 5, concentration=0.7)
+    depths = []
+
+    def policy():
+        pol = AutoDepth(costs=(1.0, 1.3, 1.6), probe_every=2, prior=0.25)
+        original = pol.planned_depth
+        pol.planned_depth = lambda limit: depths.append(original(limit)) or depths[-1]
+        return pol
+
+    law = loop_law(get_verifier("chain"), p, q, Tree.chain(2), 3, 3, policy)
+    dense = torch.zeros((3,) * 3, dtype=torch.float64)
+    for seq, w in law.items():
+        dense[seq] += w
+    tv, _ = tv_and_kl(target_law(p, (0,), 3, 3), dense)
+    assert tv < 1e-12 and 0 in depths and len(set(depths)) >= 2  # it varied the depth; the law did not move
+
+
+def test_auto_policy_drops_to_plain_decoding_on_a_draft_that_is_always_wrong():
+    from verispec.policies import AutoDepth
+
+    class Wrong(NgramDrafter):
+        """Proposes token 0 only: never the target's choice under top_k = 1 on this prompt."""
+
+        def _root_logits(self, context):
+            out = torch.full((self.vocab_size,), float("-inf"))
+            out[0] = 0.0
+            return out
+
+        def _node_logits(self, g, nodes):
+            return torch.stack([self._root_logits(None) for _ in nodes])
+
+    target = tiny_model("llama")
+    target.eos_token_ids = frozenset()
+    policy = AutoDepth()
+    out = generate(target, Wrong(target.vocab_size), get_verifier("chain"), [5, 17, 33, 8, 9], tree=Tree.chain(4),
+                   max_new_tokens=80, temperature=0.8, top_k=1, policy=policy)
+    drafted = [s.draft_depth for s in out.steps]
+    assert all(s.accepted_length == 1 for s in out.steps)
+    assert sum(d > 0 for d in drafted[8:]) <= len(drafted[8:]) / 16 + 1  # only its probes draft
+    assert drafted[-1] == 0 or len(drafted) % 16 == 1
+
+
+def test_auto_policy_drafts_deeper_when_the_draft_is_good_and_costs_decide_the_depth():
+    from verispec.policies import AutoDepth, Feedback
+
+    pol = AutoDepth(costs=(1.0, 1.1, 1.2, 1.3, 1.4))
+    for _ in range(30):  # depths 1-3 always accepted
+        pol.update(Feedback(3, 3, source=(None, [])))
+    assert pol.best_depth(4) >= 3
+    expensive = AutoDepth(costs=(1.0, 3.0, 5.0, 7.0, 9.0))
+    for _ in range(30):
+        expensive.update(Feedback(3, 3, source=(None, [])))
+    assert expensive.best_depth(4) == 0  # nothing pays when a drafted depth costs two plain steps
+    with pytest.raises(VerispecError, match="never decrease"):
+        AutoDepth(costs=(1.0, 0.5))

@@ -17,7 +17,7 @@ from .errors import VerispecError
 from .backends import CausalLM
 from .policies import Feedback, Fixed
 from .probs import DEFAULT_TEMPERATURE, Sampling, logits_to_probs
-from .rng import TorchRandomness
+from .rng import Randomness, TorchRandomness
 from .tree import Tree
 from .verifiers.base import VerifierSpec
 
@@ -145,19 +145,21 @@ def generate_steps(
     verifier_state=None,
     seed: int = 0,
     stats: dict | None = None,
+    rng: Randomness | None = None,
 ) -> Iterator[StepRecord]:
     """Yield one ``StepRecord`` per step; the emitted tokens of all steps are the generated text.
 
     ``policy`` and, for a learning verifier, ``verifier_state`` carry what was learned; pass the same
     objects to later calls to keep learning across prompts (by default both start fresh).
-    ``stats``, if given, receives ``prefill_s`` (the target's prefill of the prompt).
+    ``stats``, if given, receives ``prefill_s`` (the target's prefill of the prompt). ``rng`` replaces the
+    seeded randomness (the audit passes a scripted one to enumerate every outcome of the whole loop).
     """
     _check_args(target, drafter, verifier, prompt_ids, tree, max_new_tokens, sampling, children)
     policy = policy or Fixed()
     plan = getattr(policy, "planned_depth", None)  # optional in the Policy protocol
     if verifier.new_state is not None and verifier_state is None:
         verifier_state = verifier.new_state()
-    rng = TorchRandomness(seed)
+    rng = rng if rng is not None else TorchRandomness(seed)
     t = time.perf_counter()
     state = target.new_state()
     features = drafter.feature_layers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 
@@ -57,10 +58,20 @@ def draft_cost_model(drafter, context: list[int], sampling: Sampling, children: 
 
 
 def tune_tree(target, drafter, *, temperature: float = 0.0, children: str = "iid", prompts: int = 4,
-              max_new_tokens: int = 48, width: int = 4, max_nodes: int = 48, max_depth: int = 8, log=print) -> dict:
+              max_new_tokens: int = 48, width: int = 4, max_nodes: int = 48, max_depth: int = 8, log=print,
+              calibrate_kernels: bool = True) -> dict:
+    """Measure and search (see the module docstring). For a float32 Hugging Face target the linear-kernel plan is
+    calibrated first (``verispec.backends.kernels``) and used for every measurement that follows."""
     texts = [p for _, p in spec_bench_prompts(prompts, from_end=True)]  # never the benchmark's first questions
     ids = [target.encode_prompt(t) for t in texts]
-    sizes = sorted({1, 2, 4, 8, 12, 16, 24, 32, 48, 64, max_nodes + 1})
+    sizes = sorted({1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, max_nodes + 1})
+    kernel = None
+    if calibrate_kernels and hasattr(target, "hf") and next(target.hf.parameters()).dtype == torch.float32:
+        from .backends.kernels import calibrate, use_fast_linear  # noqa: PLC0415
+
+        log("choosing the linear kernel per row count ...")
+        kernel = calibrate(target)
+        use_fast_linear(target.hf, tuple(kernel["plan"]))
     log("measuring the target's forward cost by tree size ...")
     fwd = target_forward_cost(target, ids[0], sizes)
     log("measuring acceptance ...")
@@ -86,6 +97,9 @@ def tune_tree(target, drafter, *, temperature: float = 0.0, children: str = "iid
         return fwd_cost(n + 1) + a * d + b * n
 
     best, choices = best_shape(p, step_cost, max_nodes=max_nodes, max_depth=max_depth)
+    # a chain of d drafted tokens costs this much against a plain step (what the auto policy weighs depths by)
+    step_costs = list(itertools.accumulate((step_cost(d, d) / fwd_cost(1) if d else 1.0 for d in range(max_depth + 1)),
+                                           max))  # never cheaper to draft deeper (timing noise aside)
     chain = max((c for c in choices if c.tree.is_chain or c.nodes == 0), key=lambda c: c.tokens_per_cost)
     log(f"per-candidate acceptance {[round(x, 3) for x in conditional]}; best tree {best.nodes} nodes, depth "
         f"{best.depth}: {best.accepted:.2f} tokens per step, predicted {best.tokens_per_cost / (1 / fwd[1]):.2f}x "
@@ -98,4 +112,7 @@ def tune_tree(target, drafter, *, temperature: float = 0.0, children: str = "iid
                  "predicted_speedup": best.tokens_per_cost * fwd[1]},
         "best_chain": {"tree": tree_spec(chain.tree), "accepted": chain.accepted,
                        "predicted_speedup": chain.tokens_per_cost * fwd[1]},
+        "step_costs": step_costs,
+        "kernel_plan": None if kernel is None else kernel["plan"],
+        "kernel_ms": None if kernel is None else kernel["ms"],
     }

@@ -205,3 +205,75 @@ def tv_and_kl(target: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
     return tv, kl
 
 
+
+
+class TableTarget:
+    """A target (``verispec.backends.Target``) whose law after any prefix is read from a table: the decoding loop
+    runs on it unchanged, so the whole loop -- drafting, policy, verification, commits -- can be enumerated."""
+
+    name = "table"
+    max_context = 1 << 20
+    eos_token_ids: frozenset = frozenset()
+
+    def __init__(self, p: Table, vocab: int):
+        self.p, self.vocab_size = p, vocab
+
+    class State:
+        def __init__(self):
+            self.tokens: list[int] = []
+            self.pending: list[tuple[int, ...]] = []  # each pending entry's full prefix (committed + ancestors + it)
+
+        @property
+        def committed(self) -> int:
+            return len(self.tokens)
+
+    def new_state(self):
+        return TableTarget.State()
+
+    def prefill_output(self, state, tokens, inputs_embeds=None, features=(-1,)):
+        from ..backends.hf import ForwardOutput  # noqa: PLC0415
+
+        state.tokens += list(tokens)
+        if not tokens:
+            return None
+        return ForwardOutput(self.p(tuple(state.tokens)).log()[None], torch.zeros(len(tokens), 0))
+
+    def forward(self, state, tokens, positions, attend, features=(-1,)):
+        from ..backends.hf import ForwardOutput  # noqa: PLC0415
+
+        base, rows = len(state.pending), []
+        for i in range(int(tokens.shape[0])):
+            seen = [j for j in range(base + i) if bool(attend[i, j])]
+            prefix = state.pending[max(seen)] if seen else tuple(state.tokens)
+            state.pending.append(prefix + (int(tokens[i]),))
+            rows.append(self.p(state.pending[-1]).log())
+        return ForwardOutput(torch.stack(rows), torch.zeros(len(rows), 0))
+
+    def commit(self, state, keep):
+        if keep:
+            state.tokens = list(state.pending[keep[-1]])
+        state.pending = []
+
+
+def loop_law(verifier: VerifierSpec, p: Table, q: Table, tree: Tree, vocab: int, length: int,
+             policy_factory: Callable[[], object] | None = None, context: tuple[int, ...] = (0,),
+             children: str = "iid") -> dict[tuple[int, ...], float]:
+    """Exact law of the first ``length`` tokens the real decoding loop (``generate_steps``) emits after
+    ``context`` on table models, with a fresh policy from ``policy_factory`` (decisions of a learning policy
+    depend on earlier steps, and the enumeration follows them)."""
+    from ..decode import generate_steps  # noqa: PLC0415
+
+    target, drafter = TableTarget(p, vocab), TableDrafter(q)
+
+    def run(rng):
+        out = []
+        for rec in generate_steps(target, drafter, verifier, list(context), tree=tree, max_new_tokens=length,
+                                  sampling=Sampling(1.0), children=children,
+                                  policy=policy_factory() if policy_factory else None, rng=rng):
+            out.extend(rec.emitted)
+        return tuple(out)
+
+    law: dict[tuple[int, ...], float] = {}
+    for weight, emitted in enumerate_outcomes(run):
+        law[emitted] = law.get(emitted, 0.0) + weight
+    return law
