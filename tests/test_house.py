@@ -130,8 +130,11 @@ def test_hugging_face_door_matches_verispec_and_plain_generate():
     assert door.tolist() == plain.tolist()  # greedy: exactly plain decoding
     out = target.hf.generate(ids, custom_generate=verispec.hf.speculative(draft="ngram", tree="chain:3", seed=5),
                              do_sample=True, temperature=0.7, top_k=0, return_dict_in_generate=True, **kw)
-    mine = generate(target, build_drafter("ngram", target), get_verifier("chain"), ids[0].tolist(),
-                    tree=Tree.chain(3), temperature=0.7, max_new_tokens=20, seed=5, policy=get_policy("auto"))
+    from verispec.backends.costs import step_costs
+
+    drafter = build_drafter("ngram", target)
+    mine = generate(target, drafter, get_verifier("chain"), ids[0].tolist(), tree=Tree.chain(3), temperature=0.7,
+                    max_new_tokens=20, seed=5, policy=get_policy("auto", step_costs(target, drafter)))
     assert out.sequences[0, 6:].tolist() == mine.token_ids  # same seed, same tokens
     assert len(out.steps) == len(mine.steps) and out.steps[0].accepted_length >= 1
 

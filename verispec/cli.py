@@ -162,8 +162,10 @@ def cmd_generate(args) -> int:
     info(f"loading target {args.target} ({args.backend}) ...")
     target = load(args.target, dtype=args.dtype, backend=args.backend, threads=args.threads)
     drafter = build_drafter(draft, target, dtype=args.dtype)
-    if policy.name == "auto" and getattr(drafter, "step_costs", None):
-        policy = get_policy("auto", drafter.step_costs)
+    if policy.name == "auto" and not isinstance(drafter, NoDrafter):
+        from .backends.costs import step_costs  # noqa: PLC0415
+
+        policy = get_policy("auto", step_costs(target, drafter))
     tree = Tree.root_only() if isinstance(drafter, NoDrafter) else \
         Tree.parse(getattr(drafter, "default_tree", None) or "chain:5") if shape == "auto" else Tree.parse(shape)
     info(f"loaded in {time.perf_counter() - t:.1f}s; draft {drafter.name}, verifier {verifier.name}, policy "

@@ -67,6 +67,14 @@ class SpeculativeOutput(_Output):
 _ALLOWED = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper"}
 
 
+def _costs(policy: str, target, drafter):
+    if policy != "auto":
+        return None
+    from .backends.costs import step_costs  # noqa: PLC0415
+
+    return step_costs(target, drafter)
+
+
 def _callers_streamer():
     """The ``streamer`` given to ``generate``: transformers 5.24 puts the prompt into it but does not pass it on to a
     callable ``custom_generate`` (only keywords outside its own sampling signature are passed), so read it from the
@@ -146,7 +154,7 @@ def speculative(draft: str = "auto", verifier: str = "chain", tree: str = "auto"
         steps, new = [], []
         for rec in generate_steps(target, drafter, spec, prompt, tree=shape, max_new_tokens=budget, sampling=sampling,
                                   children=children or spec.children or "iid",
-                                  policy=get_policy(policy, getattr(drafter, "step_costs", None)), seed=seed):
+                                  policy=get_policy(policy, _costs(policy, target, drafter)), seed=seed):
             steps.append(rec)
             new.extend(rec.emitted)
             if streamer is not None:

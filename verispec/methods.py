@@ -39,12 +39,16 @@ class Method:
         """Whether the method's output depends on the draft (plain decoding and HF generate do not)."""
         return self.peer == "assisted" or (self.peer is None and self.shape != "none")
 
-    def build(self, drafter=None):
+    def build(self, drafter=None, target=None):
         """Fresh (verifier spec, policy, verifier state) for a run; reuse them across prompts to keep learning.
-        The drafter, if given, lends the ``auto`` policy its measured step costs."""
+        With the target and drafter, the ``auto`` policy weighs depths by their measured step costs."""
         spec = get_verifier(self.verifier or "chain")
-        policy = get_policy(self.policy, getattr(drafter, "step_costs", None))
-        return spec, policy, spec.new_state() if spec.new_state else None
+        costs = None
+        if self.policy == "auto" and target is not None and drafter is not None:
+            from .backends.costs import step_costs  # noqa: PLC0415
+
+            costs = step_costs(target, drafter)
+        return spec, get_policy(self.policy, costs), spec.new_state() if spec.new_state else None
 
 
 FALLBACK_TREE = "chain:5"  # the tree "auto" means for a draft with no tuned tree

@@ -233,9 +233,9 @@ class Runner:
         key = (cell.method.name, cell.draft, cell.temperature, cell.seed)
         drafter = self.drafter(cell.draft)
         if warm or not self.config.carry_state:
-            return cell.method.build(drafter)
+            return cell.method.build(drafter, self.target)
         if key not in self._states:
-            self._states[key] = cell.method.build(drafter)
+            self._states[key] = cell.method.build(drafter, self.target)
         return self._states[key]
 
     def run(self, cell: Cell, max_new_tokens: int | None = None, warm: bool = False) -> tuple[list[dict], dict]:

@@ -1,0 +1,92 @@
+"""What a decoding step costs on this machine, relative to a plain one: the numbers the ``auto`` draft-length policy
+weighs depths by.
+
+``forward_costs(target)`` times the target's forward over 1..``MAX_ROWS`` tree tokens once per machine, model file,
+backend and thread count, and keeps the result on disk (``~/.cache/verispec/costs``): measured once, then the same
+numbers every run, so the policy's decisions -- and the text a seed gives -- do not depend on a run's timing noise.
+``step_costs(target, drafter)`` turns them into the cost of a step drafting a chain of d tokens: the target's
+forward over d + 1 tokens plus the draft's own cost per depth (a shipped head's sidecar carries both, measured by
+``verispec tune-tree``; a prompt-lookup draft costs next to nothing).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+MAX_ROWS = 9  # forward sizes measured: 1..9 tokens (chains up to 8 drafted tokens)
+DRAFT_COST = {"ngram": 0.01}  # drafting cost per depth relative to a plain step, for drafts with no sidecar
+
+
+def _key(target) -> str:
+    ident = getattr(target, "path", None) or getattr(target, "name", "model")
+    backend = "llama" if hasattr(target, "path") else "hf"
+    plan = None
+    if hasattr(target, "hf"):
+        from torch import nn  # noqa: PLC0415
+
+        plan = next((getattr(m, "_verispec_plan", None) for m in target.hf.modules() if type(m) is nn.Linear), None)
+    raw = f"{backend}|{ident}|{getattr(target, 'threads', torch.get_num_threads())}|{platform.machine()}|" \
+          f"{os.cpu_count()}|{plan}|{torch.__version__}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def forward_costs(target, repeats: int = 5, measure: bool = True) -> list[float] | None:
+    """Seconds of the target's forward over 1..MAX_ROWS tree tokens (median of ``repeats``), cached on disk."""
+    from .loading import cache_root  # noqa: PLC0415
+
+    path = cache_root() / "costs" / f"{_key(target)}.json"
+    try:
+        cached = json.loads(path.read_text())["seconds"]
+        if len(cached) == MAX_ROWS:
+            return cached
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    if not measure:
+        return None
+    from ..tree import Tree  # noqa: PLC0415
+
+    state = target.new_state()
+    target.prefill(state, [5] * 32)
+    out = []
+    for rows in range(1, MAX_ROWS + 1):
+        tree = Tree.chain(rows - 1)
+        tokens = torch.full((rows,), 7)
+        pos = state.committed + torch.tensor(tree.depths)
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            target.forward(state, tokens, pos, tree.ancestors_mask())
+            times.append(time.perf_counter() - t)
+            target.commit(state, [])
+        out.append(statistics.median(times))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"seconds": out, "target": getattr(target, "name", "?")}))
+    except OSError:
+        pass
+    return out
+
+
+def step_costs(target, drafter) -> tuple[float, ...] | None:
+    """Relative cost of a step drafting a chain of d tokens (d = 0..MAX_ROWS - 1), never decreasing; None when the
+    target cannot be timed this way (the policy then uses its generic costs)."""
+    own = getattr(drafter, "step_costs", None)
+    if own and hasattr(target, "hf"):
+        return tuple(own)
+    try:
+        fwd = forward_costs(target)
+    except Exception:  # noqa: BLE001 - a target without the Target interface: generic costs
+        return None
+    if not fwd:
+        return None
+    per_depth = DRAFT_COST.get(getattr(drafter, "name", ""), 0.1)
+    costs = (fwd[d] / fwd[0] + d * per_depth for d in range(len(fwd)))
+    return tuple(itertools.accumulate(costs, max))
