@@ -340,9 +340,12 @@ def test_shadows_never_change_the_text_and_match_separate_runs(tmp_path, tiny_ta
         s_low, s_high = shadow[name].ci
         assert s_low <= high and low <= s_high, (name, own[f"{name}@3x2"], shadow[name])  # intervals overlap
     assert shadow["reserve"].diff >= -1e-9 or shadow["reserve"].diff_ci[1] >= 0
-    with pytest.raises(VerispecError, match="needs children drawn"):
-        run_bench(BenchConfig(methods=["specinfer@2x2"], shadow=["swor"], **base), tmp_path / "x.jsonl",
-                  target=tiny_target, progress=False, warm_up=False, log=lambda m: None)
+    notes = []  # a shadow that cannot judge the driver's drafts is left out with a note, the others still run
+    out = run_bench(BenchConfig(methods=["specinfer@2x2"], shadow=["swor", "reserve"], **base), tmp_path / "x.jsonl",
+                    target=tiny_target, progress=False, warm_up=False, log=notes.append)
+    assert any("'swor' skipped" in n for n in notes), notes
+    judged = {name for rs in Results.load(out).steps.values() for r in rs for name in r.get("shadow", {})}
+    assert judged == {"reserve"}
 
 
 def test_carried_state_and_decoded_position_distortion(tmp_path, tiny_target):

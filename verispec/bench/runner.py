@@ -12,6 +12,7 @@ import json
 import platform
 import sys
 import time
+import zlib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -63,6 +64,11 @@ class BenchConfig:
             raise VerispecError("limit must be >= 1")
         if self.shadow_seeds < 1:
             raise VerispecError("shadow_seeds must be >= 1")
+        if self.shadow:
+            from ..verifiers import get_verifier  # noqa: PLC0415
+
+            for name in self.shadow:
+                get_verifier(name)  # an unknown shadow is an error before any model loads
         if self.max_new_tokens < 1:
             raise VerispecError("max_new_tokens must be >= 1")
         if not self.seeds:
@@ -194,10 +200,12 @@ def _resume_records(path: Path, config: BenchConfig) -> list[dict]:
 class Runner:
     """Runs cells on one target; drafters are built once per draft spec and reused."""
 
-    def __init__(self, config: BenchConfig, target=None):
+    def __init__(self, config: BenchConfig, target=None, log=print):
         from ..backends import load  # noqa: PLC0415
 
         self.config = config
+        self.log = log
+        self._notes: set[str] = set()
         self.target = target if target is not None else load(config.target, dtype=config.dtype,
                                                               backend=config.backend)
         self._drafters: dict[str, object] = {}
@@ -295,9 +303,15 @@ class Runner:
         shadow = tvs = None
         driver = spec
         if self.config.shadow and not warm and tree.size > 1:
-            shadow = Shadow(spec, check_shadows(self.config.shadow, spec, children, tree.is_chain),
-                            self.config.shadow_seeds, cell.seed * 7919 + hash(cell.problem.id) % 100_003)
-            driver = shadow.spec()
+            shadows, skipped = check_shadows(self.config.shadow, spec, children, tree.is_chain)
+            for note in skipped:
+                if note not in self._notes:
+                    self._notes.add(note)
+                    self.log(note)
+            if shadows:
+                shadow = Shadow(spec, shadows, self.config.shadow_seeds,
+                                cell.seed * 7919 + zlib.crc32(cell.problem.id.encode()) % 100_003)
+                driver = shadow.spec()
         if self.config.distortion and spec.position_rule is not None and not warm:
             driver, tvs = _recording(driver)
         res = generate(self.target, drafter, driver, ids, tree=tree, max_new_tokens=budget,
@@ -366,7 +380,7 @@ def run_bench(config: BenchConfig, out: str | Path, *, resume: bool = False, ove
     if kept:
         log(f"resuming {out}: {len(done)} of {len(cells)} cells done")
     if todo:
-        runner = Runner(config, target)
+        runner = Runner(config, target, log=log)
         if warm_up:
             runner.warm_up(todo)
         bar = tqdm(total=len(cells), initial=len(cells) - len(todo), desc="bench", unit="cell",

@@ -18,26 +18,30 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..errors import VerispecError
 from ..rng import TorchRandomness
 from ..verifiers import get_verifier
 from ..verifiers.base import VerifierSpec
 
 
-def check_shadows(names: list[str], driver: VerifierSpec, children: str, chain_only_tree: bool) -> list[VerifierSpec]:
-    """The shadow verifiers for a driver, refusing those that cannot judge its drafts."""
-    specs = []
+def check_shadows(names: list[str], driver: VerifierSpec, children: str,
+                  chain_only_tree: bool) -> tuple[list[VerifierSpec], list[str]]:
+    """The shadow verifiers that can judge a driver's drafts, and a one-line reason for each one left out (a shadow
+    that needs children drawn another way, learns as it goes, or verifies chains only while the method drafts a
+    tree). An unknown name is an error."""
+    specs, skipped = [], []
     for name in names:
         spec = get_verifier(name)
         if spec.children is not None and spec.children != children:
-            raise VerispecError(f"shadow {name!r} needs children drawn {spec.children!r} but {driver.name!r} draws "
-                                f"{children!r}; compare it by a run of its own")
-        if spec.new_state is not None:
-            raise VerispecError(f"shadow {name!r} learns as it goes; run it as a method instead")
-        if spec.chain_only and not chain_only_tree:
-            raise VerispecError(f"shadow {name!r} verifies chains only; the method drafts trees")
-        specs.append(spec)
-    return specs
+            skipped.append(f"shadow {name!r} skipped for {driver.name!r}: it needs children drawn {spec.children!r}, "
+                           f"the method draws {children!r} (compare it by a run of its own)")
+        elif spec.new_state is not None:
+            skipped.append(f"shadow {name!r} skipped: it learns as it goes (run it as a method instead)")
+        elif spec.chain_only and not chain_only_tree:
+            skipped.append(f"shadow {name!r} skipped for {driver.name!r}: it verifies chains only, the method "
+                           f"drafts a tree")
+        else:
+            specs.append(spec)
+    return specs, skipped
 
 
 @dataclasses.dataclass
