@@ -179,3 +179,13 @@ def test_shipped_head_reproduces_its_recorded_acceptance_and_fits_the_budget(smo
     assert recorded > 1.1  # a trained head, not a placeholder (an untrained one accepts about nothing)
     assert abs(fixed_prompt_acceptance(smollm, head) - recorded) <= 0.1  # greedy: equal up to float noise
     assert isinstance(build_drafter("auto", smollm), EagleDrafter)  # the default draft for the default target
+    from verispec import Tree, generate, get_verifier  # greedy with the head equals plain decoding token for token
+    from verispec.drafters import NoDrafter
+
+    kw = dict(max_new_tokens=32, temperature=0.0)
+    prompt = "Write a Python function that reverses a string."
+    ref = generate(smollm, NoDrafter(), get_verifier("chain"), prompt, tree=Tree.root_only(), **kw).token_ids
+    for tree in (Tree.chain(3), Tree.complete(2, 2)):
+        out = generate(smollm, EagleDrafter(head), get_verifier("chain" if tree.is_chain else "greedy"), prompt,
+                       tree=tree, children="iid" if tree.is_chain else "topk", **kw)
+        assert out.token_ids == ref, tree.describe()

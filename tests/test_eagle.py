@@ -66,6 +66,28 @@ def test_training_on_its_own_outputs_lowers_the_depth_2_loss():
     assert results[2]["top1_2"] >= results[1]["top1_2"]
 
 
+def test_loss_from_response_logits_only_equals_the_dense_loss():
+    """Training computes depth 1's output layer only where a response token is predicted; the loss and its
+    gradient equal those of the dense computation (which the counting path still uses)."""
+    from verispec.eagle.corpus import Record
+    from verispec.eagle.train import new_counts
+
+    target = tiny_model("llama")
+    for p in target.hf.parameters():
+        p.requires_grad_(False)
+    head = EagleHead(target)
+    data = features(target, Record(list(range(3, 40)), [[10, 20], [25, 37]], "x", 0), top_k=8)
+    grads = []
+    for counts in (None, new_counts(3)):
+        head.zero_grad()
+        loss, stats = head_loss(head, data, 3, counts=counts)
+        loss.backward()
+        grads.append((float(loss), stats, [p.grad.clone() for p in head.trainable()]))
+    (a, sa, ga), (b, sb, gb) = grads
+    assert a == pytest.approx(b, rel=1e-6) and sa == pytest.approx(sb, rel=1e-6)
+    assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(ga, gb))
+
+
 @pytest.mark.parametrize("layers", [(-1,), (1, 3, -1)])
 def test_in_loop_acceptance_equals_teacher_forced_agreement(layers):
     """Greedy chains of 3 in the real loop: at every depth, the loop's accept/reject decisions equal the teacher-forced

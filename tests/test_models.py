@@ -125,3 +125,27 @@ def test_sliding_window_layers_match_hugging_face_beyond_the_window():
         with torch.no_grad():
             ref = model.hf(input_ids=torch.tensor([prompt + node_seq(shape, toks, node)]), use_cache=False).logits[0, -1]
         assert torch.allclose(out.logits[node], ref, atol=1e-5), node
+
+
+def test_cropping_a_prefix_equals_reselecting_it(tiny):
+    """Committing a prefix of the pending entries crops the cache; re-selecting the same entries gives the same
+    next logits."""
+    from verispec.backends.hf import _select_entries
+
+    shape = Tree.chain(4)
+    outs = []
+    for crop in (True, False):
+        state = tiny.new_state()
+        tiny.prefill(state, PROMPT[:-1])
+        toks = random_tokens(shape, PROMPT[-1], 3)
+        tiny.forward(state, toks, state.committed + torch.tensor(shape.depths), shape.ancestors_mask())
+        if crop:
+            tiny.commit(state, [0, 1, 2])
+        else:
+            c = state.committed
+            _select_entries(state, torch.arange(c + 3))
+            state.committed, state.pending_positions = c + 3, []
+        one = tiny.forward(state, torch.tensor([9]), torch.tensor([state.committed]), torch.ones(1, 1, dtype=torch.bool))
+        outs.append(one.logits[0])
+    seq = PROMPT + [int(t) for t in toks[1:3]] + [9]
+    assert torch.allclose(outs[0], outs[1], atol=1e-6) and torch.allclose(outs[0], fresh_logits(tiny, seq), atol=1e-5)

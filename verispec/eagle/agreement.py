@@ -147,7 +147,10 @@ def agreement_report(target, head: EagleHead, depths: int = 4, per_group: int = 
     from .train import TrainConfig, _split  # noqa: PLC0415
 
     tick = progress or (lambda n=1: None)
-    answers = spec_bench_answers(target, per_group, max_new_tokens, progress=tick)
+    from ..backends.loading import cache_root  # noqa: PLC0415
+
+    cache = cache_root() / "answers" / f"{target.name}-{per_group}x{max_new_tokens}.jsonl"
+    answers = spec_bench_answers(target, per_group, max_new_tokens, cache=cache, progress=tick)
     out = {"head": head.meta.get("target", "?"), "feature_layers": list(head.feature_layers), "depths": depths,
            "sets": {}}
     by_group: dict[str, list[Record]] = {}

@@ -138,11 +138,13 @@ def _mask_arg(head: EagleHead, visible: torch.Tensor):
     return {"full_attention": m, "sliding_attention": m} if "sliding_attention" in types else m
 
 
-def depth_outputs(head: EagleHead, data: dict, depths: int, noise: float = 0.0):
+def depth_outputs(head: EagleHead, data: dict, depths: int, noise: float = 0.0, response_logits: bool = False):
     """Run the head at depths 1..``depths`` over one sequence; yields ``(k, rows j, hidden [n_k, H], logits)``.
 
     Depth 1 covers every pair ``j = 0..T-2``; deeper depths only the pairs whose prediction (``x_{j+k+1}``) at
-    some depth >= 2 is a response token, so a long prompt costs one pass, not ``depths``."""
+    some depth >= 2 is a response token, so a long prompt costs one pass, not ``depths``. With
+    ``response_logits``, depth 1's logits are computed only at the rows whose prediction is a response token (what
+    the loss reads; the output layer is most of the head's cost), in row order."""
     from transformers import DynamicCache  # noqa: PLC0415
 
     f = data["feat"].float()
@@ -153,8 +155,11 @@ def depth_outputs(head: EagleHead, data: dict, depths: int, noise: float = 0.0):
     if noise:
         x = x + (torch.rand_like(x) - 0.5) * 2 * noise * x.abs().mean()
     cache = DynamicCache()
+    keep = {}
+    if response_logits:
+        keep["logits_to_keep"] = torch.nonzero(resp[2:T]).flatten()  # rows j predicting x_{j+2}, a response token
     out = head.lm.hf(inputs_embeds=head.target_inputs(x, tokens[1:n + 1])[None], position_ids=torch.arange(n)[None],
-                     cache=cache, use_cache=True, output_hidden_states=True)
+                     cache=cache, use_cache=True, output_hidden_states=True, **keep)
     rows = torch.arange(n)
     hidden = out.hidden_states[-1][0]
     yield 1, rows, hidden, out.logits[0]
@@ -208,7 +213,8 @@ def head_loss(head: EagleHead, data: dict, depths: int = 1, noise: float = 0.0, 
     T = len(tokens)
     total, stats = 0.0, {}
     chain: dict[int, bool] = {}
-    for k, rows, hidden, logits in depth_outputs(head, data, depths, noise):
+    sparse = counts is None  # only the loss is wanted: depth 1's logits at the response rows only
+    for k, rows, hidden, logits in depth_outputs(head, data, depths, noise, response_logits=sparse):
         pred = rows + k + 1  # index of the predicted token
         inside = pred <= T - 1
         keep = inside.clone()
@@ -218,9 +224,9 @@ def head_loss(head: EagleHead, data: dict, depths: int = 1, noise: float = 0.0, 
             feat = nn.functional.smooth_l1_loss(hidden, f[1:], reduction="none").mean(-1)
             total = total + feature_weight * feat.mean()
             stats["feat"] = float(feat.mean().detach())
-        _, _, top1_all = _labels(head, data, (rows + k).clamp(max=T - 1))
-        hit = (logits.argmax(-1) == top1_all).tolist()
         if counts is not None:  # greedy chain: depth k is reached where depths 1..k-1 all agreed
+            _, _, top1_all = _labels(head, data, (rows + k).clamp(max=T - 1))
+            hit = (logits.argmax(-1) == top1_all).tolist()
             for j, h, ok, r in zip(rows.tolist(), hit, inside.tolist(), keep.tolist()):
                 if not ok:
                     continue
@@ -234,7 +240,7 @@ def head_loss(head: EagleHead, data: dict, depths: int = 1, noise: float = 0.0, 
         if not keep.any():
             continue
         p, idx, top1 = _labels(head, data, (rows + k)[keep])
-        logq = torch.log_softmax(logits[keep].float(), dim=-1)
+        logq = torch.log_softmax((logits if sparse and k == 1 else logits[keep]).float(), dim=-1)
         ce = -(p * logq.gather(1, idx)).sum(-1) / p.sum(-1).clamp(min=1e-9)
         total = total + depth_weight ** (k - 1) * ce.mean()
         stats[f"ce_{k}"] = float(ce.mean().detach())
