@@ -16,12 +16,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from verispec import cli  # noqa: E402
-from verispec.plots import categories, latency, per_candidate, width  # noqa: E402
-from verispec.report import (  # noqa: E402
-    Results, summarize, table_audit, table_categories, table_drafts, table_peers, table_trees,
-    table_verifiers_by_category, table_width,
+from verispec import cli
+from verispec.bench.plots import categories, latency, per_candidate, width
+from verispec.bench.records import Results
+from verispec.bench.report import (
+    shadow_summary,
+    share_of_bias_gain,
+    summarize,
+    table_audit,
+    table_categories,
+    table_drafts,
+    table_peers,
+    table_shadow,
+    table_trees,
+    table_verifiers_by_category,
+    table_width,
 )
+from verispec.bench.stats import fmt
 
 TABLE1_VERIFIERS = ["specinfer", "resispec", "swor", "reserve", "topk"]
 ISO_TREES = ["30x1", "5x2", "2x4", "6,1,1,1,1", "3,1,1,1,1,1,1,1,1,1"]  # 30 drafted nodes each
@@ -50,22 +61,19 @@ RUNS = {
 
 
 TUNED = ROOT / "results" / "tune_eagle.json"  # `verispec tune-tree --draft eagle --out results/tune_eagle.json`
-
-
-def tuned_tree() -> str | None:
-    return json.loads(TUNED.read_text())["best"]["tree"] if TUNED.exists() else None
-
+HEAD_INFO = ROOT / "verispec" / "heads" / "smollm2-135m.json"  # the shipped head's sidecar
+# `verispec eval-draft --draft eagle:HEAD --corpus runs/eagle3 --per-group 5 --json` for the head shipped before
+# and the one shipped now (see docs/findings.md for the commands)
+AGREEMENT = {"previous head": ROOT / "results" / "agreement_previous.json",
+             "shipped head": ROOT / "results" / "agreement_shipped.json"}
+VARIANTS = ROOT / "results" / "head_variants.json"  # `python scripts/head_variants.py RUN... --out ...`
 
 DYNAMIC = "dyn:4,2,3"  # EAGLE-2 dynamic tree: depth <= 4, top-2 expansion, the 3 most probable nodes kept
 TABLE2_TREE = "3,1"  # 3 candidates, each followed by one more token: small enough to verify cheaply on this CPU
 TABLE2_VERIFIERS = ["specinfer", "resispec", "swor", "reserve", "topk"]
-
-
-def eagle_run() -> list[str]:
-    tree = tuned_tree() or "chain:1"
-    return ["--methods", "hf-generate", "hf-assisted", "ar", "fixed", "fixed@chain:2", f"topk@{tree}",
-            f"topk@{DYNAMIC}", "--drafts", "eagle", "int8", "ngram", "--datasets", "spec-bench", "--limit", "1",
-            "--temperatures", "0", "0.6", "--max-new-tokens", "48"]
+SHADOW_TREE = "3x3"  # 3 i.i.d. candidates per node, depth 3 (39 drafted nodes: a step costs about 2 plain ones here)
+SHADOWS = ["specinfer", "resispec", "reserve", "ordered", "traversal"]
+SPEC_BENCH = ["--datasets", "spec-bench", "--limit", "3", "--temperatures", "0", "0.6", "--max-new-tokens", "128"]
 
 
 def table2_run() -> list[str]:
@@ -74,9 +82,30 @@ def table2_run() -> list[str]:
             "--max-new-tokens", "48", "--audit-cases", "100"]
 
 
-HEAD_RUNS = {"eagle": eagle_run, "table2": table2_run}  # need the shipped draft head
+def speed_run() -> list[str]:
+    """What a user feels: the defaults against plain decoding and the peers, every Spec-Bench category."""
+    return ["--methods", "hf-generate", "hf-assisted", "llama-cpp", "ar", "default", "--drafts", "auto", "ngram",
+            *SPEC_BENCH]
 
-ENV = {"kernel_stock": {"VERISPEC_STOCK_LINEAR": "1"}}  # the stock linear kernel (verispec.models)
+
+def shadow_run() -> list[str]:
+    """Verifiers compared on the very same steps (one exact driver, the others as shadows)."""
+    return ["--methods", f"specinfer@{SHADOW_TREE}", "--shadow", *SHADOWS, "--shadow-seeds", "2", "--drafts", "int8", "eagle",
+            "--datasets", "spec-bench:summarization,qa,translation", "--limit", "10", "--temperatures", "0.6", "1.0",
+            "--max-new-tokens", "64"]
+
+
+def llama_run(target: str) -> list[str]:
+    """The llama.cpp backend: verispec's loop on llama.cpp's own logits, against llama.cpp's decoding."""
+    return ["--target", target, "--backend", "llama", "--methods", "llama-cpp", "llama-cpp-lookup", "ar", "default",
+            "--drafts", "ngram", *SPEC_BENCH]
+
+
+HEAD_RUNS = {"speed": speed_run, "table2": table2_run, "shadow": shadow_run}  # need the shipped draft head
+LLAMA_RUNS = {"llama_smollm2": lambda: llama_run("smollm2-135m"),  # need llama-cpp-python (verispec[llama])
+              "llama_gemma3": lambda: llama_run("gemma3-270m")}
+
+ENV = {"kernel_stock": {"VERISPEC_STOCK_LINEAR": "1"}}  # the stock linear kernel (verispec.backends.kernels)
 
 
 def path(name: str) -> Path:
@@ -84,7 +113,8 @@ def path(name: str) -> Path:
 
 
 def run(name: str) -> None:
-    argv = ["bench", *(HEAD_RUNS[name]() if name in HEAD_RUNS else RUNS[name]), "--out",
+    runs = {**HEAD_RUNS, **LLAMA_RUNS}
+    argv = ["bench", *(runs[name]() if name in runs else RUNS[name]), "--out",
             str(path(name).relative_to(ROOT)), "--resume"]
     if not path(name).exists():
         argv.remove("--resume")
@@ -102,6 +132,147 @@ def fig(p: Path | None) -> str:
     return f"![{p.stem}](figures/{p.name})" if p else "(no data)"
 
 
+def by_category_table(rows, metrics=(("vs_hf_generate", "vs HF generate"), ("speedup_ar", "vs ar"))) -> str:
+    """Per temperature, category, draft and method: the speed ratios with their 95 % intervals (paired per prompt)."""
+    from verispec.bench.report import markdown
+
+    body = [[f"{r.T:g}", r.category, r.draft, r.method, *[r.show(m, ".2f", "x") for m, _ in metrics],
+             r.show("mean_accepted_length")]
+            for r in rows if r.category != "all" and r.method not in ("ar", "hf-generate")]
+    return markdown(["T", "category", "draft", "method", *[h for _, h in metrics], "accepted length"], body)
+
+
+def speed_section(res: Results, figs: Path) -> list[str]:
+    rows = summarize(res)
+    cats = summarize(res, by_category=True)
+    return ["## Speed of the defaults against plain decoding, Hugging Face and llama.cpp", "", f"Run: {res.describe()}",
+            "", "`default` is what `verispec generate` does with no options (draft `auto`, the shipped head; its tuned "
+            "tree; exact chain verification; the draft length chosen per step by the `auto` policy), here also with "
+            "the prompt-lookup draft `ngram`. `ar` is plain decoding in verispec's loop, `hf-generate` Hugging Face "
+            "`generate`, `hf-assisted` Hugging Face assisted generation with prompt lookup, `llama-cpp` llama.cpp's "
+            "plain decoding of the same model's GGUF file (Q4_1: a quantised model, so a different and cheaper "
+            "target; shown for scale). Every ratio is paired per prompt with its 95 % interval.", "",
+            table_peers(rows), "", "By Spec-Bench category:", "", by_category_table(cats), "",
+            fig(categories(res, figs / "speed_by_category.png")), "", fig(latency(res, figs / "speed_latency.png", rows)),
+            ""]
+
+
+def variants_section(variants: dict, figs: Path) -> list[str]:
+    """Head variants trained on the same corpus: held-out agreement per depth at the end, and against data seen."""
+    from verispec.bench.plots import _pyplot
+
+    depths = max(len(v["points"][-1]["agreement"]) for v in variants.values() if v["points"])
+    lines = ["| variant | feature layers | trained depths | sequences seen | minutes | "
+             + " | ".join(f"agree d{k}" for k in range(1, depths + 1)) + " | "
+             + " | ".join(f"chain d{k}" for k in range(1, depths + 1)) + " |", "|" + "---|" * (5 + 2 * depths)]
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, depths, figsize=(4.2 * depths, 3.6), squeeze=False)
+    for name, v in variants.items():
+        if not v["points"]:
+            continue
+        last, c = v["points"][-1], v["config"]
+        lines.append(f"| {name} | {c['feature_layers']} | {c['depths']} | {last['sequences_seen']} | "
+                     f"{v['elapsed_s'] / 60:.0f} | " + " | ".join(f"{x:.3f}" for x in last["agreement"]) + " | "
+                     + " | ".join(f"{x:.3f}" for x in last["chain"]) + " |")
+        for k, ax in enumerate(axes[0]):
+            pts = [(p["sequences_seen"], p["agreement"][k]) for p in v["points"] if len(p["agreement"]) > k]
+            ax.plot(*zip(*pts), marker="o", label=f"{name} (layers {c['feature_layers']})")
+            ax.set_title(f"held-out agreement, depth {k + 1}")
+            ax.set_xlabel("training sequences seen")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    path = figs / "head_variants.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return ["### Head variants on the same corpus", "",
+            "Held-out agreement per depth (the head's own features from depth 2 on) of heads trained with "
+            "`verispec train-draft` on the same self-written corpus and schedule, differing in the option named; "
+            "validation on the held-out corpus round at every checkpoint. The curve is agreement against "
+            "sequences seen within one learning-rate schedule, a proxy for a data-size curve.", "",
+            *lines, "", fig(path), ""]
+
+
+def head_section(figs: Path) -> list[str]:
+    out = []
+    reports = {k: json.loads(p.read_text()) for k, p in AGREEMENT.items() if p.exists()}
+    if reports:
+        depths = max(r["depths"] for r in reports.values())
+        head = ["head", "set", "sequences", *[f"agree d{k}" for k in range(1, depths + 1)],
+                *[f"chain d{k}" for k in range(1, depths + 1)]]
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for who, rep in reports.items():
+            for name, st in rep["sets"].items():
+                if name.startswith(" "):
+                    continue
+                cells = [f"{x:.3f}" for x in st["agreement"]] + ["-"] * (depths - len(st["agreement"]))
+                chain = [f"{x:.3f}" for x in st["chain_acceptance"]] + ["-"] * (depths - len(st["chain_acceptance"]))
+                lines.append(f"| {who} | {name} | {st['sequences']} | " + " | ".join(cells + chain) + " |")
+        out += ["## The draft head: agreement with the target, before and after", "",
+                "Top-1 agreement of the head with the target per drafted depth, on response tokens only, the head fed "
+                "its own predicted features from depth 2 on exactly as in the decoding loop (`verispec eval-draft`). "
+                "Spec-Bench: the target's own greedy answers to the last questions of each category (never in any "
+                "training set); self-written: the held-out rounds of the training corpus. chain dk: the share of "
+                "positions whose depths 1..k all agree (what a greedy chain of k accepts).", "",
+                *lines, ""]
+    if VARIANTS.exists():
+        out += variants_section(json.loads(VARIANTS.read_text()), figs)
+    if HEAD_INFO.exists():
+        info = json.loads(HEAD_INFO.read_text())
+        tr = info.get("training", {})
+        out += [f"Shipped head: `{info.get('command', '?')}`; {tr.get('sequences', '?')} training sequences, "
+                f"{tr.get('corpus_tokens', '?')} tokens, {tr.get('elapsed_s', float('nan')) / 60:.0f} minutes of "
+                f"training on this CPU; extra memory {info.get('extra_memory_fraction', float('nan')):.0%} of the "
+                f"target's; default tree `{info.get('default_tree', '?')}`.", ""]
+    if TUNED.exists():
+        tune = json.loads(TUNED.read_text())
+        fwd = tune["target_forward_s"]
+        out += [f"Step costs measured by `verispec tune-tree` (T = {tune['temperature']:g}): the target's forward "
+                "over n tree tokens, and the head's cost per drafted depth.", "",
+                "| tokens | " + " | ".join(fwd) + " | head per depth |", "|" + "---|" * (len(fwd) + 2),
+                "| ms | " + " | ".join(f"{1000 * v:.1f}" for v in fwd.values())
+                + f" | {1000 * tune['draft_s_per_depth']:.1f} |", "",
+                f"Per-candidate acceptance of the head's top-k tree on held-out Spec-Bench questions: "
+                f"{', '.join(f'{x:.3f}' for x in tune['conditional_acceptance'])} (depth 1, 2, ...); tuned tree "
+                f"`{tune['best']['tree']}` (predicted {tune['best']['accepted']:.2f} tokens per step, "
+                f"{tune['best']['predicted_speedup']:.2f}x over plain decoding).", ""]
+    return out
+
+
+def shadow_section(res: Results) -> list[str]:
+    rows = shadow_summary(res)
+    cats = [r for r in shadow_summary(res, by_category=True)]
+    share = {}
+    for name in ("reserve", "ordered", "traversal"):
+        for key, val in share_of_bias_gain(res, name).items():
+            share[(key, name)] = val
+    from verispec.bench.report import markdown
+
+    body = [[f"{k[0]:g}", k[1], name, fmt(*v, ".2f")] for (k, name), v in sorted(share.items(), key=lambda x: str(x))]
+    return ["## Verifiers on the same steps: shadow verification (ResiSpec Table 1 and Figure 1 shapes)", "",
+            f"Run: {res.describe()}", "",
+            f"One exact verifier (`specinfer`, tree `{SHADOW_TREE}`, children i.i.d.) drives the text; at every step "
+            "each shadow verifier is run on the very same draft and target probabilities with coins of its own "
+            "(no extra model forwards). Exact shadows see the states they would visit on their own (every exact "
+            "rule emits the target's law), so paired per-step differences measure the difference in acceptance "
+            "with far less noise than separate runs (docs/algorithms.md). `resispec` is not exact: its row measures "
+            "its acceptance on the target's own states. Intervals: 95 %, over prompts.", "",
+            table_shadow(rows), "", "By category:", "", table_shadow(cats), "",
+            "Share of `resispec`'s extra accepted length over `specinfer` that each exact rule achieves "
+            "((L_exact - L_specinfer) / (L_resispec - L_specinfer), bootstrap over prompts):", "",
+            markdown(["T", "draft", "exact rule", "share of resispec's gain"], body), ""]
+
+
+def llama_section(res: Results, model: str) -> list[str]:
+    rows = summarize(res)
+    cats = summarize(res, by_category=True)
+    return [f"## The llama.cpp backend: {model}", "", f"Run: {res.describe()}", "",
+            "verispec's loop on llama.cpp's logits (`--backend llama`; the GGUF model is the target, exactness is "
+            "relative to it) against llama.cpp's plain decoding (`llama-cpp`) and llama-cpp-python's prompt-lookup "
+            "speculative decoding (`llama-cpp-lookup`) of the same file.", "",
+            table_peers(rows), "", "By Spec-Bench category:", "",
+            by_category_table(cats, (("vs_llama_cpp", "vs llama.cpp"), ("speedup_ar", "vs ar"))), ""]
+
+
 def render() -> str:
     figs = ROOT / "docs" / "figures"
     figs.mkdir(parents=True, exist_ok=True)
@@ -113,23 +284,14 @@ def render() -> str:
            "interleaved prompt by prompt. tokens/s counts wall time including prefill (the draft's own prefill of "
            "the prompt counts as drafting time). Default target SmolLM2-135M-Instruct (fp32).", ""]
 
-    if path("eagle").exists():
-        res = Results.load(path("eagle"))
-        rows = summarize(res)
-        tune = json.loads(TUNED.read_text()) if TUNED.exists() else None
-        out += ["## The trained EAGLE head against plain decoding and Hugging Face", "", f"Run: {res.describe()}", "",
-                "Draft `eagle` is the head shipped for the default target (`verispec/heads/`, trained with "
-                "`verispec train-draft`; its training data never saw these prompts). `fixed` is a chain of 5 with "
-                "the exact `chain` verifier (`fixed@chain:2` a chain of 2); `topk@TREE` drafts the tree chosen by "
-                "`verispec tune-tree` with top-k children and the exact `topk` verifier, and "
-                f"`topk@{DYNAMIC}` the EAGLE-2 dynamic tree. `hf-assisted` runs Hugging Face assisted generation "
-                "with each draft it can use (the int8 copy as assistant model, prompt lookup for `ngram`).", ""]
-        if tune:
-            out += [f"Tree from `verispec tune-tree --draft eagle` (T = {tune['temperature']:g}): `{tune['best']['tree']}` "
-                    f"({tune['best']['nodes']} nodes, depth {tune['best']['depth']}, predicted "
-                    f"{tune['best']['accepted']:.2f} tokens per step); per-candidate acceptance "
-                    f"{', '.join(f'{x:.3f}' for x in tune['conditional_acceptance'])}.", ""]
-        out += [table_peers(rows), "", fig(latency(res, figs / "eagle_latency.png", rows)), ""]
+    if path("speed").exists():
+        out += speed_section(Results.load(path("speed")), figs)
+    out += head_section(figs)
+    if path("shadow").exists():
+        out += shadow_section(Results.load(path("shadow")))
+    for name, model in (("llama_smollm2", "SmolLM2-135M-Instruct (Q4_1)"), ("llama_gemma3", "Gemma 3 270M (Q4_K_M)")):
+        if path(name).exists():
+            out += llama_section(Results.load(path(name)), model)
 
     if path("kernel").exists() and path("kernel_stock").exists():
         stock, tall = Results.load(path("kernel_stock")), Results.load(path("kernel"))
@@ -146,6 +308,8 @@ def render() -> str:
                 "| method | tokens/s, stock kernel | tokens/s, verispec kernel | ratio |", "|---|---|---|---|",
                 *["| " + " | ".join(row) + " |" for row in body], ""]
 
+    out += ["# Earlier runs", "", "The runs below were made before the head shipped now (their headers name the "
+            "commit); they compare verifiers, trees and drafts among themselves.", ""]
     if path("table2").exists():
         res = Results.load(path("table2"))
         rows = summarize(res)
@@ -210,8 +374,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--render", action="store_true", help="only render docs/results.md from existing results")
     shipped = (ROOT / "verispec" / "heads" / "smollm2-135m.pt").exists()
-    ap.add_argument("--runs", nargs="+", default=[*RUNS, *(HEAD_RUNS if shipped else [])], choices=[*RUNS, *HEAD_RUNS],
-                    help="runs to do ('eagle' and 'table2' need the shipped draft head; default: all that can run)")
+    try:
+        import llama_cpp  # noqa: F401
+        llama = True
+    except ImportError:
+        llama = False
+    ap.add_argument("--runs", nargs="+", default=[*RUNS, *(HEAD_RUNS if shipped else []), *(LLAMA_RUNS if llama else [])],
+                    choices=[*RUNS, *HEAD_RUNS, *LLAMA_RUNS],
+                    help="runs to do (the head runs need the shipped draft head, the llama ones llama-cpp-python; "
+                         "default: all that can run)")
     args = ap.parse_args()
     if not args.render:
         for name in args.runs:

@@ -1,7 +1,15 @@
 """Shared fixtures: tiny random-weight Llama- and Qwen2-style models built in the test (no files)."""
 
+import os
+
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest-xdist runs several workers at once (pyproject.toml): one torch thread each, for the commands the tests
+    # start too, so that threads never outnumber cores (torch slows down many times over when they do)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 from verispec.backends import CausalLM
 

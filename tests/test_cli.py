@@ -159,7 +159,7 @@ def test_cli_audit_distortion_on_the_default_model():
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
     rows = {d["verifier"]: d for d in out["distortion"]}
-    assert set(rows) == {"chain", "adasd", "fsd", "typical", "bild"}
+    assert set(rows) == {"chain", "adasd", "fsd", "typical", "bild", "mix", "budget"}
     assert rows["chain"]["max_tv"] < 1e-12 and all(d["pairs"] == 6 for d in rows.values())
     assert {r["rule"] for r in out["sequence_nll"]} == {"target samples", *rows}
 

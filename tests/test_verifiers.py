@@ -78,5 +78,5 @@ def test_chain_verifier_refuses_trees():
 def test_unknown_method_is_a_clear_error():
     from verispec.errors import VerispecError
 
-    with pytest.raises(VerispecError, match="unknown method"):
+    with pytest.raises(VerispecError, match="unknown verifier"):
         get_verifier("nope")

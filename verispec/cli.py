@@ -33,17 +33,19 @@ TREE_HELP = (f"draft tree: chain:G, BxD (complete, e.g. 3x5), b1,b2,... (per-dep
 
 
 def default_threads() -> int:
-    """What this process may use: the cores it is allowed to run on."""
+    """What this process may use: the cores it is allowed to run on, or fewer if ``OMP_NUM_THREADS`` says so."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cores = max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
+        cores = max(1, os.cpu_count() or 1)
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    return min(cores, int(omp)) if omp.isdigit() and int(omp) > 0 else cores
 
 
 def _threads(parser) -> None:
     parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads for torch (default: the cores this process may use). On a busy machine "
-                             "fewer threads than cores run much faster than more")
+                        help="CPU threads for torch (default: the cores this process may use, at most "
+                             "OMP_NUM_THREADS). On a busy machine fewer threads than cores run much faster than more")
 
 
 def _set_threads(args) -> None:

@@ -69,7 +69,9 @@ def forward_costs(target, repeats: int = 5, measure: bool = True) -> list[float]
         out.append(statistics.median(times))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"seconds": out, "target": getattr(target, "name", "?")}))
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # written whole, then renamed: a reader never sees half
+        tmp.write_text(json.dumps({"seconds": out, "target": getattr(target, "name", "?")}))
+        tmp.replace(path)
     except OSError:
         pass
     return out

@@ -219,7 +219,7 @@ def shadow_summary(res: Results, by_category: bool = False, reference: str = "sp
     """One row per (temperature, draft, driving method, category, shadow verifier): its mean accepted length on the
     driven steps, per-candidate acceptance, and the paired per-step difference from ``reference`` (a shadow too)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
-    for r in usable(res)[0]:
+    for r in res.prompts:  # every cell: acceptance does not depend on the machine's load (speeds do)
         c = r["cell"]
         groups[(c["T"], c["draft"], c["method"], r["category"] if by_category else "all")].append(r)
     rows = []
@@ -247,7 +247,7 @@ def share_of_bias_gain(res: Results, exact: str, biased: str = "resispec", refer
     exact rule ``exact`` achieves, ``(L_exact - L_ref) / (L_biased - L_ref)``, with a bootstrap interval over
     prompts (shadows on the same steps)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
-    for r in usable(res)[0]:
+    for r in res.prompts:  # acceptance only: every cell counts
         c = r["cell"]
         groups[(c["T"], c["draft"], c["method"], r["category"] if by_category else "all")].append(r)
     out = {}

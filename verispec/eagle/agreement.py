@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from .corpus import Record
@@ -58,10 +59,12 @@ def spec_bench_answers(target, per_group: int = 2, max_new_tokens: int = 96, cac
             progress(1)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("w") as f:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # written whole, then renamed: a reader never sees half
+        with tmp.open("w") as f:
             f.write(json.dumps(key) + "\n")
             for r in out:
                 f.write(json.dumps({"tokens": r.tokens, "spans": r.spans, "shape": r.shape}) + "\n")
+        tmp.replace(path)
     return out
 
 

@@ -101,11 +101,11 @@ def exact_acceptance(s: _Sorted, m: int, work: int = 2_000_000) -> float | None:
             left = (P - law).clamp_min(0)
             if float(left.sum()) <= 0:
                 continue
-            nxt = left / left.sum()
-            for y in torch.nonzero(rejected > 0).flatten().tolist():
-                new.append(((*hist, y), reach * float(rejected[y]), nxt))
-            if len(new) > max_histories:
+            ys = torch.nonzero(rejected > 0).flatten()
+            if len(new) + ys.numel() > max_histories:  # checked before the Python loop over the rejected tokens
                 return None
+            nxt = left / left.sum()
+            new += [((*hist, y), reach * w, nxt) for y, w in zip(ys.tolist(), rejected[ys].tolist())]
         frontier = new
     return total
 
