@@ -258,3 +258,22 @@ def test_dynamic_tree_is_exact_greedy_prunes_by_path_probability_and_refuses_sam
                  max_new_tokens=5, temperature=0.8)
     with pytest.raises(VerispecError, match="dyn:DEPTH"):
         Tree.parse("dyn:0,2,3")
+
+
+def test_teacher_forced_agreement_runs_on_a_freshly_loaded_target():
+    """``verispec eval-draft`` on a target as loaded (its weights still require gradients, the features come from
+    inference mode): counting needs no gradient, and the result does not depend on the flag."""
+    from verispec.eagle.agreement import teacher_forced
+
+    target = tiny_model("llama")
+    assert all(p.requires_grad for p in target.hf.parameters())
+    torch.manual_seed(2)
+    head = EagleHead(target, feature_layers=(1, 3, -1))
+    records = corpus(target, n=4)
+    loaded = teacher_forced(head, records, depths=3)
+    for p in target.hf.parameters():
+        p.requires_grad_(False)
+    frozen = teacher_forced(head, records, depths=3)
+    assert len(loaded["agreement"]) == 3 and loaded.keys() == frozen.keys()
+    assert all(loaded[k] == pytest.approx(frozen[k], nan_ok=True) for k in loaded)
+    assert all(0 <= a <= 1 for a in loaded["agreement"] + loaded["chain_acceptance"] if a == a)

@@ -586,6 +586,8 @@ def _add_tune_tree(sub):
                     "syntax and writes a JSON report.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     t.add_argument("--target", default="smollm2-135m", help="target model")
+    t.add_argument("--backend", default="hf", choices=("hf", "llama"),
+                   help="engine computing the target: Hugging Face transformers, or llama.cpp on the GGUF file")
     t.add_argument("--draft", default="eagle", help="the draft: " + DRAFT_HELP)
     t.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the acceptance runs")
     t.add_argument("--children", default="iid", choices=CHILD_MODES, help="how children are drawn")
@@ -613,7 +615,7 @@ def cmd_tune_tree(args) -> int:
                             "--max-new-tokens >= 1")
     out = _writable_file(args.out, "--out") if args.out else None
     _set_threads(args)
-    target = load(args.target)
+    target = load(args.target, backend=args.backend, threads=args.threads)
     drafter = build_drafter(spec, target)
     report = tune_tree(target, drafter, temperature=args.temperature, children=args.children, prompts=args.prompts,
                        max_new_tokens=args.max_new_tokens, width=args.width, max_nodes=args.max_nodes,

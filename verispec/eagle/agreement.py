@@ -17,6 +17,8 @@ import json
 import os
 from pathlib import Path
 
+import torch
+
 from .corpus import Record
 from .head import EagleHead
 from .train import features, head_loss, new_counts, summarize_counts
@@ -28,8 +30,9 @@ FIXED_TOKENS = 64
 def teacher_forced(head: EagleHead, records: list[Record], depths: int = 4) -> dict[str, list[float]]:
     """Per-depth agreement and greedy chain acceptance of ``head`` on the response tokens of ``records``."""
     counts = new_counts(depths)
-    for r in records:
-        head_loss(head, features(head.target, r, 1, head.feature_layers), depths, counts=counts)
+    with torch.no_grad():  # counting only (the target's features come from inference mode, no gradient is wanted)
+        for r in records:
+            head_loss(head, features(head.target, r, 1, head.feature_layers), depths, counts=counts)
     return summarize_counts(counts)
 
 
