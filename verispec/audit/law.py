@@ -57,7 +57,9 @@ def random_tables(vocab: int, seed: int, concentration: float = 1.0, sparsity: f
             key = (tag, prefix)
             if key not in cache:
                 d = torch.distributions.Gamma(torch.full((vocab,), concentration, dtype=torch.float64), 1.0)
-                torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
+                # the CPU generator only: torch.manual_seed would also queue a CUDA seeding with its stack trace on
+                # every call (slow, and the queue grows), and Gamma sampling takes no generator argument
+                torch.default_generator.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
                 v = d.sample()
                 if sparsity > 0:
                     keep = torch.rand(vocab, generator=gen, dtype=torch.float64) >= sparsity
