@@ -1,6 +1,7 @@
 """The exhaustive audit: every exact verifier passes, every known-biased rule is flagged; the exact rules of this
 project never accept less than specinfer at a node, and never less with an extra candidate."""
 
+import functools
 import itertools
 
 import pytest
@@ -20,15 +21,20 @@ SLOW = {"traversal", "ctl-traversal-no-residual"}  # end-to-end enumeration: aud
 EXACT = [name for name, spec in VERIFIERS.items() if spec.exact and name not in SLOW]
 
 
-AUDIT_ROWS = pytest.mark.xdist_group("audit-rows")  # the tests reading ``rows`` run on one worker: built once
+AUDIT_ROWS = pytest.mark.xdist_group("audit-rows")  # the tests reading ``rows`` run on one worker
 
 
-@pytest.fixture(scope="module")
-def rows():
+@functools.cache  # once per process: a pytest-xdist worker may tear module fixtures down between two of its tests
+def _audit_rows():
     specs = [s for s in list(VERIFIERS.values()) + list(NEGATIVE_CONTROLS.values()) if s.name not in SLOW]
     exact = [s for s in specs if s.name in EXACT]
     biased = [s for s in specs if s.name not in EXACT]
     return {r.verifier: r for r in audit(exact, cases=CASES, seed=1) + audit(biased, cases=FLAG_CASES, seed=1)}
+
+
+@pytest.fixture
+def rows():
+    return _audit_rows()
 
 
 @AUDIT_ROWS

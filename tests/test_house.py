@@ -268,7 +268,7 @@ def test_the_cli_reference_is_generated_from_the_parser():
 
 
 def test_default_threads_follow_the_cores_and_omp_num_threads(monkeypatch):
-    from verispec.cli import default_threads
+    from verispec.backends import default_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cores = default_threads()

@@ -32,16 +32,6 @@ TREE_HELP = (f"draft tree: chain:G, BxD (complete, e.g. 3x5), b1,b2,... (per-dep
              f"auto (the tree tuned for the draft, else chain:5); at most {MAX_NODES} drafted nodes")
 
 
-def default_threads() -> int:
-    """What this process may use: the cores it is allowed to run on, or fewer if ``OMP_NUM_THREADS`` says so."""
-    try:
-        cores = max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        cores = max(1, os.cpu_count() or 1)
-    omp = os.environ.get("OMP_NUM_THREADS", "")
-    return min(cores, int(omp)) if omp.isdigit() and int(omp) > 0 else cores
-
-
 def _threads(parser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for torch (default: the cores this process may use, at most "
@@ -49,6 +39,8 @@ def _threads(parser) -> None:
 
 
 def _set_threads(args) -> None:
+    from .backends import default_threads  # noqa: PLC0415
+
     n = getattr(args, "threads", None)
     if n is None:
         n = default_threads()

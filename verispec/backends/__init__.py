@@ -7,6 +7,7 @@ CPU linear-layer plan.
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import torch
@@ -17,6 +18,17 @@ from .loading import BUILTIN_MODELS, DEFAULT_TARGET
 from .loading import load as _load_hf
 
 BACKENDS = ("hf", "llama")
+
+
+def default_threads() -> int:
+    """CPU threads for torch by default: the cores this process may run on, or fewer if ``OMP_NUM_THREADS`` says
+    so (torch slows down many times over when its threads outnumber free cores)."""
+    try:
+        cores = max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        cores = max(1, os.cpu_count() or 1)
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    return min(cores, int(omp)) if omp.isdigit() and int(omp) > 0 else cores
 
 
 def load(spec: str = DEFAULT_TARGET, dtype: str = "float32", backend: str = "hf", threads: int | None = None,
@@ -61,5 +73,6 @@ class Target(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
 
-__all__ = ["BACKENDS", "BUILTIN_MODELS", "DEFAULT_TARGET", "CausalLM", "ForwardOutput", "KVState", "Target", "load",
+__all__ = ["BACKENDS", "BUILTIN_MODELS", "DEFAULT_TARGET", "CausalLM", "ForwardOutput", "KVState", "Target",
+           "default_threads", "load",
            "quantized_copy"]
