@@ -62,10 +62,10 @@ RUNS = {
 
 TUNED = ROOT / "results" / "tune_eagle.json"  # `verispec tune-tree --draft eagle --out results/tune_eagle.json`
 HEAD_INFO = ROOT / "verispec" / "heads" / "smollm2-135m.json"  # the shipped head's sidecar
-# `verispec eval-draft --draft eagle:HEAD --corpus runs/eagle3 --per-group 5 --json` for the head shipped before
-# and the one shipped now (see docs/findings.md for the commands)
-AGREEMENT = {"previous head": ROOT / "results" / "agreement_previous.json",
-             "shipped head": ROOT / "results" / "agreement_shipped.json"}
+# `verispec eval-draft --draft eagle:HEAD --corpus runs/e3 --per-group 5 --check 3 --json` for the shipped head and
+# for the EAGLE-3-style head trained in issue 12 (docs/findings.md has the commands)
+AGREEMENT = {"shipped head (EAGLE-1)": ROOT / "results" / "agreement_shipped.json",
+             "EAGLE-3-style head (not shipped)": ROOT / "results" / "agreement_eagle3.json"}
 VARIANTS = ROOT / "results" / "head_variants.json"  # `python scripts/head_variants.py RUN... --out ...`
 
 DYNAMIC = "dyn:4,2,3"  # EAGLE-2 dynamic tree: depth <= 4, top-2 expansion, the 3 most probable nodes kept
@@ -166,29 +166,31 @@ def variants_section(variants: dict, figs: Path) -> list[str]:
              + " | ".join(f"agree d{k}" for k in range(1, depths + 1)) + " | "
              + " | ".join(f"chain d{k}" for k in range(1, depths + 1)) + " |", "|" + "---|" * (5 + 2 * depths)]
     plt = _pyplot()
-    fig, axes = plt.subplots(1, depths, figsize=(4.2 * depths, 3.6), squeeze=False)
+    figure, axes = plt.subplots(1, depths, figsize=(4.2 * depths, 3.6), squeeze=False)
     for name, v in variants.items():
         if not v["points"]:
             continue
         last, c = v["points"][-1], v["config"]
+        pad = ["-"] * (depths - len(last["agreement"]))
         lines.append(f"| {name} | {c['feature_layers']} | {c['depths']} | {last['sequences_seen']} | "
-                     f"{v['elapsed_s'] / 60:.0f} | " + " | ".join(f"{x:.3f}" for x in last["agreement"]) + " | "
-                     + " | ".join(f"{x:.3f}" for x in last["chain"]) + " |")
+                     f"{v['elapsed_s'] / 60:.0f} | " + " | ".join([f"{x:.3f}" for x in last["agreement"]] + pad)
+                     + " | " + " | ".join([f"{x:.3f}" for x in last["chain"]] + pad) + " |")
         for k, ax in enumerate(axes[0]):
             pts = [(p["sequences_seen"], p["agreement"][k]) for p in v["points"] if len(p["agreement"]) > k]
             ax.plot(*zip(*pts), marker="o", label=f"{name} (layers {c['feature_layers']})")
             ax.set_title(f"held-out agreement, depth {k + 1}")
             ax.set_xlabel("training sequences seen")
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
+    figure.tight_layout()
     path = figs / "head_variants.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
     return ["### Head variants on the same corpus", "",
             "Held-out agreement per depth (the head's own features from depth 2 on) of heads trained with "
             "`verispec train-draft` on the same self-written corpus and schedule, differing in the option named; "
             "validation on the held-out corpus round at every checkpoint. The curve is agreement against "
-            "sequences seen within one learning-rate schedule, a proxy for a data-size curve.", "",
+            "sequences seen within one learning-rate schedule, a proxy for a data-size curve. A run stopped before "
+            "the end of its schedule shows its last checkpoint (e1: step 200 of 300).", "",
             *lines, "", fig(path), ""]
 
 
@@ -207,20 +209,29 @@ def head_section(figs: Path) -> list[str]:
                 cells = [f"{x:.3f}" for x in st["agreement"]] + ["-"] * (depths - len(st["agreement"]))
                 chain = [f"{x:.3f}" for x in st["chain_acceptance"]] + ["-"] * (depths - len(st["chain_acceptance"]))
                 lines.append(f"| {who} | {name} | {st['sequences']} | " + " | ".join(cells + chain) + " |")
-        out += ["## The draft head: agreement with the target, before and after", "",
+        out += ["## The draft head: agreement with the target", "",
                 "Top-1 agreement of the head with the target per drafted depth, on response tokens only, the head fed "
                 "its own predicted features from depth 2 on exactly as in the decoding loop (`verispec eval-draft`). "
                 "Spec-Bench: the target's own greedy answers to the last questions of each category (never in any "
                 "training set); self-written: the held-out rounds of the training corpus. chain dk: the share of "
                 "positions whose depths 1..k all agree (what a greedy chain of k accepts).", "",
                 *lines, ""]
+        for who, rep in reports.items():
+            c = rep.get("in_loop_check")
+            if c:
+                out += [f"In the decoding loop ({who}, greedy chain of {rep['depths']} on held-out questions) against "
+                        "teacher forcing at the very same positions: "
+                        + "; ".join(f"depth {k + 1}: {a:.3f} vs {b:.3f} ({n} decisions)"
+                                    for k, (a, b, n) in enumerate(zip(c["in_loop"], c["teacher_forced"], c["positions"]))
+                                    if n) + f"; decisions that differ: {c['mismatches']}.", ""]
     if VARIANTS.exists():
         out += variants_section(json.loads(VARIANTS.read_text()), figs)
     if HEAD_INFO.exists():
         info = json.loads(HEAD_INFO.read_text())
         tr = info.get("training", {})
+        tokens = f"{tr['corpus_tokens']} tokens, " if "corpus_tokens" in tr else ""
         out += [f"Shipped head: `{info.get('command', '?')}`; {tr.get('sequences', '?')} training sequences, "
-                f"{tr.get('corpus_tokens', '?')} tokens, {tr.get('elapsed_s', float('nan')) / 60:.0f} minutes of "
+                f"{tokens}{tr.get('elapsed_s', float('nan')) / 60:.0f} minutes of "
                 f"training on this CPU; extra memory {info.get('extra_memory_fraction', float('nan')):.0%} of the "
                 f"target's; default tree `{info.get('default_tree', '?')}`.", ""]
     if TUNED.exists():
