@@ -21,7 +21,7 @@ SLOW = {"traversal", "ctl-traversal-no-residual"}  # end-to-end enumeration: aud
 EXACT = [name for name, spec in VERIFIERS.items() if spec.exact and name not in SLOW]
 
 
-AUDIT_ROWS = pytest.mark.xdist_group("audit-rows")  # the tests reading ``rows`` run on one worker
+AUDIT_ROWS = pytest.mark.xdist_group("audit-rows")  # asks pytest-xdist to keep the tests reading ``rows`` together
 
 
 @functools.cache  # once per process: a pytest-xdist worker may tear module fixtures down between two of its tests
