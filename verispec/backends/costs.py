@@ -16,8 +16,6 @@ import itertools
 import json
 import os
 import platform
-import statistics
-import time
 
 import torch
 
@@ -51,22 +49,10 @@ def forward_costs(target, repeats: int = 5, measure: bool = True) -> list[float]
         pass
     if not measure:
         return None
-    from ..tree import Tree  # noqa: PLC0415
+    from ..tune import target_forward_cost  # noqa: PLC0415
 
-    state = target.new_state()
-    target.prefill(state, [5] * 32)
-    out = []
-    for rows in range(1, MAX_ROWS + 1):
-        tree = Tree.chain(rows - 1)
-        tokens = torch.full((rows,), 7)
-        pos = state.committed + torch.tensor(tree.depths)
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            target.forward(state, tokens, pos, tree.ancestors_mask())
-            times.append(time.perf_counter() - t)
-            target.commit(state, [])
-        out.append(statistics.median(times))
+    seconds = target_forward_cost(target, [5] * 32 + [7], list(range(1, MAX_ROWS + 1)), repeats)
+    out = [seconds[n] for n in range(1, MAX_ROWS + 1)]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")  # written whole, then renamed: a reader never sees half
