@@ -12,6 +12,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 from verispec.backends import CausalLM
+from verispec.drafters import NgramDrafter
 
 VOCAB = 97
 
@@ -57,3 +58,16 @@ class ByteTokenizer:
 
     def decode(self, ids, skip_special_tokens=True):
         return " ".join(str(i) for i in ids)
+
+
+class Contrarian(NgramDrafter):
+    """A draft that is always wrong: it proposes only token 0 (a law with all its mass there), never the tiny
+    model's choice under top_k = 1 on the prompts of the tests that use it."""
+
+    def _root_logits(self, context):
+        out = torch.full((self.vocab_size,), float("-inf"))
+        out[0] = 0.0
+        return out
+
+    def _node_logits(self, g, nodes):
+        return torch.stack([self._root_logits(None) for _ in nodes])

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
+from conftest import Contrarian, tiny_model
 
-from conftest import tiny_model
 from verispec import Tree, generate, get_verifier
 from verispec.drafters import ModelDrafter, NgramDrafter, NoDrafter, layer_skip_drafter
 from verispec.errors import VerispecError
@@ -90,19 +90,6 @@ def test_tree_verifiers_sample_through_the_loop(target, method, children):
     bad = generate(target, Contrarian(target.vocab_size), get_verifier(method), PROMPT, tree=Tree.complete(2, 2),
                    max_new_tokens=12, temperature=0.8, top_k=1, children=children, seed=3)
     assert all(s.accepted_length == 1 for s in bad.steps)
-
-
-class Contrarian(NgramDrafter):
-    """Proposes only token 0 (a law with all its mass there): never the target's choice under top_k = 1 unless the
-    target's argmax is 0, which the tiny model's never is on this prompt."""
-
-    def _root_logits(self, context):
-        out = torch.full((self.vocab_size,), float("-inf"))
-        out[0] = 0.0
-        return out
-
-    def _node_logits(self, g, nodes):
-        return torch.stack([self._root_logits(None) for _ in nodes])
 
 
 def test_stops_at_eos_and_at_max_new_tokens_exactly():

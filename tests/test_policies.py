@@ -5,13 +5,22 @@ import math
 
 import pytest
 import torch
+from conftest import Contrarian, tiny_model
 
-from conftest import tiny_model
 from verispec import Tree, generate, get_verifier
-from verispec.drafters import ModelDrafter, NgramDrafter, layer_skip_drafter
+from verispec.drafters import ModelDrafter, layer_skip_drafter
 from verispec.drafters.base import Draft
 from verispec.errors import VerispecError
-from verispec.policies import AdaEDL, AdaSDEntropy, BiLDFallback, Feedback, HFAssisted, entropy, get_policy, roc_threshold
+from verispec.policies import (
+    AdaEDL,
+    AdaSDEntropy,
+    BiLDFallback,
+    Feedback,
+    HFAssisted,
+    entropy,
+    get_policy,
+    roc_threshold,
+)
 
 V = 6
 
@@ -244,21 +253,10 @@ def test_auto_policy_keeps_the_output_law_exact():
 def test_auto_policy_drops_to_plain_decoding_on_a_draft_that_is_always_wrong():
     from verispec.policies import AutoDepth
 
-    class Wrong(NgramDrafter):
-        """Proposes token 0 only: never the target's choice under top_k = 1 on this prompt."""
-
-        def _root_logits(self, context):
-            out = torch.full((self.vocab_size,), float("-inf"))
-            out[0] = 0.0
-            return out
-
-        def _node_logits(self, g, nodes):
-            return torch.stack([self._root_logits(None) for _ in nodes])
-
     target = tiny_model("llama")
     target.eos_token_ids = frozenset()
     policy = AutoDepth()
-    out = generate(target, Wrong(target.vocab_size), get_verifier("chain"), [5, 17, 33, 8, 9], tree=Tree.chain(4),
+    out = generate(target, Contrarian(target.vocab_size), get_verifier("chain"), [5, 17, 33, 8, 9], tree=Tree.chain(4),
                    max_new_tokens=80, temperature=0.8, top_k=1, policy=policy)
     drafted = [s.draft_depth for s in out.steps]
     assert all(s.accepted_length == 1 for s in out.steps)
