@@ -128,3 +128,15 @@ def test_drafts_that_need_the_hugging_face_model_are_refused(llama):
         with pytest.raises(VerispecError, match="Hugging Face backend"):
             build_drafter(spec, llama)
     assert build_drafter("auto", llama).name == "ngram"
+
+
+def test_llama_cpp_prompt_lookup_on_a_long_prompt_reproduces_plain_greedy(llama):
+    """Prompt lookup is exact at T = 0; on a prompt past llama-cpp-python's 512-token batch it used to crash (its
+    score buffer had n_batch rows while the draft model made it keep logits for every position)."""
+    from verispec.bench.peers import llama_generate
+
+    text = " ".join(f"Line {i}: the river flows north past the old mill." for i in range(60))
+    prompt = llama.encode_prompt(text + "\nRepeat the last line.")
+    assert len(prompt) > 600
+    plain = llama_generate("smollm2-135m", prompt, 24, 0.0, threads=1).token_ids
+    assert llama_generate("smollm2-135m", prompt, 24, 0.0, lookup=4, threads=1).token_ids == plain

@@ -141,7 +141,15 @@ def llama_generate(target_spec: str, prompt_ids: list[int], max_new_tokens: int,
         raise VerispecError(f"the llama-cpp peers need a GGUF target (a built-in alias or a .gguf file), not "
                             f"{target_spec!r}")
     threads = threads or torch.get_num_threads()
-    key = (path, lookup, threads)
+    # A draft model makes llama-cpp-python keep logits for every position, but it sizes its score buffer from the
+    # logits_all argument (n_batch rows otherwise): a prompt past n_batch tokens then fails to broadcast. Pass
+    # logits_all=True with a draft, and keep the context (n_ctx x vocabulary floats) as short as the request allows.
+    n_ctx = 8192
+    if lookup:
+        n_ctx = 1024
+        while n_ctx < len(prompt_ids) + max_new_tokens + lookup + 1:
+            n_ctx *= 2
+    key = (path, lookup, threads, n_ctx)
     if key not in _LLAMAS:
         import llama_cpp  # noqa: PLC0415
 
@@ -150,8 +158,10 @@ def llama_generate(target_spec: str, prompt_ids: list[int], max_new_tokens: int,
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding  # noqa: PLC0415
 
             draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup)
-        _LLAMAS[key] = llama_cpp.Llama(model_path=path, n_ctx=8192, n_threads=threads, n_threads_batch=threads,
-                                       verbose=False, draft_model=draft, flash_attn=True)
+        for old in [k for k in _LLAMAS if k[:3] == key[:3]]:  # one context per file and mode: free the old size
+            del _LLAMAS[old]
+        _LLAMAS[key] = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                                       verbose=False, draft_model=draft, logits_all=bool(lookup), flash_attn=True)
     llm = _LLAMAS[key]
     eos = llm.token_eos()
     llm.reset()
