@@ -98,10 +98,16 @@ def shadow_run() -> list[str]:
 def llama_run(target: str) -> list[str]:
     """The llama.cpp backend: verispec's loop on llama.cpp's own logits, against llama.cpp's decoding."""
     return ["--target", target, "--backend", "llama", "--methods", "llama-cpp", "llama-cpp-lookup", "ar", "default",
-            "--drafts", "ngram", *SPEC_BENCH]
+            "auto-depth", "--drafts", "ngram", *SPEC_BENCH]
+
+
+def gate_run() -> list[str]:
+    """The auto policy's confidence gate against the per-depth plan alone, with the prompt-lookup draft."""
+    return ["--methods", "ar", "default", "auto-depth", "--drafts", "ngram", *SPEC_BENCH]
 
 
 HEAD_RUNS = {"speed": speed_run, "table2": table2_run, "shadow": shadow_run}  # need the shipped draft head
+RUNS["gate"] = gate_run()
 LLAMA_RUNS = {"llama_smollm2": lambda: llama_run("smollm2-135m"),  # need llama-cpp-python (verispec[llama])
               "llama_gemma3": lambda: llama_run("gemma3-270m")}
 
@@ -154,6 +160,19 @@ def speed_section(res: Results, figs: Path) -> list[str]:
             "target; shown for scale). Every ratio is paired per prompt with its 95 % interval.", "",
             table_peers(rows), "", "By Spec-Bench category:", "", by_category_table(cats), "",
             fig(categories(res, figs / "speed_by_category.png")), "", fig(latency(res, figs / "speed_latency.png", rows)),
+            ""]
+
+
+def gate_section(res: Results) -> list[str]:
+    rows = summarize(res)
+    cats = summarize(res, by_category=True)
+    return ["## The auto policy's confidence gate (prompt-lookup draft)", "", f"Run: {res.describe()}", "",
+            "`default` drafts each further token only while the draft's confidence in it, calibrated online against "
+            "acceptance, makes one more depth pay at the measured step costs (`verispec/policies.py`, `AutoDepth`); "
+            "`auto-depth` is the same policy without the gate (a depth planned before each step from per-depth "
+            "acceptance, what `default` did before). Same draft (`ngram`), same tree (`chain:5`), exact chain "
+            "verification; ratios paired per prompt.", "",
+            table_peers(rows), "", "By Spec-Bench category:", "", by_category_table(cats, (("speedup_ar", "vs ar"),)),
             ""]
 
 
@@ -297,6 +316,8 @@ def render() -> str:
 
     if path("speed").exists():
         out += speed_section(Results.load(path("speed")), figs)
+    if path("gate").exists():
+        out += gate_section(Results.load(path("gate")))
     out += head_section(figs)
     if path("shadow").exists():
         out += shadow_section(Results.load(path("shadow")))

@@ -96,3 +96,19 @@ def test_model_drafter_can_draft_twice_from_the_same_context():
     drafter.commit(a, [])
     b = drafter.propose(context, Tree.complete(2, 2), Sampling(1.0), "topk", TorchRandomness(0))
     assert torch.equal(a.tokens, b.tokens) and torch.allclose(a.q, b.q, atol=1e-6)
+
+
+def test_ngram_confidence_grows_with_the_length_and_count_of_the_match():
+    from verispec.drafters.ngram import NgramDrafter
+
+    d = NgramDrafter(50)
+
+    def root_confidence(context):
+        logits = d._root_logits(context)
+        return float(d.confidence([0], logits[None])[0])
+
+    repeated = root_confidence([1, 2, 3, 4] * 4 + [1, 2, 3])  # "1 2 3" seen 3 times before, always then 4
+    once = root_confidence([1, 2, 3, 4, 9, 2, 3])  # "2 3" once
+    unigram = root_confidence([7, 8, 9, 6, 5, 9])  # only "9" matches, followed by 6 once
+    assert repeated == 1.0 and 0 < unigram < once < repeated
+    assert d._root_logits([1, 2, 3, 4]) is None  # no match: no draft at all

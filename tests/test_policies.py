@@ -277,3 +277,50 @@ def test_auto_policy_drafts_deeper_when_the_draft_is_good_and_costs_decide_the_d
     assert expensive.best_depth(4) == 0  # nothing pays when a drafted depth costs two plain steps
     with pytest.raises(VerispecError, match="never decrease"):
         AutoDepth(costs=(1.0, 0.5))
+
+
+def test_auto_gate_drafts_on_confident_tokens_and_stops_on_doubtful_ones():
+    """Costs like llama.cpp's on this CPU (a second token costs 0.7 of a step): the gate learns per confidence bin
+    that sure tokens are accepted and doubtful ones are not, and drafts accordingly."""
+    from verispec.policies import AutoDepth
+
+    pol = AutoDepth(costs=(1.0, 1.7, 2.3, 2.9, 3.5), free_root=True, probe_every=10**9)
+    sure, doubtful = torch.tensor([0.97]), torch.tensor([0.05])
+    for _ in range(40):  # a step drafts sure tokens until a doubtful one comes; the sure ones are all accepted
+        assert pol.planned_depth(4) == 4  # a free first depth: every step starts, the gate decides
+        depth = 0
+        while depth < 4 and pol.keep_drafting(depth, None, confidence=sure if depth < 3 else doubtful):
+            depth += 1
+        pol.update(Feedback(depth, min(depth, 3), source=(None, [])))
+    pol.planned_depth(4)
+    assert [pol.keep_drafting(d, None, confidence=sure) for d in range(3)] == [True] * 3
+    assert not pol.keep_drafting(3, None, confidence=doubtful)
+    assert pol.bin_acceptance(0.97) > 0.9
+    fresh = AutoDepth(costs=(1.0, 1.7, 2.3, 2.9, 3.5), free_root=True)
+    fresh.planned_depth(4)
+    assert not fresh.keep_drafting(0, None, confidence=doubtful)  # a doubtful token never pays at these costs
+    off = get_policy("auto:depth", (1.0, 1.7, 2.3, 2.9, 3.5))
+    assert not off.uses_confidence and off.planned_depth(4) == 0  # the per-depth plan alone: prior 0.5 loses here
+
+
+def test_auto_gate_keeps_the_output_law_exact():
+    """The whole loop enumerated on table models, the gate stopping some steps early from the draft's confidence:
+    the law of the first 3 tokens is the target's to rounding."""
+    from verispec.audit.law import loop_law, random_tables, target_law, tv_and_kl
+    from verispec.policies import AutoDepth
+
+    p, q = random_tables(3, 5, concentration=0.4)
+    decisions = []
+
+    def policy():
+        pol = AutoDepth(costs=(1.0, 1.5, 2.0, 2.5), free_root=True, prior_weight=0.5)
+        original = pol.keep_drafting
+        pol.keep_drafting = lambda *a, **k: decisions.append(original(*a, **k)) or decisions[-1]
+        return pol
+
+    law = loop_law(get_verifier("chain"), p, q, Tree.chain(3), 3, 3, policy)
+    dense = torch.zeros((3,) * 3, dtype=torch.float64)
+    for seq, w in law.items():
+        dense[seq] += w
+    tv, _ = tv_and_kl(target_law(p, (0,), 3, 3), dense)
+    assert tv < 1e-12 and True in decisions and False in decisions

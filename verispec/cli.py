@@ -157,9 +157,9 @@ def cmd_generate(args) -> int:
     target = load(args.target, dtype=args.dtype, backend=args.backend, threads=args.threads)
     drafter = build_drafter(draft, target, dtype=args.dtype)
     if policy.name == "auto" and not isinstance(drafter, NoDrafter):
-        from .backends.costs import step_costs  # noqa: PLC0415
+        from .backends.costs import auto_policy  # noqa: PLC0415
 
-        policy = get_policy("auto", step_costs(target, drafter))
+        policy = auto_policy(target, drafter, "auto" if policy.gate else "auto:depth")
     tree = Tree.root_only() if isinstance(drafter, NoDrafter) else \
         Tree.parse(getattr(drafter, "default_tree", None) or "chain:5") if shape == "auto" else Tree.parse(shape)
     info(f"loaded in {time.perf_counter() - t:.1f}s; draft {drafter.name}, verifier {verifier.name}, policy "

@@ -67,12 +67,14 @@ class SpeculativeOutput(_Output):
 _ALLOWED = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper"}
 
 
-def _costs(policy: str, target, drafter):
-    if policy != "auto":
-        return None
-    from .backends.costs import step_costs  # noqa: PLC0415
+def _policy(policy: str, target, drafter):
+    from .policies import get_policy  # noqa: PLC0415
 
-    return step_costs(target, drafter)
+    if policy.partition(":")[0] != "auto":
+        return get_policy(policy)
+    from .backends.costs import auto_policy  # noqa: PLC0415
+
+    return auto_policy(target, drafter, policy)
 
 
 def _callers_streamer():
@@ -154,7 +156,7 @@ def speculative(draft: str = "auto", verifier: str = "chain", tree: str = "auto"
         steps, new = [], []
         for rec in generate_steps(target, drafter, spec, prompt, tree=shape, max_new_tokens=budget, sampling=sampling,
                                   children=children or spec.children or "iid",
-                                  policy=get_policy(policy, _costs(policy, target, drafter)), seed=seed):
+                                  policy=_policy(policy, target, drafter), seed=seed):
             steps.append(rec)
             new.extend(rec.emitted)
             if streamer is not None:

@@ -43,12 +43,13 @@ class Method:
         """Fresh (verifier spec, policy, verifier state) for a run; reuse them across prompts to keep learning.
         With the target and drafter, the ``auto`` policy weighs depths by their measured step costs."""
         spec = get_verifier(self.verifier or "chain")
-        costs = None
-        if self.policy == "auto" and target is not None and drafter is not None:
-            from .backends.costs import step_costs  # noqa: PLC0415
+        if self.policy.partition(":")[0] == "auto" and target is not None and drafter is not None:
+            from .backends.costs import auto_policy  # noqa: PLC0415
 
-            costs = step_costs(target, drafter)
-        return spec, get_policy(self.policy, costs), spec.new_state() if spec.new_state else None
+            policy = auto_policy(target, drafter, self.policy)
+        else:
+            policy = get_policy(self.policy)
+        return spec, policy, spec.new_state() if spec.new_state else None
 
 
 FALLBACK_TREE = "chain:5"  # the tree "auto" means for a draft with no tuned tree
@@ -58,6 +59,9 @@ _ROWS = [
     Method("default", DEFAULT_VERIFIER, "auto", "auto",
            "what 'verispec generate' does with no options: the default draft and its tuned tree, exact chain "
            "verification, the draft length chosen step by step from measured acceptance (policy auto)"),
+    Method("auto-depth", DEFAULT_VERIFIER, "auto:depth", "auto",
+           "the default without the confidence gate: the draft length planned before each step from per-depth "
+           "acceptance alone (the default before the gate; for comparisons)"),
     Method("hf-generate", None, "fixed", "none", "Hugging Face generate of the target (no draft)", peer="generate"),
     Method("hf-assisted", None, "fixed", "none",
            "Hugging Face assisted generation with the same draft (a model draft, or prompt lookup for ngram)",

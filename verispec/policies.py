@@ -292,24 +292,55 @@ class AutoDepth(_Defaults):
     continued linearly past the last entry. Every ``probe_every`` steps it drafts one depth more than its choice,
     so that a depth it stopped drafting keeps being measured and a draft that turns good is taken back up.
 
-    It decides lengths only, so the output law is the verifier's, exactly. Costs are fixed numbers rather than live
-    timings, so the same seed gives the same text. When drafting is a loss it costs only its probes (a draft that
-    is always wrong costs one drafted step in ``probe_every``)."""
+    Within a step, a confidence gate decides each further depth from the draft's own confidence in the token it is
+    about to propose (the drafter's ``confidence``: its top probability, or for prompt lookup the length and count
+    of the match): it keeps, per confidence bin, the share of such tokens the target accepted (decayed counts, with
+    the bin's own confidence as prior), and drafts one more depth while some horizon ``h`` of tokens at that acceptance,
+    ``(E + P (a + a^2 + ... + a^h)) / costs[d + h]``, beats stopping now, ``E / costs[d]`` (``E`` expected tokens so
+    far, ``P`` the chance of reaching the node). The per-depth plan above only decides whether to start drafting
+    at all (a depth of 0 skips the draft's first forward); with ``free_root`` (a draft whose first depth costs next
+    to nothing, such as prompt lookup) every step starts and the gate alone decides. Probe steps bypass the gate.
+
+    It decides lengths only, from the draft and past outcomes, so the output law is the verifier's, exactly. Costs
+    are fixed numbers rather than live timings, so the same seed gives the same text. When drafting is a loss it
+    costs only its probes (a draft that is always wrong costs one drafted step in ``probe_every``)."""
 
     costs: tuple[float, ...] = GENERIC_COSTS
     probe_every: int = 16
     prior: float = 0.5
     prior_weight: float = 2.0
     decay: float = 0.98
+    free_root: bool = False
+    gate: bool = True  # False: the per-depth plan alone decides (``auto:depth``, for comparisons)
+    bins: int = 8  # confidence bins of equal width on [0, 1]
+    bin_decay: float = 0.995
     reached: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
+    bin_reached: list[float] = field(default_factory=list)
+    bin_accepted: list[float] = field(default_factory=list)
     steps: int = 0
     name = "auto"
+
+    @property
+    def uses_confidence(self) -> bool:  # the drafter passes its confidence to keep_drafting
+        return self.gate
 
     def __post_init__(self):
         self.costs = tuple(float(c) for c in self.costs)
         if not self.costs or self.costs[0] <= 0 or any(b < a for a, b in zip(self.costs, self.costs[1:])):
             raise VerispecError(f"auto policy costs must start positive and never decrease, got {self.costs}")
+        self.bin_reached = self.bin_reached or [0.0] * self.bins
+        self.bin_accepted = self.bin_accepted or [0.0] * self.bins
+        self._limit, self._forced, self._bins, self._reach, self._expected = 0, 0, [], 1.0, 1.0
+
+    def _bin(self, confidence: float) -> int:
+        return min(max(int(confidence * self.bins), 0), self.bins - 1)
+
+    def bin_acceptance(self, confidence: float) -> float:
+        """Estimated acceptance of a drafted token proposed with this confidence."""
+        b = self._bin(confidence)
+        prior = (b + 0.5) / self.bins  # before any outcome, the draft's confidence is taken at its word
+        return (self.bin_accepted[b] + prior * self.prior_weight) / (self.bin_reached[b] + self.prior_weight)
 
     def acceptance(self, depth: int) -> float:
         """Estimated ``a_depth`` (1-based)."""
@@ -336,13 +367,43 @@ class AutoDepth(_Defaults):
 
     def planned_depth(self, limit: int) -> int:
         best = self.best_depth(limit)
-        if self.steps and self.steps % self.probe_every == 0 and best < limit:
-            return best + 1
-        return best
+        probe = bool(self.steps and self.steps % self.probe_every == 0 and best < limit)
+        self._forced = best + 1 if probe else 0  # a probe drafts this deep whatever the gate says
+        self._limit, self._bins, self._reach, self._expected = limit, [], 1.0, 1.0
+        if not self.gate:
+            return self._forced or best
+        if self.free_root or best > 0:
+            return limit
+        return self._forced
+
+    def keep_drafting(self, depth: int, q: torch.Tensor, last=None, drawn=None, confidence=None) -> bool:
+        if not self.gate:
+            return True
+        c = float(confidence.max()) if confidence is not None else float(q.max())  # q: laws at temperature 1
+        a = self.bin_acceptance(c)
+        go = depth < self._forced
+        if not go:
+            gain, now = 0.0, self._expected / self.cost(depth)
+            for h in range(1, self._limit - depth + 1):
+                gain += self._reach * a ** h
+                if (self._expected + gain) / self.cost(depth + h) > now + 1e-12:
+                    go = True
+                    break
+        if go:
+            self._bins.append(self._bin(c))
+            self._reach *= a
+            self._expected += self._reach
+        return go
 
     def update(self, feedback: Feedback) -> None:
         self.steps += 1
         d, a = feedback.drafted, feedback.accepted
+        for i, b in enumerate(self._bins[:d], start=1):  # the gate's tokens that were reached
+            if i > a + 1:
+                break
+            self.bin_reached[b] = self.bin_decay * self.bin_reached[b] + 1
+            self.bin_accepted[b] = self.bin_decay * self.bin_accepted[b] + (a >= i)
+        self._bins = []
         while len(self.reached) < d:
             self.reached.append(0.0)
             self.accepted.append(0.0)
@@ -352,8 +413,9 @@ class AutoDepth(_Defaults):
 
 
 POLICIES = {
-    "auto": "draft as deep as pays on the text at hand (measured acceptance against the draft's step costs), down "
-            "to plain decoding",
+    "auto": "draft as deep as pays on the text at hand (measured acceptance against the draft's step costs, and per "
+            "token the draft's confidence), down to plain decoding",
+    "auto:depth": "auto without the confidence gate: a depth planned before each step from per-depth acceptance",
     "fixed": "draft the whole tree shape (fixed:G caps the depth at G)",
     "hf": "Hugging Face assisted generation defaults: 20 tokens, confidence stop 0.4 with ROC re-fit",
     "hf:heuristic": "Hugging Face's +2/-1 length schedule (start 20) with the confidence stop and ROC re-fit",
@@ -363,12 +425,13 @@ POLICIES = {
 }
 
 
-def get_policy(spec: str, costs: tuple[float, ...] | None = None):
+def get_policy(spec: str, costs: tuple[float, ...] | None = None, free_root: bool = False):
     """Build a policy from its spec string (see ``POLICIES``); ``costs`` are the relative step costs the ``auto``
-    policy weighs depths by (default: ``GENERIC_COSTS``; drafters with measured ones carry them as ``step_costs``)."""
+    policy weighs depths by (default: ``GENERIC_COSTS``; drafters with measured ones carry them as ``step_costs``),
+    ``free_root`` says its draft's first depth costs next to nothing (see ``AutoDepth``)."""
     name, _, arg = spec.partition(":")
-    if name == "auto" and not arg:
-        return AutoDepth(costs) if costs else AutoDepth()
+    if name == "auto" and arg in ("", "depth"):
+        return AutoDepth(costs or GENERIC_COSTS, free_root=free_root, gate=not arg)
     if name == "fixed":
         if not arg:
             return Fixed()

@@ -47,13 +47,17 @@ def check_finite(logits: torch.Tensor, what: str = "logits", allow_masked: bool 
     With ``allow_masked``, ``-inf`` marks an impossible token (n-gram drafts, audit tables), but a row
     must keep at least one finite entry; NaN and ``+inf`` are never allowed.
     """
+    if logits.numel() == 0:
+        return
+    # reductions instead of element-wise masks (20x cheaper at a 262k vocabulary on this CPU; torch.aminmax is as
+    # slow as the masks): the row maximum is NaN if the row has a NaN, +inf if it has a +inf, -inf if nothing in it
+    # is possible; the minimum is -inf if anything is masked
+    hi = logits.amax(-1)
     if allow_masked:
-        bad = torch.isnan(logits) | (logits == float("inf"))
-        empty = ~torch.isfinite(logits).any(-1)
-        if bad.any() or empty.any():
+        if not bool(torch.isfinite(hi).all()):
             raise VerispecError(f"{what} contain NaN/+inf values or a row with no finite entry")
         return
-    if not torch.isfinite(logits).all():
+    if not bool((torch.isfinite(logits.amin(-1)) & torch.isfinite(hi)).all()):
         bad = (~torch.isfinite(logits)).sum().item()
         raise VerispecError(
             f"{what} contain {bad} NaN/inf value(s); refusing to sample from them "

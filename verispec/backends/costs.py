@@ -78,3 +78,11 @@ def step_costs(target, drafter) -> tuple[float, ...] | None:
     per_depth = DRAFT_COST.get(getattr(drafter, "name", ""), 0.1)
     costs = (fwd[d] / fwd[0] + d * per_depth for d in range(len(fwd)))
     return tuple(itertools.accumulate(costs, max))
+
+
+def auto_policy(target, drafter, spec: str = "auto"):
+    """The ``auto`` draft-length policy (``spec``: ``auto`` or ``auto:depth``) for this target and draft: their step
+    costs, and whether the draft's first depth is free (then the confidence gate decides every step)."""
+    from ..policies import get_policy  # noqa: PLC0415
+
+    return get_policy(spec, step_costs(target, drafter), free_root=bool(getattr(drafter, "free_root", False)))

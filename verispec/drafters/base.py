@@ -75,6 +75,7 @@ class Drafter:
     feature_layers: tuple[int, ...] = (-1,)  # which of the target's hidden states ``observe`` receives
     default_tree: str | None = None  # the tree ``--tree auto`` uses with this drafter (a tuned one, if known)
     step_costs: tuple[float, ...] | None = None  # measured cost of a step drafting d depths, a plain step = 1
+    free_root = False  # True: drafting the first depth costs next to nothing (no model forward)
 
     def observe(self, hidden: torch.Tensor) -> None:
         """The target's hidden states ``[n, k H]`` (the ``feature_layers``) of the next n committed positions (the
@@ -92,6 +93,13 @@ class Drafter:
 
     def _root_logits(self, context: list[int]) -> torch.Tensor | None:
         raise NotImplementedError
+
+    def confidence(self, nodes: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """How sure the draft is of the next token below each of ``nodes`` (``logits [F, V]`` their draft logits,
+        ``-inf`` for impossible tokens), a score in [0, 1] that the ``auto`` policy calibrates against acceptance:
+        by default the top probability at temperature 1 (0 for a row with no possible token)."""
+        x = logits.float()
+        return torch.nan_to_num((x.max(-1).values - torch.logsumexp(x, -1)).exp(), nan=0.0)
 
     def _node_logits(self, draft: _Growing, nodes: list[int]) -> torch.Tensor:
         raise NotImplementedError
@@ -124,11 +132,16 @@ class Drafter:
         for depth in range(shape.max_depth):
             if logits is None:
                 break
-            alive = torch.isfinite(logits).any(-1)  # a row with no finite entry: that node gets no children
+            alive = logits.amax(-1) != float("-inf")  # a row with no finite entry: that node gets no children
+            if not bool(alive.any()):
+                break
+            gate = policy is not None and getattr(policy, "uses_confidence", False)
+            if gate and not policy.keep_drafting(depth, None, confidence=self.confidence(frontier, logits)):
+                break  # decided before any vocabulary-sized work on the laws
             logits = torch.where(alive[:, None], logits, torch.zeros_like(logits))
             laws = logits_to_probs(logits, sampling)  # [F, V]
             soft = logits_to_probs(logits, Sampling(1.0)) if sampling.greedy else laws
-            if policy is not None:
+            if policy is not None and not gate:
                 rows = g.soft_rows if sampling.greedy else g.q_rows
                 drawn = None if depth == 0 else torch.stack([rows[g.parents[n]] for n in frontier])
                 last = None if drawn is None else drawn.gather(1, torch.tensor([[g.tokens[n]] for n in frontier]))[:, 0]
@@ -251,6 +264,8 @@ def _draw_children(q: torch.Tensor, logits: torch.Tensor, k: int, mode: str, rng
             left[x] = 0
         return xs, probs
     # topk: deterministic, from the raw logits so that it does not depend on temperature
+    if k == 1:  # a row that gets children has a finite entry; argmax is its first maximum
+        return [int(logits.argmax())], [1.0]
     finite = int(torch.isfinite(logits).sum())
     xs = torch.topk(logits, min(k, finite)).indices.tolist()
     return xs, [1.0] * len(xs)

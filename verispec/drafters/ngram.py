@@ -14,6 +14,7 @@ from .base import Drafter, _Growing
 
 class NgramDrafter(Drafter):
     name = "ngram"
+    free_root = True
 
     def __init__(self, vocab_size: int, max_n: int = 3, min_n: int = 1):
         if not 1 <= min_n <= max_n:
@@ -21,25 +22,42 @@ class NgramDrafter(Drafter):
         self.vocab_size = vocab_size
         self.max_n, self.min_n = max_n, min_n
         self._context: list[int] = []
+        self._match: dict[int, tuple[int, float, float]] = {}  # node -> (match length, top count, total count)
 
-    def _lookup(self, seq: list[int]) -> torch.Tensor | None:
-        """Log-counts ``[V]`` of the tokens that followed the longest earlier match of a suffix, or None."""
+    def _lookup(self, seq: list[int], node: int) -> torch.Tensor | None:
+        """Log-counts ``[V]`` of the tokens that followed the longest earlier match of a suffix, or None; the
+        match's length and the count of its most frequent continuation are kept for ``confidence``."""
         s = torch.tensor(seq, dtype=torch.long)
         for n in range(min(self.max_n, len(seq) - 1), self.min_n - 1, -1):
             windows = s.unfold(0, n, 1)[:-1]  # every n-gram that has a following token
             hits = (windows == s[-n:]).all(dim=1).nonzero().squeeze(1)
             if hits.numel():
-                counts = torch.bincount(s[hits + n], minlength=self.vocab_size).float()
-                return counts.log()  # -inf where never seen
+                seen, counts = torch.unique(s[hits + n], return_counts=True)
+                self._match[node] = (n, float(counts.max()), float(counts.sum()))
+                row = torch.full((self.vocab_size,), float("-inf"))  # never seen
+                row[seen] = counts.float().log()
+                return row
         return None
 
     def _root_logits(self, context):
         self._context = list(context)
-        return self._lookup(self._context)
+        self._match = {}
+        return self._lookup(self._context, 0)
 
     def _node_logits(self, g: _Growing, nodes: list[int]) -> torch.Tensor:
         rows = []
         for node in nodes:
-            row = self._lookup(self._context + g.path(node))
+            row = self._lookup(self._context + g.path(node), node)
             rows.append(row if row is not None else torch.full((self.vocab_size,), float("-inf")))
         return torch.stack(rows)
+
+    def confidence(self, nodes: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """Longer matches seen more often predict better (measured on Spec-Bench answers of both built-in models):
+        ``top probability x (n - 1 + min(count, 3) / 3) / max_n`` for a match of n tokens whose most frequent
+        continuation followed it ``count`` times; 1 for a repeated match of the longest length. From the match
+        alone, with no vocabulary-sized work."""
+        out = []
+        for node in nodes:
+            n, top, total = self._match.get(node, (0, 0.0, 1.0))
+            out.append(top / total * (n - 1 + min(top, 3.0) / 3) / self.max_n if n else 0.0)
+        return torch.tensor(out)
