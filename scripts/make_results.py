@@ -98,12 +98,22 @@ def shadow_run() -> list[str]:
 def llama_run(target: str) -> list[str]:
     """The llama.cpp backend: verispec's loop on llama.cpp's own logits, against llama.cpp's decoding."""
     return ["--target", target, "--backend", "llama", "--methods", "llama-cpp", "llama-cpp-lookup", "ar", "default",
-            "auto-depth", "--drafts", "ngram", *SPEC_BENCH]
+            "auto-gate", "--drafts", "ngram", *SPEC_BENCH]
 
 
 def gate_run() -> list[str]:
     """The auto policy's confidence gate against the per-depth plan alone, with the prompt-lookup draft."""
-    return ["--methods", "ar", "default", "auto-depth", "--drafts", "ngram", *SPEC_BENCH]
+    return ["--methods", "ar", "default", "auto-gate", "--drafts", "ngram", *SPEC_BENCH]
+
+
+def gate_names(res: Results) -> str:
+    """Which rows ran the confidence gate: the runs made at commit 3c3d5c0 had it in ``default`` and called the
+    plan alone ``auto-depth``; since then the gate is opt-in (``auto-gate``) and ``default`` is the plan alone."""
+    if "auto-depth" in res.header["config"]["methods"]:
+        return ("In this run (made when the gate was on by default) `default` ran the `auto` policy with the gate and "
+                "`auto-depth` without it; measured as no faster, the gate is now opt-in (`auto:gate`, method "
+                "`auto-gate`), and today's `default` is the `auto-depth` row.")
+    return "`default` runs the `auto` policy (the plan alone), `auto-gate` the same with the confidence gate."
 
 
 HEAD_RUNS = {"speed": speed_run, "table2": table2_run, "shadow": shadow_run}  # need the shipped draft head
@@ -167,11 +177,11 @@ def gate_section(res: Results) -> list[str]:
     rows = summarize(res)
     cats = summarize(res, by_category=True)
     return ["## The auto policy's confidence gate (prompt-lookup draft)", "", f"Run: {res.describe()}", "",
-            "`default` drafts each further token only while the draft's confidence in it, calibrated online against "
+            "The gate drafts each further token only while the draft's confidence in it, calibrated online against "
             "acceptance, makes one more depth pay at the measured step costs (`verispec/policies.py`, `AutoDepth`); "
-            "`auto-depth` is the same policy without the gate (a depth planned before each step from per-depth "
-            "acceptance, what `default` did before). Same draft (`ngram`), same tree (`chain:5`), exact chain "
-            "verification; ratios paired per prompt.", "",
+            "without it the `auto` policy plans a depth before each step from per-depth acceptance. "
+            + gate_names(res) + " Same draft (`ngram`), same tree (`chain:5`), exact chain verification; ratios "
+            "paired per prompt.", "",
             table_peers(rows), "", "By Spec-Bench category:", "", by_category_table(cats, (("speedup_ar", "vs ar"),)),
             ""]
 
@@ -298,9 +308,61 @@ def llama_section(res: Results, model: str) -> list[str]:
     return [f"## The llama.cpp backend: {model}", "", f"Run: {res.describe()}", "",
             "verispec's loop on llama.cpp's logits (`--backend llama`; the GGUF model is the target, exactness is "
             "relative to it) against llama.cpp's plain decoding (`llama-cpp`) and llama-cpp-python's prompt-lookup "
-            "speculative decoding (`llama-cpp-lookup`) of the same file.", "",
+            "speculative decoding (`llama-cpp-lookup`, its default of 10 proposed tokens) of the same file. "
+            "The draft is prompt lookup on a chain of 5 under the `auto` policy. " + gate_names(res) + " The per-step split is in the columns draft ms (drafting), "
+            "target ms (llama.cpp's decode and the copy of its logits), verify ms (verification, commit and the "
+            "rest of the loop).", "",
             table_peers(rows), "", "By Spec-Bench category:", "",
             by_category_table(cats, (("vs_llama_cpp", "vs llama.cpp"), ("speedup_ar", "vs ar"))), ""]
+
+
+BATCH_COSTS = ROOT / "results" / "llama_batch_costs.json"  # python scripts/llama_batch_costs.py
+
+
+def llama_costs_section() -> list[str]:
+    """The batch-cost table, and what prompt lookup would give where a forward over a few tokens costs one."""
+    from verispec.bench.report import markdown
+
+    if not BATCH_COSTS.exists():
+        return []
+    costs = json.loads(BATCH_COSTS.read_text())
+    sizes = costs["sizes"]
+    body = []
+    for name, m in costs["models"].items():
+        body.append([name, "every row", f"{m['one_token_ms']:.1f}", *[f"{x:.2f}x" for x in m["all_logits"][1:]]])
+        body.append([name, "last row only", f"{m['one_token_ms']:.1f}", *[f"{x:.2f}x" for x in m["last_logits"][1:]]])
+    out = ["## llama.cpp: what a decode of k tokens costs", "",
+           f"`python scripts/llama_batch_costs.py` ({costs['threads']} threads, one decode of k chained tokens after a "
+           "120-token context, median of 9, against one token). Verification needs the logits of every row; "
+           "llama.cpp then runs its output layer once per row, which on Gemma 3 (a 262k-token vocabulary) is most "
+           "of a token's cost. A decode asking for the last row's logits only (what the issue's first table "
+           "measured) is much cheaper and says little about verification.", "",
+           markdown(["model", "logits of", "1 token (ms)", *[str(k) for k in sizes[1:]]], body), ""]
+    proj = []
+    for name in costs["models"]:
+        tune = ROOT / "results" / f"tune_llama_{name.split('-')[0]}.json"
+        if not tune.exists():
+            continue
+        t = json.loads(tune.read_text())
+        a = t["conditional_acceptance"][0]
+        fwd = {int(k): v for k, v in t["target_forward_s"].items()}
+        per_depth = t["draft_s_per_depth"] / fwd[1]
+        best = max(range(9), key=lambda d: sum(a ** i for i in range(d + 1)) / (1 + d * per_depth))
+        tokens = sum(a ** i for i in range(best + 1))
+        proj.append([name, f"{a:.2f}", f"{per_depth:.3f}", f"{t['best']['tree']}",
+                     f"{t['best']['predicted_speedup']:.2f}x", f"chain:{best}", f"{tokens / (1 + best * per_depth):.2f}x"])
+    if proj:
+        out += ["From `verispec tune-tree --backend llama --target MODEL --draft ngram --children topk --prompts 6 "
+                "--out results/tune_llama_MODEL.json`: the draft's first-candidate acceptance `a` on held-out "
+                "Spec-Bench questions (greedy), its cost per drafted depth relative to one target token, the tree "
+                "the tuner picks at the measured costs and its predicted speedup over plain decoding; then the "
+                "projection for a target whose decode is bound by memory bandwidth, where a forward over up to 16 "
+                "tokens costs about one token: a chain of d drafted tokens yields `1 + a + ... + a^d` tokens "
+                "(acceptance taken as independent of depth, as the tuner does) for `1 + d x draft cost`, maximised "
+                "over d <= 8. A projection, not a measurement.", "",
+                markdown(["model", "a", "draft cost / depth", "tuned tree", "predicted here", "bandwidth-bound chain",
+                          "projected speedup"], proj), ""]
+    return out
 
 
 def render() -> str:
@@ -324,6 +386,7 @@ def render() -> str:
     for name, model in (("llama_smollm2", "SmolLM2-135M-Instruct (Q4_1)"), ("llama_gemma3", "Gemma 3 270M (Q4_K_M)")):
         if path(name).exists():
             out += llama_section(Results.load(path(name)), model)
+    out += llama_costs_section()
 
     if path("kernel").exists() and path("kernel_stock").exists():
         stock, tall = Results.load(path("kernel_stock")), Results.load(path("kernel"))

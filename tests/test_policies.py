@@ -284,7 +284,7 @@ def test_auto_gate_drafts_on_confident_tokens_and_stops_on_doubtful_ones():
     that sure tokens are accepted and doubtful ones are not, and drafts accordingly."""
     from verispec.policies import AutoDepth
 
-    pol = AutoDepth(costs=(1.0, 1.7, 2.3, 2.9, 3.5), free_root=True, probe_every=10**9)
+    pol = AutoDepth(costs=(1.0, 1.7, 2.3, 2.9, 3.5), free_root=True, gate=True, probe_every=10**9)
     sure, doubtful = torch.tensor([0.97]), torch.tensor([0.05])
     for _ in range(40):  # a step drafts sure tokens until a doubtful one comes; the sure ones are all accepted
         assert pol.planned_depth(4) == 4  # a free first depth: every step starts, the gate decides
@@ -296,11 +296,12 @@ def test_auto_gate_drafts_on_confident_tokens_and_stops_on_doubtful_ones():
     assert [pol.keep_drafting(d, None, confidence=sure) for d in range(3)] == [True] * 3
     assert not pol.keep_drafting(3, None, confidence=doubtful)
     assert pol.bin_acceptance(0.97) > 0.9
-    fresh = AutoDepth(costs=(1.0, 1.7, 2.3, 2.9, 3.5), free_root=True)
+    fresh = AutoDepth(costs=(1.0, 1.7, 2.3, 2.9, 3.5), free_root=True, gate=True)
     fresh.planned_depth(4)
     assert not fresh.keep_drafting(0, None, confidence=doubtful)  # a doubtful token never pays at these costs
-    off = get_policy("auto:depth", (1.0, 1.7, 2.3, 2.9, 3.5))
+    off = get_policy("auto", (1.0, 1.7, 2.3, 2.9, 3.5))
     assert not off.uses_confidence and off.planned_depth(4) == 0  # the per-depth plan alone: prior 0.5 loses here
+    assert get_policy("auto:gate").uses_confidence
 
 
 def test_auto_gate_keeps_the_output_law_exact():
@@ -313,7 +314,7 @@ def test_auto_gate_keeps_the_output_law_exact():
     decisions = []
 
     def policy():
-        pol = AutoDepth(costs=(1.0, 1.5, 2.0, 2.5), free_root=True, prior_weight=0.5)
+        pol = AutoDepth(costs=(1.0, 1.5, 2.0, 2.5), free_root=True, gate=True, prior_weight=0.5)
         original = pol.keep_drafting
         pol.keep_drafting = lambda *a, **k: decisions.append(original(*a, **k)) or decisions[-1]
         return pol

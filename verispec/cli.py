@@ -159,7 +159,7 @@ def cmd_generate(args) -> int:
     if policy.name == "auto" and not isinstance(drafter, NoDrafter):
         from .backends.costs import auto_policy  # noqa: PLC0415
 
-        policy = auto_policy(target, drafter, "auto" if policy.gate else "auto:depth")
+        policy = auto_policy(target, drafter, "auto:gate" if policy.gate else "auto")
     tree = Tree.root_only() if isinstance(drafter, NoDrafter) else \
         Tree.parse(getattr(drafter, "default_tree", None) or "chain:5") if shape == "auto" else Tree.parse(shape)
     info(f"loaded in {time.perf_counter() - t:.1f}s; draft {drafter.name}, verifier {verifier.name}, policy "

@@ -59,9 +59,9 @@ _ROWS = [
     Method("default", DEFAULT_VERIFIER, "auto", "auto",
            "what 'verispec generate' does with no options: the default draft and its tuned tree, exact chain "
            "verification, the draft length chosen step by step from measured acceptance (policy auto)"),
-    Method("auto-depth", DEFAULT_VERIFIER, "auto:depth", "auto",
-           "the default without the confidence gate: the draft length planned before each step from per-depth "
-           "acceptance alone (the default before the gate; for comparisons)"),
+    Method("auto-gate", DEFAULT_VERIFIER, "auto:gate", "auto",
+           "the default plus the auto policy's confidence gate: each further token drafted only while the draft's "
+           "calibrated confidence in it makes it pay"),
     Method("hf-generate", None, "fixed", "none", "Hugging Face generate of the target (no draft)", peer="generate"),
     Method("hf-assisted", None, "fixed", "none",
            "Hugging Face assisted generation with the same draft (a model draft, or prompt lookup for ngram)",

@@ -292,7 +292,7 @@ class AutoDepth(_Defaults):
     continued linearly past the last entry. Every ``probe_every`` steps it drafts one depth more than its choice,
     so that a depth it stopped drafting keeps being measured and a draft that turns good is taken back up.
 
-    Within a step, a confidence gate decides each further depth from the draft's own confidence in the token it is
+    With ``gate`` (``auto:gate``), a confidence gate decides, within a step, each further depth from the draft's own confidence in the token it is
     about to propose (the drafter's ``confidence``: its top probability, or for prompt lookup the length and count
     of the match): it keeps, per confidence bin, the share of such tokens the target accepted (decayed counts, with
     the bin's own confidence as prior), and drafts one more depth while some horizon ``h`` of tokens at that acceptance,
@@ -311,7 +311,7 @@ class AutoDepth(_Defaults):
     prior_weight: float = 2.0
     decay: float = 0.98
     free_root: bool = False
-    gate: bool = True  # False: the per-depth plan alone decides (``auto:depth``, for comparisons)
+    gate: bool = False  # True: the confidence gate decides each further depth (``auto:gate``)
     bins: int = 8  # confidence bins of equal width on [0, 1]
     bin_decay: float = 0.995
     reached: list[float] = field(default_factory=list)
@@ -413,9 +413,10 @@ class AutoDepth(_Defaults):
 
 
 POLICIES = {
-    "auto": "draft as deep as pays on the text at hand (measured acceptance against the draft's step costs, and per "
-            "token the draft's confidence), down to plain decoding",
-    "auto:depth": "auto without the confidence gate: a depth planned before each step from per-depth acceptance",
+    "auto": "draft as deep as pays on the text at hand (measured acceptance against the draft's step costs), down "
+            "to plain decoding",
+    "auto:gate": "auto, plus a gate that drafts each further token only while the draft's confidence in it (calibrated "
+                 "online) makes it pay",
     "fixed": "draft the whole tree shape (fixed:G caps the depth at G)",
     "hf": "Hugging Face assisted generation defaults: 20 tokens, confidence stop 0.4 with ROC re-fit",
     "hf:heuristic": "Hugging Face's +2/-1 length schedule (start 20) with the confidence stop and ROC re-fit",
@@ -430,8 +431,8 @@ def get_policy(spec: str, costs: tuple[float, ...] | None = None, free_root: boo
     policy weighs depths by (default: ``GENERIC_COSTS``; drafters with measured ones carry them as ``step_costs``),
     ``free_root`` says its draft's first depth costs next to nothing (see ``AutoDepth``)."""
     name, _, arg = spec.partition(":")
-    if name == "auto" and arg in ("", "depth"):
-        return AutoDepth(costs or GENERIC_COSTS, free_root=free_root, gate=not arg)
+    if name == "auto" and arg in ("", "gate"):
+        return AutoDepth(costs or GENERIC_COSTS, free_root=free_root, gate=arg == "gate")
     if name == "fixed":
         if not arg:
             return Fixed()

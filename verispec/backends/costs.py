@@ -81,7 +81,7 @@ def step_costs(target, drafter) -> tuple[float, ...] | None:
 
 
 def auto_policy(target, drafter, spec: str = "auto"):
-    """The ``auto`` draft-length policy (``spec``: ``auto`` or ``auto:depth``) for this target and draft: their step
+    """The ``auto`` draft-length policy (``spec``: ``auto`` or ``auto:gate``) for this target and draft: their step
     costs, and whether the draft's first depth is free (then the confidence gate decides every step)."""
     from ..policies import get_policy  # noqa: PLC0415
 

@@ -138,7 +138,8 @@ class Drafter:
             gate = policy is not None and getattr(policy, "uses_confidence", False)
             if gate and not policy.keep_drafting(depth, None, confidence=self.confidence(frontier, logits)):
                 break  # decided before any vocabulary-sized work on the laws
-            logits = torch.where(alive[:, None], logits, torch.zeros_like(logits))
+            if not bool(alive.all()):
+                logits = torch.where(alive[:, None], logits, torch.zeros_like(logits))
             laws = logits_to_probs(logits, sampling)  # [F, V]
             soft = logits_to_probs(logits, Sampling(1.0)) if sampling.greedy else laws
             if policy is not None and not gate:

@@ -64,4 +64,16 @@ def chain_verdict(accepted: torch.Tensor, p: torch.Tensor, fallback: torch.Tenso
 @register("chain", exact=True, note="chain speculative sampling (Leviathan/Chen 2023)", chain_only=True,
           position_rule=exact_rule)
 def chain(draft, p, rng) -> Verdict:
-    return walk_chain(draft, p, rng, exact_rule)
+    """``walk_chain`` with ``exact_rule``, computed where it is used: the acceptance ratio at the drafted tokens
+    only, the residual only at the first rejection (the same coins, the same laws; O(g + V) instead of O(g V), which
+    matters at a 262k vocabulary)."""
+    g = draft.num_drafted
+    if g == 0:
+        return Verdict((), int(rng.categorical(p[0])), ())
+    x, laws = chain_laws(draft)
+    px = p[:g].gather(1, x[:, None]).squeeze(1).double()
+    qx = laws.gather(1, x[:, None]).squeeze(1).double()
+    accepted = rng.bernoulli(torch.where(qx > 0, px / qx.clamp_min(1e-300), torch.zeros_like(px)).clamp(max=1.0))
+    n = int(accepted.long().cumprod(0).sum())
+    token = rng.categorical(p[g]) if n == g else rng.categorical(residual(p[n].double(), laws[n].double()))
+    return Verdict(tuple(range(1, n + 1)), int(token), (1,) * min(n + 1, g))
