@@ -156,10 +156,10 @@ def cmd_generate(args) -> int:
     info(f"loading target {args.target} ({args.backend}) ...")
     target = load(args.target, dtype=args.dtype, backend=args.backend, threads=args.threads)
     drafter = build_drafter(draft, target, dtype=args.dtype)
-    if policy.name == "auto" and not isinstance(drafter, NoDrafter):
+    if policy.name in ("auto", "auto:gate") and not isinstance(drafter, NoDrafter):
         from .backends.costs import auto_policy  # noqa: PLC0415
 
-        policy = auto_policy(target, drafter, "auto:gate" if policy.gate else "auto")
+        policy = auto_policy(target, drafter, policy.name)
     tree = Tree.root_only() if isinstance(drafter, NoDrafter) else \
         Tree.parse(getattr(drafter, "default_tree", None) or "chain:5") if shape == "auto" else Tree.parse(shape)
     info(f"loaded in {time.perf_counter() - t:.1f}s; draft {drafter.name}, verifier {verifier.name}, policy "

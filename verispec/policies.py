@@ -319,7 +319,10 @@ class AutoDepth(_Defaults):
     bin_reached: list[float] = field(default_factory=list)
     bin_accepted: list[float] = field(default_factory=list)
     steps: int = 0
-    name = "auto"
+
+    @property
+    def name(self) -> str:
+        return "auto:gate" if self.gate else "auto"
 
     @property
     def uses_confidence(self) -> bool:  # the drafter passes its confidence to keep_drafting

@@ -28,7 +28,8 @@ import math
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
-from ..methods import resolve_method
+from ..errors import VerispecError
+from ..methods import Method, resolve_method
 from ..metrics import mean_accepted_length, per_candidate_acceptance
 from ..tree import Tree
 from .records import NO_DRAFT, Results, cell_id, contended
@@ -72,7 +73,7 @@ class Row:
 
     @property
     def tree(self) -> str:
-        return resolve_method(self.method).shape
+        return _method(self.method).shape
 
     def show(self, metric: str, spec: str = ".2f", suffix: str = "") -> str:
         """``estimate [low, high]`` of a metric."""
@@ -334,9 +335,18 @@ def table_verifiers_by_category(rows: list[Row]) -> str:
     return markdown(head, body)
 
 
+def _method(name: str) -> Method:
+    """The method a record names; one an older version registered and this one does not still reports, as a method
+    whose tree was chosen when it ran."""
+    try:
+        return resolve_method(name)
+    except VerispecError:
+        return Method(name, None, "?", "auto", "not registered in this version of verispec")
+
+
 def _shaped(r: Row) -> bool:
     """Rows of methods with a fixed tree (not plain decoding, a peer, or a tree chosen per draft)."""
-    m = resolve_method(r.method)
+    m = _method(r.method)
     return m.peer is None and m.shape not in ("none", "auto")
 
 
