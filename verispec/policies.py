@@ -292,12 +292,13 @@ class AutoDepth(_Defaults):
     continued linearly past the last entry. Every ``probe_every`` steps it drafts one depth more than its choice,
     so that a depth it stopped drafting keeps being measured and a draft that turns good is taken back up.
 
-    With ``gate`` (``auto:gate``), a confidence gate decides, within a step, each further depth from the draft's own confidence in the token it is
-    about to propose (the drafter's ``confidence``: its top probability, or for prompt lookup the length and count
-    of the match): it keeps, per confidence bin, the share of such tokens the target accepted (decayed counts, with
-    the bin's own confidence as prior), and drafts one more depth while some horizon ``h`` of tokens at that acceptance,
-    ``(E + P (a + a^2 + ... + a^h)) / costs[d + h]``, beats stopping now, ``E / costs[d]`` (``E`` expected tokens so
-    far, ``P`` the chance of reaching the node). The per-depth plan above only decides whether to start drafting
+    With ``gate`` (``auto:gate``), a confidence gate decides, within a step, each further depth from the draft's own
+    confidence in the token it is about to propose (the drafter's ``confidence``: its top probability, or for prompt
+    lookup the length and count of the match): it keeps, per confidence bin, the share of such tokens the target
+    accepted (decayed counts, with the bin's own confidence as prior), and drafts one more depth while some horizon
+    ``h`` of tokens at that acceptance, ``(E + P (a + a^2 + ... + a^h)) / costs[d + h]``, beats stopping now,
+    ``E / costs[d]`` (``E`` expected tokens so far, ``P`` the chance of reaching the node). Measured no faster than
+    the plan alone on either engine (docs/findings.md), so it is opt-in. The per-depth plan above only decides whether to start drafting
     at all (a depth of 0 skips the draft's first forward); with ``free_root`` (a draft whose first depth costs next
     to nothing, such as prompt lookup) every step starts and the gate alone decides. Probe steps bypass the gate.
 
