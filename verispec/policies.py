@@ -297,10 +297,11 @@ class AutoDepth(_Defaults):
     lookup the length and count of the match): it keeps, per confidence bin, the share of such tokens the target
     accepted (decayed counts, with the bin's own confidence as prior), and drafts one more depth while some horizon
     ``h`` of tokens at that acceptance, ``(E + P (a + a^2 + ... + a^h)) / costs[d + h]``, beats stopping now,
-    ``E / costs[d]`` (``E`` expected tokens so far, ``P`` the chance of reaching the node). Measured no faster than
-    the plan alone on either engine (docs/findings.md), so it is opt-in. The per-depth plan above only decides whether to start drafting
-    at all (a depth of 0 skips the draft's first forward); with ``free_root`` (a draft whose first depth costs next
-    to nothing, such as prompt lookup) every step starts and the gate alone decides. Probe steps bypass the gate.
+    ``E / costs[d]`` (``E`` expected tokens so far, ``P`` the chance of reaching the node). The per-depth plan above
+    then only decides whether to start drafting at all (a depth of 0 skips the draft's first forward); with
+    ``free_root`` (a draft whose first depth costs next to nothing, such as prompt lookup) every step starts and the
+    gate alone decides. Probe steps bypass the gate. Measured no faster than the plan alone on either engine
+    (docs/findings.md), so it is opt-in.
 
     It decides lengths only, from the draft and past outcomes, so the output law is the verifier's, exactly. Costs
     are fixed numbers rather than live timings, so the same seed gives the same text. When drafting is a loss it

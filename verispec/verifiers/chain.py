@@ -18,11 +18,15 @@ from ..probs import residual
 from .base import PositionRule, Verdict, first_child_law, register
 
 
+def accept_ratio(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``min(1, p / q)`` elementwise, 0 where ``q = 0`` (a token the draft cannot propose), in float64."""
+    p, q = p.double(), q.double()
+    return torch.where(q > 0, p / q.clamp_min(1e-300), torch.zeros_like(p)).clamp(max=1.0)
+
+
 def exact_rule(p: torch.Tensor, q: torch.Tensor, state=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position: accept ``x`` with ``min(1, p(x) / q(x))``, fall back to ``norm((p - q)_+)``."""
-    p, q = p.double(), q.double()
-    accept = torch.where(q > 0, p / q.clamp_min(1e-300), torch.zeros_like(p)).clamp(max=1.0)
-    return accept, residual(p, q)
+    return accept_ratio(p, q), residual(p.double(), q.double())
 
 
 def position_law(rule: PositionRule, p: torch.Tensor, q: torch.Tensor, state=None) -> torch.Tensor:
@@ -47,17 +51,18 @@ def walk_chain(draft, p: torch.Tensor, rng, rule: PositionRule, state=None) -> V
         return Verdict((), int(rng.categorical(p[0])), ())
     x, laws = chain_laws(draft)
     accept, fallback = rule(p[:g], laws, state)
-    return chain_verdict(rng.bernoulli(accept.gather(1, x[:, None]).squeeze(1)), p, fallback, rng)
+    return chain_verdict(rng.bernoulli(accept.gather(1, x[:, None]).squeeze(1)), p, fallback.__getitem__, rng)
 
 
-def chain_verdict(accepted: torch.Tensor, p: torch.Tensor, fallback: torch.Tensor, rng, feedback=()) -> Verdict:
+def chain_verdict(accepted: torch.Tensor, p: torch.Tensor, fallback, rng, feedback=()) -> Verdict:
     """End a chain step from its per-position decisions ``accepted [g]``: keep the accepted prefix, then
-    draw the recovered token from ``fallback`` at the first rejection, or the bonus token from ``p``."""
+    draw the recovered token from ``fallback(i)`` (the law at position i) at the first rejection, or the bonus
+    token from ``p``."""
     g = accepted.numel()
     n = int(accepted.long().cumprod(0).sum())  # number accepted before the first rejection
     path = tuple(range(1, n + 1))
     tested = (1,) * min(n + 1, g)
-    token = rng.categorical(p[g]) if n == g else rng.categorical(fallback[n])
+    token = rng.categorical(p[g]) if n == g else rng.categorical(fallback(n))
     return Verdict(path, int(token), tested, feedback)
 
 
@@ -71,9 +76,5 @@ def chain(draft, p, rng) -> Verdict:
     if g == 0:
         return Verdict((), int(rng.categorical(p[0])), ())
     x, laws = chain_laws(draft)
-    px = p[:g].gather(1, x[:, None]).squeeze(1).double()
-    qx = laws.gather(1, x[:, None]).squeeze(1).double()
-    accepted = rng.bernoulli(torch.where(qx > 0, px / qx.clamp_min(1e-300), torch.zeros_like(px)).clamp(max=1.0))
-    n = int(accepted.long().cumprod(0).sum())
-    token = rng.categorical(p[g]) if n == g else rng.categorical(residual(p[n].double(), laws[n].double()))
-    return Verdict(tuple(range(1, n + 1)), int(token), (1,) * min(n + 1, g))
+    accepted = rng.bernoulli(accept_ratio(p[:g].gather(1, x[:, None]), laws.gather(1, x[:, None])).squeeze(1))
+    return chain_verdict(accepted, p, lambda i: residual(p[i].double(), laws[i].double()), rng)

@@ -162,7 +162,7 @@ def adasd(draft, p, rng, state: AdaSDState) -> Verdict:
     accepted = lossless | rng.bernoulli(b)
     tested = min(int(accepted.long().cumprod(0).sum()) + 1, g)
     feedback = tuple((float(d[i]), bool(lossless[i])) for i in range(tested) if EDGE < d[i] < 1 - EDGE)
-    return chain_verdict(accepted, p, fallback, rng, feedback)
+    return chain_verdict(accepted, p, fallback.__getitem__, rng, feedback)
 
 
 # ---------------------------------------------------------------- fixed-threshold rules (fall back to p)
