@@ -25,7 +25,8 @@ history, which the later laws condition on). The accept coins are fresh. The aud
 Never below ``specinfer``: when ``p`` is close to ``q`` the top order statistic's law is far from ``p`` and priority
 testing accepts less than testing in draw order. So each node chooses, from ``(p, q, k)`` alone (which keeps it
 exact), between plans "priority-test the first m drawn candidates, then test the rest in draw order" for
-m = 1..k (m = 1 is ``specinfer``), by a guaranteed acceptance: ``specinfer``'s in closed form, and for m >= 2 the
+m in ``verispec.verifiers.reserve.horizons(k)`` (every m up to 4, then about 1.5 times the last; m = 1 is
+``specinfer``), by a guaranteed acceptance: ``specinfer``'s in closed form, and for m >= 2 the
 priority stages' exact acceptance when their histories are few (``exact_acceptance``), else a lower bound that
 costs one pass over the vocabulary (``lower_bound``). The chosen plan therefore never accepts less than
 ``specinfer``; with exact acceptances (small supports) it also never accepts less with an extra candidate. On a tree
@@ -137,14 +138,14 @@ def guaranteed(s: _Sorted, m: int) -> float:
 def best_prefix(p: torch.Tensor, q: torch.Tensor, k: int, limit: int | None = None) -> tuple[int, _Sorted]:
     """How many of the first drawn candidates to priority-test (1 = none: ``specinfer``; at most ``limit``), and the
     sorted laws."""
-    from .reserve import stage_plan  # noqa: PLC0415
+    from .reserve import horizons, stage_plan  # noqa: PLC0415
 
     s = _Sorted(p, q)
     key = (p.double().numpy().tobytes(), q.double().numpy().tobytes(), k, limit) if p.numel() <= 64 else None
     if key is not None and key in _MEMO:  # the audit replays a node's rule once per enumerated outcome
         return _MEMO[key], s
     best, best_value = 1, sum(stage_plan(p, q, k, 1)[0])
-    for m in range(2, min(k, limit or k) + 1):
+    for m in horizons(min(k, limit or k))[1:]:
         value = guaranteed(s, m)
         if value > best_value + 1e-12:
             best, best_value = m, value
