@@ -112,3 +112,18 @@ def test_ngram_confidence_grows_with_the_length_and_count_of_the_match():
     unigram = root_confidence([7, 8, 9, 6, 5, 9])  # only "9" matches, followed by 6 once
     assert repeated == 1.0 and 0 < unigram < once < repeated
     assert d._root_logits([1, 2, 3, 4]) is None  # no match: no draft at all
+
+
+def test_greedy_drafts_skip_the_temperature_one_laws_only_for_policies_that_never_read_them():
+    from verispec.policies import AdaEDL, AutoDepth, Fixed
+
+    context = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    drafts = {}
+    for name, policy in (("fixed", Fixed()), ("auto", AutoDepth()), ("adaedl", AdaEDL(lam=0.0))):
+        d = NgramDrafter(vocab_size=10, max_n=3).propose(context, Tree.chain(3), Sampling(0.0), "iid",
+                                                         TorchRandomness(0), policy)
+        drafts[name] = d
+    assert drafts["fixed"].soft_q is None and drafts["auto"].soft_q is None
+    assert drafts["adaedl"].soft_q is not None  # AdaEDL judges the temperature-1 laws
+    assert drafts["fixed"].tokens.tolist() == drafts["adaedl"].tokens.tolist() == [2, 3, 4, 1]
+    assert torch.equal(drafts["fixed"].q, drafts["adaedl"].q)

@@ -43,3 +43,16 @@ def test_residual():
     q = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)
     assert residual(p, q).tolist() == pytest.approx([0, 0, 1])
     assert residual(p, p).tolist() == pytest.approx(p.tolist())  # no mass: fall back to p
+
+
+def test_argmax_and_point_mass_match_torch_including_ties():
+    from verispec.probs import argmax, point_mass
+
+    x = torch.tensor([[0.0, 2.0, 2.0, -1.0], [float("-inf"), -3.0, -3.0, -5.0]])
+    assert argmax(x).tolist() == x.argmax(-1).tolist() == [1, 1]
+    assert argmax(x.double()).tolist() == [1, 1]
+    big = torch.randn(3, 262144, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(argmax(big), big.argmax(-1))
+    assert torch.equal(point_mass(argmax(big), big.shape[-1], big.dtype),
+                       torch.nn.functional.one_hot(big.argmax(-1), big.shape[-1]).float())
+    assert torch.equal(logits_to_probs(big, Sampling(0.0)).argmax(-1), big.argmax(-1))

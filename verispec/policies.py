@@ -28,6 +28,10 @@ class Policy(Protocol):
       the frontier nodes' own tokens were drawn from and ``last [F]`` their probabilities under those laws (both
       ``None`` at depth 0);
     * ``update(feedback)``: after each step, with what verification said (``Feedback``).
+
+    A policy whose ``reads_laws`` is False (optional, True by default) promises never to look at the laws
+    ``keep_drafting`` receives or at ``Feedback.entropy`` / ``confidence``; a greedy draft then skips the temperature-1
+    softmax over the vocabulary it would otherwise compute for it at every depth.
     """
 
     name: str
@@ -119,6 +123,8 @@ def roc_threshold(scores: torch.Tensor, positive: torch.Tensor, fn_weight: float
 class _Defaults:
     """The protocol's defaults: no plan before drafting, keep drafting, learn nothing."""
 
+    reads_laws = True
+
     def planned_depth(self, limit: int) -> int:
         return limit
 
@@ -135,6 +141,7 @@ class Fixed(_Defaults):
 
     length: int | None = None
     name = "fixed"
+    reads_laws = False
 
     def planned_depth(self, limit: int) -> int:
         return limit if self.length is None else min(limit, self.length)
@@ -313,6 +320,7 @@ class AutoDepth(_Defaults):
     prior_weight: float = 2.0
     decay: float = 0.98
     free_root: bool = False
+    reads_laws = False  # the plan reads acceptance and costs; the gate, the drafter's confidence
     gate: bool = False  # True: the confidence gate decides each further depth (``auto:gate``)
     bins: int = 8  # confidence bins of equal width on [0, 1]
     bin_decay: float = 0.995

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .errors import VerispecError
@@ -39,6 +40,20 @@ class Sampling:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)``: the first maximal index of each row (NaN counts as maximal, as in torch). On the CPU through
+    numpy, about 10x faster than torch's at a 262k vocabulary on this machine; the same indices."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and not x.requires_grad:
+        return torch.from_numpy(np.asarray(np.argmax(x.contiguous().numpy(), axis=-1)))
+    return x.argmax(-1)
+
+
+def point_mass(index: torch.Tensor, size: int, dtype: torch.dtype) -> torch.Tensor:
+    """One-hot rows ``[..., size]`` at ``index`` (cheaper than ``one_hot(...).to(dtype)``: no int64 matrix)."""
+    out = torch.zeros((*index.shape, size), dtype=dtype)
+    return out.scatter_(-1, index.unsqueeze(-1), 1.0)
 
 
 def check_finite(logits: torch.Tensor, what: str = "logits", allow_masked: bool = False) -> None:
@@ -75,7 +90,7 @@ def logits_to_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     check_finite(logits, allow_masked=True)
     x = logits if logits.dtype == torch.float64 else logits.float()
     if sampling.greedy:
-        return torch.nn.functional.one_hot(x.argmax(-1), x.shape[-1]).to(x.dtype)
+        return point_mass(argmax(x), x.shape[-1], x.dtype)
     x = x / sampling.temperature
     if sampling.top_k and sampling.top_k < x.shape[-1]:
         kth = torch.topk(x, sampling.top_k, dim=-1).values[..., -1:]

@@ -17,6 +17,8 @@ from typing import Callable, Protocol, TypeVar
 
 import torch
 
+from .probs import argmax
+
 T = TypeVar("T")
 
 
@@ -40,10 +42,16 @@ class TorchRandomness:
         return self.uniform(probs.shape) < probs.double().cpu()
 
     def categorical(self, probs: torch.Tensor) -> torch.Tensor:
-        probs = probs.double().cpu()
+        u = self.uniform(probs.shape[:-1] + (1,))
+        probs = probs.cpu()
+        if probs.is_floating_point() and bool((probs.amax(-1).double() == probs.sum(-1, dtype=torch.float64)).all()):
+            # every row a point mass (greedy; the float64 sum sees any other mass the float64 CDF would): inverse-CDF
+            # sampling returns its index whatever u is. Two reductions instead of a float64 cumulative sum over
+            # the vocabulary; u is still drawn, so the stream of later draws is unchanged
+            return argmax(probs)
+        probs = probs.double()
         cdf = torch.cumsum(probs, dim=-1)
-        u = self.uniform(probs.shape[:-1] + (1,)) * cdf[..., -1:]
-        idx = torch.searchsorted(cdf, u, right=True).squeeze(-1)
+        idx = torch.searchsorted(cdf, u * cdf[..., -1:], right=True).squeeze(-1)
         return idx.clamp_max(probs.shape[-1] - 1)
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import VerispecError
-from ..probs import Sampling, logits_to_probs
+from ..probs import Sampling, argmax, logits_to_probs
 from ..rng import Randomness
 from ..tree import DynamicTree, Tree
 
@@ -141,8 +141,14 @@ class Drafter:
             if not bool(alive.all()):
                 logits = torch.where(alive[:, None], logits, torch.zeros_like(logits))
             laws = logits_to_probs(logits, sampling)  # [F, V]
-            soft = logits_to_probs(logits, Sampling(1.0)) if sampling.greedy else laws
-            if policy is not None and not gate:
+            reads = policy is None or getattr(policy, "reads_laws", True)
+            # greedy: the temperature-1 laws, for policies that judge confidence (and Feedback); a softmax over the
+            # vocabulary per depth, skipped for those that never look
+            soft = (logits_to_probs(logits, Sampling(1.0)) if reads else None) if sampling.greedy else laws
+            if policy is not None and not gate and not reads:
+                if not policy.keep_drafting(depth, None):
+                    break
+            elif policy is not None and not gate:
                 rows = g.soft_rows if sampling.greedy else g.q_rows
                 drawn = None if depth == 0 else torch.stack([rows[g.parents[n]] for n in frontier])
                 last = None if drawn is None else drawn.gather(1, torch.tensor([[g.tokens[n]] for n in frontier]))[:, 0]
@@ -155,7 +161,7 @@ class Drafter:
                     continue
                 q = laws[row]
                 g.q_rows[node] = q
-                if sampling.greedy:
+                if soft is not None and sampling.greedy:
                     g.soft_rows[node] = soft[row]
                 xs, probs = _draw_children(q, logits[row], k, children, rng)
                 for rank, (x, cp) in enumerate(zip(xs, probs)):
@@ -266,7 +272,7 @@ def _draw_children(q: torch.Tensor, logits: torch.Tensor, k: int, mode: str, rng
         return xs, probs
     # topk: deterministic, from the raw logits so that it does not depend on temperature
     if k == 1:  # a row that gets children has a finite entry; argmax is its first maximum
-        return [int(logits.argmax())], [1.0]
+        return [int(argmax(logits))], [1.0]
     finite = int(torch.isfinite(logits).sum())
     xs = torch.topk(logits, min(k, finite)).indices.tolist()
     return xs, [1.0] * len(xs)

@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import torch
 
+from ..probs import argmax, point_mass
 from .base import NodeOutcome, register_node_rule
 
 
 def _greedy_rule(draft, node, p, rng):
-    best = int(p.argmax())
+    best = int(argmax(p))
     kids = draft.tree.children[node]
     for rank, child in enumerate(kids):
         if int(draft.tokens[child]) == best:
             return NodeOutcome(rank, None, rank + 1)
-    return NodeOutcome(None, torch.nn.functional.one_hot(torch.tensor(best), p.numel()).to(p.dtype), len(kids))
+    return NodeOutcome(None, point_mass(torch.tensor(best), p.numel(), p.dtype), len(kids))
 
 
 register_node_rule("greedy", _greedy_rule, exact=True, greedy_only=True,
