@@ -36,8 +36,7 @@ from verispec.bench.stats import fmt
 
 TABLE1_VERIFIERS = ["specinfer", "resispec", "swor", "reserve", "topk"]
 ISO_TREES = ["30x1", "5x2", "2x4", "6,1,1,1,1", "3,1,1,1,1,1,1,1,1,1"]  # 30 drafted nodes each
-WIDTH_TREES = ["1x3", "2x3", "3x3", "4x3"]  # N candidates per node, depth 3
-TREE_VERIFIERS = ["specinfer", "resispec", "reserve"]
+WIDTH_TREES = ["1x3", "2x3", "3x3", "4x3"]  # N candidates per node, depth 3 (3x3 is the shadow run's tree)
 
 # plain decoding with the stock linear kernel and with verispec's (see verispec.models.use_tall_skinny_linear)
 KERNEL = ["--methods", "hf-generate", "ar", "--drafts", "none", "--datasets", "spec-bench", "--limit", "1",
@@ -54,9 +53,6 @@ RUNS = {
     "table1": ["--methods", "ar", *[f"{v}@3x5" for v in TABLE1_VERIFIERS], "--drafts", "int8",
                "--datasets", "spec-bench:summarization,qa,translation", "--limit", "2", "--temperatures", "0.6", "1.0",
                "--max-new-tokens", "32", "--audit-cases", "100"],
-    "trees": ["--methods", "ar", *[f"{v}@{t}" for t in WIDTH_TREES + ISO_TREES for v in TREE_VERIFIERS],
-              "--drafts", "int8", "--datasets", "spec-bench:summarization,qa,translation", "--limit", "1",
-              "--temperatures", "1.0", "--max-new-tokens", "32"],
 }
 
 
@@ -95,6 +91,14 @@ def shadow_run() -> list[str]:
             "--max-new-tokens", "64"]
 
 
+def shadow_trees_run(trees: list[str], temperatures: tuple[str, ...] = ("0.6", "1.0")) -> list[str]:
+    """Trees compared with the shadow verifiers on the same prompts as the shadow run (each tree drives its own
+    trajectory with specinfer; the verifiers are compared on that tree's steps)."""
+    return ["--methods", *[f"specinfer@{t}" for t in trees], "--shadow", *SHADOWS, "--shadow-seeds", "2",
+            "--drafts", "int8", "--datasets", "spec-bench:summarization,qa,translation", "--limit", "10",
+            "--temperatures", *temperatures, "--max-new-tokens", "64"]
+
+
 def llama_run(target: str) -> list[str]:
     """The llama.cpp backend: verispec's loop on llama.cpp's own logits, against llama.cpp's decoding."""
     return ["--target", target, "--backend", "llama", "--methods", "llama-cpp", "llama-cpp-lookup", "ar", "default",
@@ -118,6 +122,10 @@ def gate_names(res: Results) -> str:
 
 HEAD_RUNS = {"speed": speed_run, "table2": table2_run, "shadow": shadow_run}  # need the shipped draft head
 RUNS["gate"] = gate_run()
+# ResiSpec Table 3 shape, at T = 1 only (a cell costs ~30 s here), in two runs that can share the two cores
+TOPOLOGY_RUNS = {"topologies": ISO_TREES[:3], "topologies_chains": ISO_TREES[3:]}
+RUNS.update({name: shadow_trees_run(trees, ("1.0",)) for name, trees in TOPOLOGY_RUNS.items()})
+RUNS["width"] = shadow_trees_run([t for t in WIDTH_TREES if t != SHADOW_TREE])  # Table 5 shape, with the shadow run
 LLAMA_RUNS = {"llama_smollm2": lambda: llama_run("smollm2-135m"),  # need llama-cpp-python (verispec[llama])
               "llama_gemma3": lambda: llama_run("gemma3-270m")}
 
@@ -278,16 +286,27 @@ def head_section(figs: Path) -> list[str]:
     return out
 
 
+SHARE_HEAD = ("Share of `resispec`'s extra accepted length over `specinfer` that each exact rule achieves "
+              "((L_exact - L_specinfer) / (L_resispec - L_specinfer), bootstrap over prompts):")
+
+
+def share_table(*runs: Results) -> str:
+    """Per (T, draft, tree): the share of resispec's gain each exact shadow achieves, with its interval."""
+    from verispec.bench.report import markdown
+
+    body = []
+    for res in runs:
+        for name in ("reserve", "ordered", "traversal"):
+            for (t, draft, method, _), val in share_of_bias_gain(res, name).items():
+                body.append(((t, draft, method.partition("@")[2]), name, val))
+    body.sort(key=lambda x: (x[0][0], x[0][1], x[0][2], x[1]))
+    return markdown(["T", "draft", "tree", "exact rule", "share of resispec's gain"],
+                    [[f"{k[0]:g}", k[1], k[2], name, fmt(*v, ".2f")] for k, name, v in body])
+
+
 def shadow_section(res: Results) -> list[str]:
     rows = shadow_summary(res)
     cats = [r for r in shadow_summary(res, by_category=True)]
-    share = {}
-    for name in ("reserve", "ordered", "traversal"):
-        for key, val in share_of_bias_gain(res, name).items():
-            share[(key, name)] = val
-    from verispec.bench.report import markdown
-
-    body = [[f"{k[0]:g}", k[1], name, fmt(*v, ".2f")] for (k, name), v in sorted(share.items(), key=lambda x: str(x))]
     return ["## Verifiers on the same steps: shadow verification (ResiSpec Table 1 and Figure 1 shapes)", "",
             f"Run: {res.describe()}", "",
             f"One exact verifier (`specinfer`, tree `{SHADOW_TREE}`, children i.i.d.) drives the text; at every step "
@@ -296,10 +315,39 @@ def shadow_section(res: Results) -> list[str]:
             "rule emits the target's law), so paired per-step differences measure the difference in acceptance "
             "with far less noise than separate runs (docs/algorithms.md). `resispec` is not exact: its row measures "
             "its acceptance on the target's own states. Intervals: 95 %, over prompts.", "",
-            table_shadow(rows), "", "By category:", "", table_shadow(cats), "",
-            "Share of `resispec`'s extra accepted length over `specinfer` that each exact rule achieves "
-            "((L_exact - L_specinfer) / (L_resispec - L_specinfer), bootstrap over prompts):", "",
-            markdown(["T", "draft", "exact rule", "share of resispec's gain"], body), ""]
+            table_shadow(rows), "", "By category:", "", table_shadow(cats), "", SHARE_HEAD, "", share_table(res), ""]
+
+
+def trees_section(figs: Path) -> list[str]:
+    """ResiSpec Table 3 and Table 5 shapes from the shadow runs over trees (the 3 x 3 width point is the shadow
+    run's int8 cells: the same prompts, draft and settings)."""
+    out = []
+    runs = [Results.load(path(name)) for name in TOPOLOGY_RUNS if path(name).exists()]
+    if runs:
+        rows = [r for res in runs for r in shadow_summary(res)]
+        out += ["## Tree topologies at equal verification cost (ResiSpec Table 3 shape)", "",
+                "Runs: " + "; ".join(res.describe() for res in runs), "",
+                "Every tree has 30 drafted nodes, so every step costs one target forward over 31 positions. "
+                "Each tree drives its own text with `specinfer` (children i.i.d.); the other verifiers are shadows "
+                "on that tree's steps, so the columns of one row are paired, while rows (trees) are separate runs "
+                "on the same 30 prompts. Accepted length with its 95 % interval over prompts; the last columns are "
+                "the paired per-step differences from `specinfer`.", "",
+                table_trees(rows), "", SHARE_HEAD, "", share_table(*runs), ""]
+    if path("width").exists():
+        res = Results.load(path("width"))
+        rows = shadow_summary(res)
+        sources = res.describe()
+        if path("shadow").exists():
+            shadow = Results.load(path("shadow"))
+            rows += [r for r in shadow_summary(shadow) if r.draft in res.header["config"]["drafts"]]
+            sources += f"; N = 3 from the shadow run, {shadow.describe()}"
+        out += ["## Accepted length as the number of candidates grows (ResiSpec Table 5 shape)", "",
+                f"Runs: {sources}", "",
+                "Complete trees N x 3 (N i.i.d. candidates at every node, depth 3), each driven by `specinfer` with "
+                "the other verifiers as shadows on its steps; eta is the gain in mean accepted length per extra "
+                "candidate between successive N (from the means; the intervals are those of the lengths).", "",
+                table_trees(rows), "", table_width(rows), "", fig(width(sources, figs / "width.png", rows)), ""]
+    return out
 
 
 def llama_section(res: Results, model: str) -> list[str]:
@@ -383,6 +431,7 @@ def render() -> str:
     out += head_section(figs)
     if path("shadow").exists():
         out += shadow_section(Results.load(path("shadow")))
+    out += trees_section(figs)
     for name, model in (("llama_smollm2", "SmolLM2-135M-Instruct (Q4_1)"), ("llama_gemma3", "Gemma 3 270M (Q4_K_M)")):
         if path(name).exists():
             out += llama_section(Results.load(path(name)), model)
@@ -451,17 +500,6 @@ def render() -> str:
             "and accept/reject outcome enumerated in float64), so bias cannot hide in sampling noise.", "",
             table_audit(res.audits), ""]
 
-    res = Results.load(path("trees"))
-    rows = summarize(res)
-    iso = [r for r in rows if r.method == "ar" or r.tree in ISO_TREES]
-    width_rows = [r for r in rows if r.method == "ar" or r.tree in WIDTH_TREES]
-    out += ["## Tree topologies at equal verification cost (ResiSpec Table 3 shape)", "", f"Run: {res.describe()}", "",
-            "Every tree has 30 drafted nodes, so every step costs one target forward over 31 positions.", "",
-            table_trees(iso), "",
-            "## Accepted length as the number of candidates grows (ResiSpec Table 5 shape)", "",
-            "Complete trees N x 3 (N candidates at every node, depth 3); eta is the gain in accepted length per "
-            "extra candidate between successive N.", "",
-            table_width(width_rows), "", fig(width(res, figs / "width.png", width_rows)), ""]
     return "\n".join(out)
 
 

@@ -160,6 +160,12 @@ def test_shadow_rows_and_paired_differences_from_hand_written_records(tmp_path):
     (est, low, high), = share_of_bias_gain(res, "reserve").values()
     assert est == pytest.approx(0.375) and low <= est <= high
     assert "minus specinfer (paired)" in report(res)
+    from verispec.bench.report import table_trees, table_width
+
+    trees = table_trees(shadow_summary(res))  # one row per tree: each verifier's length, paired differences
+    assert "| T | draft | tree | nodes | specinfer L | reserve L | resispec L | reserve - specinfer |" in trees
+    assert "| 0.6 | d | 2x2 | 6 | 2.00 [" in trees and "+0.375 [" in trees
+    assert table_width(shadow_summary(res)).count("\n") == 1  # one width only: no series to show
 
 
 def test_eta_from_hand_written_width_records(tmp_path):

@@ -9,7 +9,7 @@ import textwrap
 from pathlib import Path
 
 from .records import NO_DRAFT, Results
-from .report import Row, summarize, width_series
+from .report import Row, ShadowRow, summarize, width_series
 
 
 def _pyplot():
@@ -25,8 +25,10 @@ def _label(r: Row) -> str:
     return r.method if r.draft == NO_DRAFT else f"{r.method} ({r.draft})"
 
 
-def _finish(fig, res: Results, path: Path) -> Path:
-    caption = "\n".join(textwrap.wrap("Source: " + res.describe().replace("`", ""), 150))
+def _finish(fig, res: Results | str, path: Path) -> Path:
+    """Caption the figure with its source (a results file, or the description of several) and save it."""
+    source = res if isinstance(res, str) else res.describe()
+    caption = "\n".join(textwrap.wrap("Source: " + source.replace("`", ""), 150))
     fig.text(0.01, 0.005, caption, fontsize=6, va="bottom", ha="left", color="0.35")
     fig.tight_layout(rect=(0, 0.03 + 0.012 * caption.count("\n"), 1, 1))
     fig.savefig(path, dpi=120)
@@ -55,16 +57,21 @@ def per_candidate(res: Results, path: Path, rows: list[Row]) -> Path | None:
     return _finish(fig, res, path)
 
 
-def width(res: Results, path: Path, rows: list[Row]) -> Path | None:
+def width(res: Results | str, path: Path, rows: list[Row] | list[ShadowRow]) -> Path | None:
+    """Accepted length against the width N of complete trees, with 95 % intervals where the rows have them."""
     series = {k: v for k, v in width_series(rows).items() if len(v) > 1}
     if not series:
         return None
     fig, ax = _panels(sorted({k[0] for k in series}))
     for (t, draft, v, depth), pts in series.items():
-        ax[t].plot([n for n, _, _ in pts], [length for _, _, length in pts], marker="o",
-                   label=f"{v}, {draft} (depth {depth})")
+        ls = [r.mean_accepted_length for _, _, r in pts]
+        cis = [r.ci if isinstance(r, ShadowRow) else r.ci.get("mean_accepted_length", (math.nan, math.nan))
+               for _, _, r in pts]
+        err = [[max(x - lo, 0) if lo == lo else 0 for x, (lo, _) in zip(ls, cis)],
+               [max(hi - x, 0) if hi == hi else 0 for x, (_, hi) in zip(ls, cis)]]
+        ax[t].errorbar([n for n, _, _ in pts], ls, yerr=err, marker="o", capsize=3, label=f"{v}, {draft} (depth {depth})")
     for t, a in ax.items():
-        a.set(title=f"T = {t:g}", xlabel="candidates per node N", ylabel="mean accepted length")
+        a.set(title=f"T = {t:g}", xlabel="candidates per node N", ylabel="mean accepted length (95 % interval)")
         a.xaxis.get_major_locator().set_params(integer=True)
         a.legend(fontsize=7)
     return _finish(fig, res, path)

@@ -205,6 +205,16 @@ class ShadowRow:
     diff_ci: tuple[float, float] = (NAN, NAN)
     reference: str = ""
 
+    @property
+    def tree(self) -> str:
+        """The driver's tree (every shadow verifies the driver's drafts)."""
+        return _method(self.method).shape
+
+    def show(self, metric: str, spec: str = ".2f", suffix: str = "") -> str:
+        """``estimate [low, high]`` of ``mean_accepted_length`` or ``diff``."""
+        low, high = self.ci if metric == "mean_accepted_length" else self.diff_ci
+        return fmt(getattr(self, metric), low, high, spec, suffix)
+
 
 def _shadow_lengths(steps: list[dict], name: str) -> list[float]:
     """Per step, a shadow's accepted length averaged over its coin seeds."""
@@ -350,27 +360,33 @@ def _shaped(r: Row) -> bool:
     return m.peer is None and m.shape not in ("none", "auto")
 
 
-def table_trees(rows: list[Row]) -> str:
-    """ResiSpec Table 3 shape: per tree (and its verification cost in nodes), each verifier's accepted length
-    and speed, and the accepted-length gain of each verifier over the first."""
+def table_trees(rows: list[Row] | list[ShadowRow]) -> str:
+    """ResiSpec Table 3 shape: per tree (and its verification cost in nodes), each verifier's accepted length with
+    its interval. Rows of separate runs (``summarize``) add each verifier's speed and its gain over the first;
+    shadow rows (``shadow_summary``) add each verifier's paired difference from the reference on the same steps."""
     rows = [r for r in rows if _shaped(r) and r.category == "all"]
     verifiers = list(dict.fromkeys(r.verifier for r in rows))
-    cells = {(r.T, r.tree, r.verifier): r for r in rows}
-    head = ["T", "tree", "nodes", *[f"{v} L" for v in verifiers], *[f"{v} tok/s" for v in verifiers],
-            *[f"{v} / {verifiers[0]}" for v in verifiers[1:]]]
+    cells = {(r.T, r.draft, r.tree, r.verifier): r for r in rows}
+    paired = list(dict.fromkeys((r.verifier, r.reference) for r in rows if getattr(r, "reference", "")))
+    head = ["T", "draft", "tree", "nodes", *[f"{v} L" for v in verifiers]]
+    head += [f"{v} - {ref}" for v, ref in paired] if paired else (
+        [f"{v} tok/s" for v in verifiers] + [f"{v} / {verifiers[0]}" for v in verifiers[1:]])
     body = []
-    for t, tree in dict.fromkeys((r.T, r.tree) for r in rows):
-        got = [cells.get((t, tree, v)) for v in verifiers]
-        nodes = resolve_method(f"chain@{tree}").tree().size - 1
-        ls = [getattr(g, "mean_accepted_length", NAN) for g in got]
-        body.append([f"{t:g}", tree, str(nodes), *[_f(x) for x in ls],
-                     *[_f(getattr(g, "tokens_per_s", NAN)) for g in got],
-                     *[_f(x / ls[0], ".2f", "x") for x in ls[1:]]])
+    for t, draft, tree in dict.fromkeys((r.T, r.draft, r.tree) for r in rows):
+        got = [cells.get((t, draft, tree, v)) for v in verifiers]
+        line = [f"{t:g}", draft, tree, str(resolve_method(f"chain@{tree}").tree().size - 1),
+                *[g.show("mean_accepted_length") if g else "-" for g in got]]
+        if paired:
+            line += [g.show("diff", "+.3f") if (g := cells.get((t, draft, tree, v))) else "-" for v, _ in paired]
+        else:
+            ls = [getattr(g, "mean_accepted_length", NAN) for g in got]
+            line += [_f(getattr(g, "tokens_per_s", NAN)) for g in got] + [_f(x / ls[0], ".2f", "x") for x in ls[1:]]
+        body.append(line)
     return markdown(head, body)
 
 
-def width_series(rows: list[Row]) -> dict[tuple, list[tuple[int, int, float]]]:
-    """(T, draft, verifier, depth) -> [(N, nodes, accepted length)] for complete N x depth trees (and chains)."""
+def width_series(rows: list[Row] | list[ShadowRow]) -> dict[tuple, list[tuple[int, int, Row | ShadowRow]]]:
+    """(T, draft, verifier, depth) -> [(N, nodes, row)] for complete N x depth trees (and chains), by N."""
     out = defaultdict(list)
     for r in rows:
         if not _shaped(r) or r.category != "all":
@@ -382,20 +398,23 @@ def width_series(rows: list[Row]) -> dict[tuple, list[tuple[int, int, float]]]:
         if len(widths) != 1:
             continue
         n = widths.pop()
-        out[(r.T, r.draft, r.verifier, tree.max_depth)].append((n, tree.size - 1, r.mean_accepted_length))
-    return {k: sorted(v) for k, v in out.items()}
+        out[(r.T, r.draft, r.verifier, tree.max_depth)].append((n, tree.size - 1, r))
+    return {k: sorted(v, key=lambda x: x[0]) for k, v in out.items()}
 
 
-def table_width(rows: list[Row]) -> str:
-    """ResiSpec Table 5 shape: accepted length and eta (gain per extra candidate) as the width N grows."""
+def table_width(rows: list[Row] | list[ShadowRow]) -> str:
+    """ResiSpec Table 5 shape: accepted length (with its interval) and eta, the gain per extra candidate between
+    successive widths N, as N grows."""
     body = []
     for (t, draft, v, depth), series in width_series(rows).items():
         if len(series) < 2:
             continue
         prev = None
-        for n, nodes, length in series:
+        for n, nodes, r in series:
+            length = r.mean_accepted_length
             eta = NAN if prev is None else (length - prev[1]) / (n - prev[0])
-            body.append([f"{t:g}", draft, v, str(depth), str(n), str(nodes), _f(length), _f(eta, ".3f")])
+            body.append([f"{t:g}", draft, v, str(depth), str(n), str(nodes), r.show("mean_accepted_length"),
+                         _f(eta, ".3f")])
             prev = (n, length)
     return markdown(["T", "draft", "verifier", "depth", "N", "nodes", "accepted length", "eta"], body)
 
