@@ -149,3 +149,20 @@ def test_cropping_a_prefix_equals_reselecting_it(tiny):
         outs.append(one.logits[0])
     seq = PROMPT + [int(t) for t in toks[1:3]] + [9]
     assert torch.allclose(outs[0], outs[1], atol=1e-6) and torch.allclose(outs[0], fresh_logits(tiny, seq), atol=1e-5)
+
+
+def test_a_parsed_gguf_tokenizer_is_kept_for_the_next_load(tmp_path, monkeypatch):
+    """Parsing a GGUF tokenizer takes about a minute for Gemma 3's 262k tokens; the llama backend keeps it."""
+    from verispec.backends import loading
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    monkeypatch.delenv("VERISPEC_NO_CACHE", raising=False)
+    first = loading.tokenizer_for("smollm2-135m")  # no converted model in this cache: parsed from the GGUF file
+    kept = list((tmp_path / "converted").glob("*"))
+    assert len(kept) == 1 and (kept[0] / "done").exists()
+    calls = []
+    monkeypatch.setattr(loading, "_save_tokenizer", lambda *a: calls.append(a))
+    second = loading.tokenizer_for("smollm2-135m")
+    assert not calls  # read back, not parsed and saved again
+    text = "Speculative decoding, verified: 12 + 30 = 42."
+    assert second.encode(text) == first.encode(text) and second.chat_template == first.chat_template

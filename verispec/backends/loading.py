@@ -106,12 +106,28 @@ def tokenizer_for(spec: str):
     else:
         folder, gguf = os.path.dirname(os.path.abspath(spec)), os.path.basename(spec)
     converted = _converted_dir(folder, gguf, "float32")
+    kept = _converted_dir(folder, gguf, "tokenizer")  # the tokenizer alone, for the llama backend
     try:
-        if converted is not None and (converted / "done").exists():
-            return AutoTokenizer.from_pretrained(str(converted))
-        return AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+        for cached in (converted, kept):
+            if cached is not None and (cached / "done").exists():
+                return AutoTokenizer.from_pretrained(str(cached))
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)  # parses the GGUF: ~1 min for 262k tokens
     except Exception as exc:  # noqa: BLE001 - one line for the user
         raise VerispecError(f"cannot read the tokenizer of {spec!r} ({type(exc).__name__})") from None
+    if kept is not None:
+        _save_tokenizer(tokenizer, kept)
+    return tokenizer
+
+
+def _save_tokenizer(tokenizer, target: Path) -> None:
+    """Keep a parsed tokenizer for the next load (written to a temporary folder, then renamed; best effort)."""
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    try:
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / "done").write_text("ok\n")
+        os.replace(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def cache_root() -> Path:
