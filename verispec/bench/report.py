@@ -371,10 +371,14 @@ def table_trees(rows: list[Row] | list[ShadowRow]) -> str:
     head = ["T", "draft", "tree", "nodes", *[f"{v} L" for v in verifiers]]
     head += [f"{v} - {ref}" for v, ref in paired] if paired else (
         [f"{v} tok/s" for v in verifiers] + [f"{v} / {verifiers[0]}" for v in verifiers[1:]])
+    nodes = {r.tree: resolve_method(f"chain@{r.tree}").tree().size - 1 for r in rows}
+    drafts = list(dict.fromkeys(r.draft for r in rows))
+    keys = sorted(dict.fromkeys((r.T, r.draft, r.tree) for r in rows), key=lambda k: (k[0], drafts.index(k[1]),
+                                                                                         nodes[k[2]]))
     body = []
-    for t, draft, tree in dict.fromkeys((r.T, r.draft, r.tree) for r in rows):
+    for t, draft, tree in keys:  # by temperature, draft, then size (stable: equal sizes keep their run order)
         got = [cells.get((t, draft, tree, v)) for v in verifiers]
-        line = [f"{t:g}", draft, tree, str(resolve_method(f"chain@{tree}").tree().size - 1),
+        line = [f"{t:g}", draft, tree, str(nodes[tree]),
                 *[g.show("mean_accepted_length") if g else "-" for g in got]]
         if paired:
             line += [g.show("diff", "+.3f") if (g := cells.get((t, draft, tree, v))) else "-" for v, _ in paired]
