@@ -124,9 +124,11 @@ def gate_names(res: Results) -> str:
 
 HEAD_RUNS = {"speed": speed_run, "table2": table2_run, "shadow": shadow_run}  # need the shipped draft head
 RUNS["gate"] = gate_run()
-# ResiSpec Table 3 shape, at T = 1 only (a cell costs ~30 s here), in two runs that can share the two cores
-TOPOLOGY_RUNS = {"topologies": ISO_TREES[:3], "topologies_chains": ISO_TREES[3:]}
-RUNS.update({name: shadow_trees_run(trees, ("1.0",)) for name, trees in TOPOLOGY_RUNS.items()})
+# ResiSpec Table 3 shape (a cell costs ~30 s here): one run per temperature and tree group, two at a time share the
+# two cores
+TOPOLOGY_RUNS = {"topologies": (ISO_TREES[:3], "1.0"), "topologies_chains": (ISO_TREES[3:], "1.0"),
+                 "topologies_t06": (ISO_TREES[:2], "0.6"), "topologies_chains_t06": (ISO_TREES[2:], "0.6")}
+RUNS.update({name: shadow_trees_run(trees, (t,)) for name, (trees, t) in TOPOLOGY_RUNS.items()})
 RUNS["width"] = shadow_trees_run([t for t in WIDTH_TREES if t != SHADOW_TREE])  # Table 5 shape, with the shadow run
 LLAMA_RUNS = {"llama_smollm2": lambda: llama_run("smollm2-135m"),  # need llama-cpp-python (verispec[llama])
               "llama_gemma3": lambda: llama_run("gemma3-270m"),
@@ -362,8 +364,10 @@ def llama_section(res: Results, model: str) -> list[str]:
     cats = summarize(res, by_category=True)
     return [f"## The llama.cpp backend: {model}", "", f"Run: {res.describe()}", "",
             "verispec's loop on llama.cpp's logits (`--backend llama`; the GGUF model is the target, exactness is "
-            "relative to it) against llama.cpp's plain decoding (`llama-cpp`) and llama-cpp-python's prompt-lookup "
-            "speculative decoding (`llama-cpp-lookup`, its default of 10 proposed tokens) of the same file. "
+            "relative to it) against llama.cpp's plain decoding (`llama-cpp`)"
+            + (" and llama-cpp-python's prompt-lookup speculative decoding (`llama-cpp-lookup`, its default of 10 "
+               "proposed tokens)" if "llama-cpp-lookup" in res.header["config"]["methods"] else "")
+            + " of the same file. "
             "The draft is prompt lookup on a chain of 5 under the `auto` policy. " + gate_names(res) + " The per-step split is in the columns draft ms (drafting), "
             "target ms (llama.cpp's decode and the copy of its logits), verify ms (verification, commit and the "
             "rest of the loop).", "",
