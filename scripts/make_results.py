@@ -105,6 +105,11 @@ def llama_run(target: str) -> list[str]:
             "auto-gate", "--drafts", "ngram", *SPEC_BENCH]
 
 
+def llama_greedy_run(target: str) -> list[str]:
+    return ["--target", target, "--backend", "llama", "--methods", "llama-cpp", "ar", "default", "--drafts", "ngram",
+            "--datasets", "spec-bench", "--limit", "3", "--temperatures", "0", "--max-new-tokens", "128"]
+
+
 def gate_run() -> list[str]:
     """The auto policy's confidence gate against the per-depth plan alone, with the prompt-lookup draft."""
     return ["--methods", "ar", "default", "auto-gate", "--drafts", "ngram", *SPEC_BENCH]
@@ -133,10 +138,8 @@ RUNS["width"] = shadow_trees_run([t for t in WIDTH_TREES if t != SHADOW_TREE])  
 LLAMA_RUNS = {"llama_smollm2": lambda: llama_run("smollm2-135m"),  # need llama-cpp-python (verispec[llama])
               "llama_gemma3": lambda: llama_run("gemma3-270m"),
               # greedy only, after the greedy steps lost their vocabulary-sized detours (argmax, one-hot rows, draws)
-              "llama_gemma3_greedy": lambda: ["--target", "gemma3-270m", "--backend", "llama", "--methods",
-                                              "llama-cpp", "ar", "default", "--drafts", "ngram", "--datasets",
-                                              "spec-bench", "--limit", "3", "--temperatures", "0",
-                                              "--max-new-tokens", "128"]}
+              "llama_gemma3_greedy": lambda: llama_greedy_run("gemma3-270m"),
+              "llama_smollm2_greedy": lambda: llama_greedy_run("smollm2-135m")}
 
 ENV = {"kernel_stock": {"VERISPEC_STOCK_LINEAR": "1"}}  # the stock linear kernel (verispec.backends.kernels)
 
@@ -444,7 +447,8 @@ def render() -> str:
         out += shadow_section(Results.load(path("shadow")))
     out += trees_section(figs)
     for name, model in (("llama_smollm2", "SmolLM2-135M-Instruct (Q4_1)"), ("llama_gemma3", "Gemma 3 270M (Q4_K_M)"),
-                        ("llama_gemma3_greedy", "Gemma 3 270M (Q4_K_M), greedy, after the greedy fast paths")):
+                        ("llama_gemma3_greedy", "Gemma 3 270M (Q4_K_M), greedy, after the greedy fast paths"),
+                        ("llama_smollm2_greedy", "SmolLM2-135M-Instruct (Q4_1), greedy, after the greedy fast paths")):
         if path(name).exists():
             out += llama_section(Results.load(path(name)), model)
     out += llama_costs_section()
