@@ -51,3 +51,4 @@ def test_point_mass_rows_are_drawn_by_argmax_without_changing_later_draws(monkey
     assert set(TorchRandomness(0).categorical(almost).tolist()) <= {7, 0, 3}
     with pytest.raises(AssertionError, match="shortcut"):
         TorchRandomness(0).categorical(one_hot)
+    assert TorchRandomness(0).categorical(torch.zeros(1, 50)).tolist() == [49]  # no mass: as before, no shortcut

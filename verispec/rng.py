@@ -44,7 +44,8 @@ class TorchRandomness:
     def categorical(self, probs: torch.Tensor) -> torch.Tensor:
         u = self.uniform(probs.shape[:-1] + (1,))
         probs = probs.cpu()
-        if probs.is_floating_point() and bool((probs.amax(-1).double() == probs.sum(-1, dtype=torch.float64)).all()):
+        top = probs.amax(-1).double() if probs.is_floating_point() else None
+        if top is not None and bool(((top == probs.sum(-1, dtype=torch.float64)) & (top > 0)).all()):
             # every row a point mass (greedy; the float64 sum sees any other mass the float64 CDF would): inverse-CDF
             # sampling returns its index whatever u is. Two reductions instead of a float64 cumulative sum over
             # the vocabulary; u is still drawn, so the stream of later draws is unchanged
