@@ -69,7 +69,12 @@ TABLE2_TREE = "3,1"  # 3 candidates, each followed by one more token: small enou
 TABLE2_VERIFIERS = ["specinfer", "resispec", "swor", "reserve", "topk"]
 SHADOW_TREE = "3x3"  # 3 i.i.d. candidates per node, depth 3 (39 drafted nodes: a step costs about 2 plain ones here)
 SHADOWS = ["specinfer", "resispec", "reserve", "ordered", "traversal"]
-SPEC_BENCH = ["--datasets", "spec-bench", "--limit", "3", "--temperatures", "0", "0.6", "--max-new-tokens", "128"]
+
+
+def spec_bench(*temperatures: str) -> list[str]:
+    """Every Spec-Bench category, 3 questions each, 128 new tokens (T = 0 and 0.6 unless given)."""
+    return ["--datasets", "spec-bench", "--limit", "3", "--temperatures", *(temperatures or ("0", "0.6")),
+            "--max-new-tokens", "128"]
 
 
 def table2_run() -> list[str]:
@@ -81,7 +86,7 @@ def table2_run() -> list[str]:
 def speed_run() -> list[str]:
     """What a user feels: the defaults against plain decoding and the peers, every Spec-Bench category."""
     return ["--methods", "hf-generate", "hf-assisted", "llama-cpp", "ar", "default", "--drafts", "auto", "ngram",
-            *SPEC_BENCH]
+            *spec_bench()]
 
 
 def shadow_run() -> list[str]:
@@ -99,20 +104,18 @@ def shadow_trees_run(trees: list[str], temperatures: tuple[str, ...] = ("0.6", "
             "--temperatures", *temperatures, "--max-new-tokens", "64"]
 
 
-def llama_run(target: str) -> list[str]:
-    """The llama.cpp backend: verispec's loop on llama.cpp's own logits, against llama.cpp's decoding."""
-    return ["--target", target, "--backend", "llama", "--methods", "llama-cpp", "llama-cpp-lookup", "ar", "default",
-            "auto-gate", "--drafts", "ngram", *SPEC_BENCH]
-
-
-def llama_greedy_run(target: str) -> list[str]:
-    return ["--target", target, "--backend", "llama", "--methods", "llama-cpp", "ar", "default", "--drafts", "ngram",
-            "--datasets", "spec-bench", "--limit", "3", "--temperatures", "0", "--max-new-tokens", "128"]
+def llama_run(target: str, greedy: bool = False) -> list[str]:
+    """The llama.cpp backend: verispec's loop on llama.cpp's own logits, against llama.cpp's decoding (``greedy``:
+    plain decoding and the default only, at T = 0)."""
+    methods = ["llama-cpp", "ar", "default"] if greedy else ["llama-cpp", "llama-cpp-lookup", "ar", "default",
+                                                            "auto-gate"]
+    return ["--target", target, "--backend", "llama", "--methods", *methods, "--drafts", "ngram",
+            *(spec_bench("0") if greedy else spec_bench())]
 
 
 def gate_run() -> list[str]:
     """The auto policy's confidence gate against the per-depth plan alone, with the prompt-lookup draft."""
-    return ["--methods", "ar", "default", "auto-gate", "--drafts", "ngram", *SPEC_BENCH]
+    return ["--methods", "ar", "default", "auto-gate", "--drafts", "ngram", *spec_bench()]
 
 
 def gate_names(res: Results) -> str:
@@ -138,8 +141,8 @@ RUNS["width"] = shadow_trees_run([t for t in WIDTH_TREES if t != SHADOW_TREE])  
 LLAMA_RUNS = {"llama_smollm2": lambda: llama_run("smollm2-135m"),  # need llama-cpp-python (verispec[llama])
               "llama_gemma3": lambda: llama_run("gemma3-270m"),
               # greedy only, after the greedy steps lost their vocabulary-sized detours (argmax, one-hot rows, draws)
-              "llama_gemma3_greedy": lambda: llama_greedy_run("gemma3-270m"),
-              "llama_smollm2_greedy": lambda: llama_greedy_run("smollm2-135m")}
+              "llama_gemma3_greedy": lambda: llama_run("gemma3-270m", greedy=True),
+              "llama_smollm2_greedy": lambda: llama_run("smollm2-135m", greedy=True)}
 
 ENV = {"kernel_stock": {"VERISPEC_STOCK_LINEAR": "1"}}  # the stock linear kernel (verispec.backends.kernels)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..verifiers.reserve import best_plan, stage_plan
+from ..verifiers.reserve import best_plan, plan_masses
 
 
 def alpha_star_iid(p: torch.Tensor, q: torch.Tensor, k: int) -> float:
@@ -24,9 +24,8 @@ def sequential_acceptance(p: torch.Tensor, q: torch.Tensor, k: int, reserve: boo
     """Exact acceptance of ``specinfer`` (``reserve=False``) or ``reserve`` at a node with k i.i.d. children.
 
     Both rules' targets after a rejection do not depend on the rejected token, so a node's whole plan, and its
-    acceptance, follow from ``(p, q, k)`` in one pass over the stages (``verispec.verifiers.reserve.stage_plan``)."""
-    masses, _, _ = best_plan(p, q, k) if reserve else stage_plan(p, q, k, 1)
-    return sum(masses)
+    acceptance, follow from ``(p, q, k)`` in one pass over the stages (``verispec.verifiers.reserve.plan_masses``)."""
+    return sum(best_plan(p, q, k)[0] if reserve else plan_masses(p, q, k, 1))
 
 
 def ordered_acceptance_k2(p: torch.Tensor, q: torch.Tensor, chunk: int = 256, slack: float = 0.0) -> float:

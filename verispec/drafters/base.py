@@ -145,14 +145,13 @@ class Drafter:
             # greedy: the temperature-1 laws, for policies that judge confidence (and Feedback); a softmax over the
             # vocabulary per depth, skipped for those that never look
             soft = (logits_to_probs(logits, Sampling(1.0)) if reads else None) if sampling.greedy else laws
-            if policy is not None and not gate and not reads:
-                if not policy.keep_drafting(depth, None):
-                    break
-            elif policy is not None and not gate:
-                rows = g.soft_rows if sampling.greedy else g.q_rows
-                drawn = None if depth == 0 else torch.stack([rows[g.parents[n]] for n in frontier])
-                last = None if drawn is None else drawn.gather(1, torch.tensor([[g.tokens[n]] for n in frontier]))[:, 0]
-                if not policy.keep_drafting(depth, soft, last, drawn):
+            if policy is not None and not gate:
+                drawn = last = None
+                if reads and depth > 0:
+                    rows = g.soft_rows if sampling.greedy else g.q_rows
+                    drawn = torch.stack([rows[g.parents[n]] for n in frontier])
+                    last = drawn.gather(1, torch.tensor([[g.tokens[n]] for n in frontier]))[:, 0]
+                if not policy.keep_drafting(depth, soft if reads else None, last, drawn):
                     break
             new = []
             for row, node in enumerate(frontier):
@@ -161,7 +160,7 @@ class Drafter:
                     continue
                 q = laws[row]
                 g.q_rows[node] = q
-                if soft is not None and sampling.greedy:
+                if sampling.greedy and soft is not None:
                     g.soft_rows[node] = soft[row]
                 xs, probs = _draw_children(q, logits[row], k, children, rng)
                 for rank, (x, cp) in enumerate(zip(xs, probs)):

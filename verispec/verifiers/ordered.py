@@ -138,13 +138,13 @@ def guaranteed(s: _Sorted, m: int) -> float:
 def best_prefix(p: torch.Tensor, q: torch.Tensor, k: int, limit: int | None = None) -> tuple[int, _Sorted]:
     """How many of the first drawn candidates to priority-test (1 = none: ``specinfer``; at most ``limit``), and the
     sorted laws."""
-    from .reserve import horizons, stage_plan  # noqa: PLC0415
+    from .reserve import horizons, plan_masses  # noqa: PLC0415
 
     s = _Sorted(p, q)
     key = (p.double().numpy().tobytes(), q.double().numpy().tobytes(), k, limit) if p.numel() <= 64 else None
     if key is not None and key in _MEMO:  # the audit replays a node's rule once per enumerated outcome
         return _MEMO[key], s
-    best, best_value = 1, sum(stage_plan(p, q, k, 1)[0])
+    best, best_value = 1, sum(plan_masses(p, q, k, 1))
     for m in horizons(min(k, limit or k))[1:]:
         value = guaranteed(s, m)
         if value > best_value + 1e-12:

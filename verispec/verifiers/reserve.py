@@ -57,7 +57,18 @@ def ratio_order(p, q) -> np.ndarray:
     return keep[np.argsort(p[keep] / q[keep], kind="stable")]
 
 
-def _reach(P: np.ndarray, q: np.ndarray, m: int, order: np.ndarray) -> np.ndarray:
+def plan_reach(P: np.ndarray, q: np.ndarray, m: int, order: np.ndarray) -> np.ndarray:
+    """Reach probabilities ``[rho_1 = 1, ..., rho_m]`` of the back-loaded plan (see the module docstring), solved
+    exactly up to float rounding.
+
+    With ``f(s) = sum_x min(P(x), s q(x))``, ``sum_x T(x) = f(S_1)`` and, as ``S_j <= S_1``,
+    ``sum_x min(T(x), q(x) S_j) = f(S_j)``; so with ``c = 1 - f(S_1)`` the fixed point reads
+    ``S_j - f(S_j) = c + S_(j+1)`` for j = m..2 and ``S_1 = 1 + S_2``. ``s - f(s)`` is piecewise linear and
+    nondecreasing (its breakpoints are the sorted ratios ``P / q``), so each ``S_j`` follows from ``c`` by a
+    binary search (where the solution is not unique, the greatest: the one iteration from ``rho = 1`` reaches), and
+    ``c - 1 + f(S_1(c))`` increases with ``c``: bisection on ``c`` in [0, 1]. ``order`` is ``ratio_order``'s (no
+    sort here): a few cumulative sums over the vocabulary, then work on m numbers. Exactness never depends on this
+    plan, only acceptance does."""
     Ps, qs = P[order], q[order]
     u = np.maximum.accumulate(Ps / qs)  # sorted already, up to rounding
     cp = np.concatenate([[0.0], np.cumsum(Ps)])  # cp[i]: P of the i smallest ratios
@@ -91,21 +102,6 @@ def _reach(P: np.ndarray, q: np.ndarray, m: int, order: np.ndarray) -> np.ndarra
     return rho
 
 
-def plan_reach(P, q, m: int, order: np.ndarray | None = None) -> torch.Tensor:
-    """Reach probabilities ``[rho_1 = 1, ..., rho_m]`` of the back-loaded plan (see the module docstring), solved
-    exactly up to float rounding.
-
-    With ``f(s) = sum_x min(P(x), s q(x))``, ``sum_x T(x) = f(S_1)`` and, as ``S_j <= S_1``,
-    ``sum_x min(T(x), q(x) S_j) = f(S_j)``; so with ``c = 1 - f(S_1)`` the fixed point reads
-    ``S_j - f(S_j) = c + S_(j+1)`` for j = m..2 and ``S_1 = 1 + S_2``. ``s - f(s)`` is piecewise linear and
-    nondecreasing (its breakpoints are the sorted ratios ``P / q``), so each ``S_j`` follows from ``c`` by a
-    binary search (where the solution is not unique, the greatest: the one iteration from ``rho = 1`` reaches), and
-    ``c - 1 + f(S_1(c))`` increases with ``c``: bisection on ``c`` in [0, 1]. One sort of the vocabulary (or none,
-    given ``ratio_order``), then work on m numbers. Exactness never depends on this plan, only acceptance does."""
-    P, q = _np(P), _np(q)
-    return torch.from_numpy(_reach(P, q, m, ratio_order(P, q) if order is None else order))
-
-
 def _stage_plan(p: np.ndarray, q: np.ndarray, k: int, horizon: int, order: np.ndarray):
     M, rho = p.copy(), 1.0  # target mass still owed, probability of reaching the stage
     masses, funcs = [], []
@@ -117,7 +113,7 @@ def _stage_plan(p: np.ndarray, q: np.ndarray, k: int, horizon: int, order: np.nd
             continue
         P = M / rho
         if horizon - j > 1:  # keep back min(P, S_2 q) for the later stages of the horizon
-            later = float(_reach(P, q, horizon - j, order)[1:].sum())
+            later = float(plan_reach(P, q, horizon - j, order)[1:].sum())
             free = np.maximum(P - np.minimum(P, later * q), 0.0)
         else:
             free = P
@@ -138,15 +134,12 @@ def _torch_plan(plan, like: torch.Tensor):
     return masses, [torch.from_numpy(a).to(like.dtype) for a in funcs], torch.from_numpy(fallback).to(like.dtype)
 
 
-def stage_plan(p: torch.Tensor, q: torch.Tensor, k: int, horizon: int, order: np.ndarray | None = None):
-    """Plan ``horizon`` over k stages: (acceptance mass of each stage, acceptance function of each stage, the
-    law to draw from after all k rejections). Stage j reserves for ``horizon - j`` later stages (none past the
-    horizon)."""
+def plan_masses(p: torch.Tensor, q: torch.Tensor, k: int, horizon: int) -> list[float]:
+    """Acceptance mass of each of the k stages of plan ``horizon`` (stage j reserves for ``horizon - j`` later
+    stages, none past the horizon); plan 1 is ``specinfer``."""
     pn, qn = _np(p), _np(q)
-    if order is None:
-        order = ratio_order(pn, qn) if horizon > 1 else np.zeros(0, dtype=np.int64)  # plan 1 reserves nothing
-    plan = _stage_plan(pn, qn, k, horizon, order)
-    return _torch_plan(plan, p.double())
+    order = ratio_order(pn, qn) if horizon > 1 else np.zeros(0, dtype=np.int64)  # plan 1 reserves nothing
+    return _stage_plan(pn, qn, k, horizon, order)[0]
 
 
 def subtree_weights(tree, node: int) -> list[float]:
@@ -171,8 +164,8 @@ _MEMO: dict = {}  # small vocabularies only (the audit replays a node's rule onc
 
 
 def best_plan(p: torch.Tensor, q: torch.Tensor, k: int, weights: list[float] | None = None):
-    """The plan of the family (``horizons(k)``) with the most (weighted) acceptance; returns ``stage_plan``'s
-    tuple."""
+    """The plan of the family (``horizons(k)``) with the most (weighted) acceptance: (acceptance mass of each
+    stage, acceptance function of each stage, the law to draw from after all k rejections)."""
     weights = weights or [1.0] * k
     key = None
     if p.numel() <= 64:
