@@ -21,15 +21,15 @@ def test_top_k_and_top_p():
     assert logits_to_probs(logits, Sampling(1.0, top_p=0.81)).tolist() == pytest.approx([0.5 / .95, 0.3 / .95, .15 / .95, 0])
 
 
-def test_nan_and_inf_logits_raise():
-    with pytest.raises(VerispecError):
-        logits_to_probs(torch.tensor([0.0, float("nan")]), Sampling())
-    with pytest.raises(VerispecError):
-        logits_to_probs(torch.tensor([0.0, float("inf")]), Sampling())
-    with pytest.raises(VerispecError):
-        logits_to_probs(torch.tensor([float("-inf"), float("-inf")]), Sampling())
+@pytest.mark.parametrize("temperature", [1.0, 0.0])  # greedy reads the check off the chosen entries
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_nan_and_inf_logits_raise(temperature, dtype):
+    nan, inf = float("nan"), float("inf")
+    for bad in ([0.0, nan], [nan, 0.0], [0.0, inf], [-inf, -inf], [[0.0, 1.0], [2.0, nan]]):
+        with pytest.raises(VerispecError, match="NaN"):
+            logits_to_probs(torch.tensor(bad, dtype=dtype), Sampling(temperature))
     # -inf alone marks an impossible token and is fine
-    assert logits_to_probs(torch.tensor([0.0, float("-inf")]), Sampling()).tolist() == [1.0, 0.0]
+    assert logits_to_probs(torch.tensor([0.0, -inf], dtype=dtype), Sampling(temperature)).tolist() == [1.0, 0.0]
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1)])

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from typing import Callable, Protocol, TypeVar
 
+import numpy as np
 import torch
 
-from .probs import argmax
+from .probs import as_numpy
 
 T = TypeVar("T")
 
@@ -42,18 +43,35 @@ class TorchRandomness:
         return self.uniform(probs.shape) < probs.double().cpu()
 
     def categorical(self, probs: torch.Tensor) -> torch.Tensor:
-        u = self.uniform(probs.shape[:-1] + (1,))
+        u = self.uniform(probs.shape[:-1] + (1,))  # drawn even when unused: later draws stay the same
         probs = probs.cpu()
-        top = probs.amax(-1).double() if probs.is_floating_point() else None
-        if top is not None and bool(((top == probs.sum(-1, dtype=torch.float64)) & (top > 0)).all()):
-            # every row a point mass (greedy; the float64 sum sees any other mass the float64 CDF would): inverse-CDF
-            # sampling returns its index whatever u is. Two reductions instead of a float64 cumulative sum over
-            # the vocabulary; u is still drawn, so the stream of later draws is unchanged
-            return argmax(probs)
+        index = point_mass_index(probs)
+        if index is not None:
+            return index
         probs = probs.double()
         cdf = torch.cumsum(probs, dim=-1)
         idx = torch.searchsorted(cdf, u * cdf[..., -1:], right=True).squeeze(-1)
         return idx.clamp_max(probs.shape[-1] - 1)
+
+
+def point_mass_index(probs: torch.Tensor) -> torch.Tensor | None:
+    """Each row's index if every row of ``probs [..., V]`` is a point mass (exactly one positive entry), else None.
+
+    Inverse-CDF sampling returns that index whatever the uniform number is, so a greedy row is drawn by an argmax
+    and one more pass instead of a float64 cumulative sum over the vocabulary (rows from a sampled law fail the test
+    at their first row and pay one argmax)."""
+    a = as_numpy(probs)
+    if a is None or a.size == 0:
+        return None
+    flat = a.reshape(-1, a.shape[-1])
+    idx = flat.argmax(-1)
+    if len(idx) <= 8:  # few rows (a step's root, a chain): two slices per row, no temporary array
+        for row, i in zip(flat, idx.tolist()):
+            if not (row[i] > 0 and row[:i].max(initial=0.0) <= 0 and row[i + 1:].max(initial=0.0) <= 0):
+                return None
+    elif not ((flat[np.arange(len(idx)), idx] > 0).all() and (np.count_nonzero(flat > 0, axis=-1) == 1).all()):
+        return None
+    return torch.from_numpy(idx.reshape(a.shape[:-1]))
 
 
 class ScriptedRandomness:

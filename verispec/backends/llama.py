@@ -29,7 +29,6 @@ import ctypes
 import os
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from ..errors import VerispecError
@@ -156,11 +155,13 @@ class LlamaCppTarget:
                 raise VerispecError("llama.cpp could not decode the batch (context full?)")
 
     def _logits(self, rows: int) -> torch.Tensor:
-        out = np.empty((rows, self.vocab_size), dtype=np.float32)
+        """The logits of the last batch's first ``rows`` output rows, copied out of llama.cpp's buffer (the next
+        decode overwrites it) by one memmove per row."""
+        out = torch.empty(rows, self.vocab_size)
+        size = self.vocab_size * 4
         for i in range(rows):
-            ptr = self._L.llama_get_logits_ith(self.ctx, i)
-            out[i] = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.vocab_size,))
-        return torch.from_numpy(out)
+            ctypes.memmove(out.data_ptr() + i * size, self._L.llama_get_logits_ith(self.ctx, i), size)
+        return out
 
     def forward(self, state: LlamaState, tokens: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor,
                 inputs_embeds=None, last_logits_only: bool = False, features: tuple[int, ...] = (-1,)) -> ForwardOutput:
@@ -204,13 +205,13 @@ class LlamaCppTarget:
             state.pending_tokens.append(int(tokens[i]))
         rows = [True] * n if not last_logits_only else [i == n - 1 for i in range(n)]
         self._decode(tokens.tolist(), positions.tolist(), seqs, rows)
-        logits = self._logits(sum(rows)) if not last_logits_only else self._logits_at(n - 1)
+        logits = self._logits(sum(rows)) if not last_logits_only else self._last_logits()
         return ForwardOutput(logits=logits, hidden=torch.zeros(n, 0))
 
-    def _logits_at(self, i: int) -> torch.Tensor:
-        ptr = self._L.llama_get_logits_ith(self.ctx, -1)
-        arr = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.vocab_size,))
-        return torch.from_numpy(arr.copy())[None]
+    def _last_logits(self) -> torch.Tensor:
+        out = torch.empty(1, self.vocab_size)
+        ctypes.memmove(out.data_ptr(), self._L.llama_get_logits_ith(self.ctx, -1), self.vocab_size * 4)
+        return out
 
     def _seqs_for(self, state: LlamaState, parent: int | None, fresh: bool = False) -> list[int]:
         """Sequence ids for a path leaving the already-decoded entry ``parent`` (None: from the committed text): its
@@ -288,7 +289,7 @@ class LlamaCppTarget:
         self._decode(list(tokens), pos, [[0]] * n, [i == n - 1 for i in range(n)])
         state.committed += n
         state.tokens += list(tokens)
-        return ForwardOutput(logits=self._logits_at(n - 1), hidden=torch.zeros(n, 0))
+        return ForwardOutput(logits=self._last_logits(), hidden=torch.zeros(n, 0))
 
 
 def load_llama(spec: str, threads: int | None = None) -> LlamaCppTarget:
