@@ -89,6 +89,11 @@ def speed_run() -> list[str]:
             *spec_bench()]
 
 
+def hybrid_run() -> list[str]:
+    """The default's draft against prompt lookup and the two switched per step (``hybrid``), all under ``auto``."""
+    return ["--methods", "ar", "default", "--drafts", "eagle", "ngram", "hybrid", *spec_bench()]
+
+
 def shadow_run() -> list[str]:
     """Verifiers compared on the very same steps (one exact driver, the others as shadows)."""
     return ["--methods", f"specinfer@{SHADOW_TREE}", "--shadow", *SHADOWS, "--shadow-seeds", "2", "--drafts", "int8", "eagle",
@@ -130,7 +135,7 @@ def gate_names(res: Results) -> str:
     return "`default` runs the `auto` policy (the plan alone), `auto-gate` the same with the confidence gate."
 
 
-HEAD_RUNS = {"speed": speed_run, "table2": table2_run, "shadow": shadow_run}  # need the shipped draft head
+HEAD_RUNS = {"speed": speed_run, "table2": table2_run, "shadow": shadow_run, "hybrid": hybrid_run}  # need the shipped draft head
 RUNS["gate"] = gate_run()
 # ResiSpec Table 3 shape (a cell costs ~30 s here): one run per temperature and tree group, two at a time share the
 # two cores

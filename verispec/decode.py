@@ -33,6 +33,7 @@ class StepRecord:
     draft_s: float
     target_s: float
     verify_s: float
+    source: str | None = None  # which draft source proposed (a drafter with several), else None
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,7 @@ def generate_steps(
     _check_args(target, drafter, verifier, prompt_ids, tree, max_new_tokens, sampling, children)
     policy = policy or Fixed()
     plan = getattr(policy, "planned_depth", None)  # optional in the Policy protocol
+    select = getattr(policy, "select_source", None)  # optional too: a policy per draft source
     if verifier.new_state is not None and verifier_state is None:
         verifier_state = verifier.new_state()
     rng = rng if rng is not None else TorchRandomness(seed)
@@ -173,6 +175,9 @@ def generate_steps(
     produced = 0
     while True:
         t0 = time.perf_counter()
+        source = drafter.source(context)  # None unless the drafter switches between sources
+        if source is not None and select is not None:
+            select(source)
         shape = tree
         if plan is not None and isinstance(tree, Tree):  # a dynamic tree sets its own depth
             depth = plan(tree.max_depth)
@@ -214,6 +219,7 @@ def generate_steps(
             draft_s=(t1 - t0) + (t5 - t4),
             target_s=(t2 - t1) + (t4 - t3),
             verify_s=t3 - t2,
+            source=source,
         )
         if stop:
             return

@@ -29,6 +29,9 @@ class Policy(Protocol):
       ``None`` at depth 0);
     * ``update(feedback)``: after each step, with what verification said (``Feedback``).
 
+    Optional: ``select_source(source)``, called before ``planned_depth`` when the drafter has several draft sources
+    (``Drafter.source``), names the one that drafts this step (``PerSource`` keeps a policy per source).
+
     A policy whose ``reads_laws`` is False (optional, True by default) promises never to look at the laws
     ``keep_drafting`` receives or at ``Feedback.entropy`` / ``confidence``; a greedy draft then skips the temperature-1
     softmax over the vocabulary it would otherwise compute for it at every depth.
@@ -423,6 +426,46 @@ class AutoDepth(_Defaults):
         for i in range(1, min(d, a + 1) + 1):  # depth i was reached if depths 1..i-1 were accepted
             self.reached[i - 1] = self.decay * self.reached[i - 1] + 1
             self.accepted[i - 1] = self.decay * self.accepted[i - 1] + (a >= i)
+
+
+class PerSource:
+    """One policy per draft source, for a drafter with several (``SwitchDrafter``): the loop names each step's source
+    (``select_source``) before planning the step, and planning, the decisions while drafting and what the step teaches
+    all go to that source's policy. A free prompt lookup that is often right for long runs and a model draft that
+    costs a forward per depth then each learn their own acceptance and weigh their own costs."""
+
+    def __init__(self, policies: dict[str, Policy]):
+        if not policies:
+            raise VerispecError("a per-source policy needs at least one source")
+        self.policies = dict(policies)
+        self.current = next(iter(self.policies))
+
+    @property
+    def name(self) -> str:
+        return getattr(self.policies[self.current], "name", "policy")
+
+    @property
+    def reads_laws(self) -> bool:
+        return any(getattr(p, "reads_laws", True) for p in self.policies.values())
+
+    @property
+    def uses_confidence(self) -> bool:
+        return bool(getattr(self.policies[self.current], "uses_confidence", False))
+
+    def select_source(self, source: str) -> None:
+        if source not in self.policies:
+            raise VerispecError(f"no policy for draft source {source!r}; sources: {', '.join(self.policies)}")
+        self.current = source
+
+    def planned_depth(self, limit: int) -> int:
+        plan = getattr(self.policies[self.current], "planned_depth", None)
+        return plan(limit) if plan is not None else limit
+
+    def keep_drafting(self, *args, **kwargs) -> bool:
+        return self.policies[self.current].keep_drafting(*args, **kwargs)
+
+    def update(self, feedback: Feedback) -> None:
+        self.policies[self.current].update(feedback)
 
 
 POLICIES = {

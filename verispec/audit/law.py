@@ -259,13 +259,13 @@ class TableTarget:
 
 def loop_law(verifier: VerifierSpec, p: Table, q: Table, tree: Tree, vocab: int, length: int,
              policy_factory: Callable[[], object] | None = None, context: tuple[int, ...] = (0,),
-             children: str = "iid") -> dict[tuple[int, ...], float]:
+             children: str = "iid", drafter: Drafter | None = None) -> dict[tuple[int, ...], float]:
     """Exact law of the first ``length`` tokens the real decoding loop (``generate_steps``) emits after
     ``context`` on table models, with a fresh policy from ``policy_factory`` (decisions of a learning policy
-    depend on earlier steps, and the enumeration follows them)."""
+    depend on earlier steps, and the enumeration follows them). ``drafter`` replaces the table draft of ``q``."""
     from ..decode import generate_steps  # noqa: PLC0415
 
-    target, drafter = TableTarget(p, vocab), TableDrafter(q)
+    target, drafter = TableTarget(p, vocab), drafter if drafter is not None else TableDrafter(q)
 
     def run(rng):
         out = []

@@ -82,7 +82,11 @@ def step_costs(target, drafter) -> tuple[float, ...] | None:
 
 def auto_policy(target, drafter, spec: str = "auto"):
     """The ``auto`` draft-length policy (``spec``: ``auto`` or ``auto:gate``) for this target and draft: their step
-    costs, and whether the draft's first depth is free (then the confidence gate decides every step)."""
-    from ..policies import get_policy  # noqa: PLC0415
+    costs, and whether the draft's first depth is free (then the confidence gate decides every step); for a drafter
+    with several sources, one such policy per source (``PerSource``)."""
+    from ..policies import PerSource, get_policy  # noqa: PLC0415
 
+    sources = getattr(drafter, "sources", None)
+    if sources:  # a drafter that switches between sources: one policy each, with that source's costs
+        return PerSource({name: auto_policy(target, sub, spec) for name, sub in sources.items()})
     return get_policy(spec, step_costs(target, drafter), free_root=bool(getattr(drafter, "free_root", False)))

@@ -1,10 +1,11 @@
-"""Drafters: a separate draft model, a layer-skip self-draft, an int8 copy, n-gram prompt lookup, the EAGLE head, or
-none; built from spec strings by ``build_drafter``."""
+"""Drafters: a separate draft model, a layer-skip self-draft, an int8 copy, n-gram prompt lookup, the EAGLE head,
+prompt lookup and a model draft switched per step, or none; built from spec strings by ``build_drafter``."""
 
 from .base import CHILD_MODES, Draft, Drafter, NoDrafter
 from .factory import DRAFT_HELP, DraftSpec, build_drafter, parse_layers, sidecar
 from .model import ModelDrafter, layer_skip_drafter
 from .ngram import NgramDrafter
+from .switch import SwitchDrafter
 
 __all__ = ["CHILD_MODES", "DRAFT_HELP", "Draft", "DraftSpec", "Drafter", "ModelDrafter", "NgramDrafter", "NoDrafter",
-           "build_drafter", "layer_skip_drafter", "parse_layers", "sidecar"]
+           "SwitchDrafter", "build_drafter", "layer_skip_drafter", "parse_layers", "sidecar"]

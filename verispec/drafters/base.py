@@ -84,6 +84,11 @@ class Drafter:
     def reset(self, prompt: list[int]) -> None:
         """Start a new sequence (drop any cached state)."""
 
+    def source(self, context: list[int]) -> str | None:
+        """Which of its draft sources proposes after ``context`` (a drafter with several, ``SwitchDrafter``), or None
+        (one source). The loop asks before planning the step, so a policy can keep its statistics per source."""
+        return None
+
     def check_compatible(self, target) -> None:
         if self.vocab_size is not None and self.vocab_size != target.vocab_size:
             raise VerispecError(

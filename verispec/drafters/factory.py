@@ -21,9 +21,12 @@ DRAFT_HELP = (
     "'layerskip:0-9,20-29' (a chosen subset), 'ngram' or 'ngram:N' (prompt lookup, n-grams up to N), 'int8' (an "
     "int8 copy of the target), 'eagle' (the EAGLE-style head shipped for the target; 'eagle:PATH' for one from "
     "'verispec train-draft'), 'model:SPEC' (a separate draft model with the target's tokenizer: alias, .gguf file, "
-    "folder or hub id), or 'auto' (the default: 'eagle' when a head ships for the target, else 'ngram')"
+    "folder or hub id), 'hybrid' or 'hybrid:DRAFT' (prompt lookup on steps where the text repeats itself, the model "
+    "draft DRAFT elsewhere; default DRAFT: the shipped head), or 'auto' (the default: 'eagle' when a head ships for "
+    "the target, else 'ngram')"
 )
-KINDS = ("auto", "none", "layerskip", "ngram", "int8", "eagle", "model")
+KINDS = ("auto", "none", "layerskip", "ngram", "int8", "eagle", "model", "hybrid")
+MODEL_KINDS = ("layerskip", "int8", "eagle", "model")  # drafts that run a model (a hybrid's other source)
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,9 @@ class DraftSpec:
             raise VerispecError(f"bad n-gram length in draft {text!r}; use ngram or ngram:N with N >= 1")
         if kind == "layerskip" and arg:
             parse_layers(arg, text)
+        if kind == "hybrid" and arg and DraftSpec.parse(arg).kind not in MODEL_KINDS:
+            raise VerispecError(f"a hybrid draft pairs prompt lookup with a model draft ({', '.join(MODEL_KINDS)}), "
+                                f"not {arg!r}")
         if kind == "model" and not arg:
             raise VerispecError("draft 'model' needs a model: model:SPEC (alias, .gguf file, folder or hub id)")
         if kind == "eagle" and arg:
@@ -96,6 +102,13 @@ def build_drafter(spec: str | DraftSpec, target, dtype: str = "float32") -> Draf
     hf = hasattr(target, "hf")  # the Hugging Face backend: a head, an int8 copy and layer skipping need its model
     if kind == "auto":
         return build_drafter("eagle" if hf and shipped_head_path(target) is not None else "ngram", target, dtype)
+    if kind == "hybrid":
+        from .switch import SwitchDrafter  # noqa: PLC0415
+
+        if not arg and not (hf and shipped_head_path(target) is not None):
+            raise VerispecError("draft 'hybrid' pairs prompt lookup with the head shipped for the target, and none "
+                                "ships for this one; name the model draft: hybrid:DRAFT (e.g. hybrid:int8)")
+        return SwitchDrafter(build_drafter(arg or "eagle", target, dtype), NgramDrafter(target.vocab_size))
     if not hf and kind in ("eagle", "int8", "layerskip"):
         raise VerispecError(f"draft {kind!r} needs the Hugging Face backend (its model's weights and features); with "
                             "the llama backend use 'ngram' or 'model:SPEC'")

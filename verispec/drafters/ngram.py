@@ -24,20 +24,34 @@ class NgramDrafter(Drafter):
         self._context: list[int] = []
         self._match: dict[int, tuple[int, float, float]] = {}  # node -> (match length, top count, total count)
 
-    def _lookup(self, seq: list[int], node: int) -> torch.Tensor | None:
-        """Log-counts ``[V]`` of the tokens that followed the longest earlier match of a suffix, or None; the
-        match's length and the count of its most frequent continuation are kept for ``confidence``."""
+    def _find(self, seq: list[int]) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+        """The longest suffix of ``seq`` (``max_n`` down to ``min_n`` tokens) that occurred earlier with a token after
+        it: (its length n, ``seq`` as a tensor, where the earlier occurrences start), or None."""
         s = torch.tensor(seq, dtype=torch.long)
         for n in range(min(self.max_n, len(seq) - 1), self.min_n - 1, -1):
             windows = s.unfold(0, n, 1)[:-1]  # every n-gram that has a following token
             hits = (windows == s[-n:]).all(dim=1).nonzero().squeeze(1)
             if hits.numel():
-                seen, counts = torch.unique(s[hits + n], return_counts=True)
-                self._match[node] = (n, float(counts.max()), float(counts.sum()))
-                row = torch.full((self.vocab_size,), float("-inf"))  # never seen
-                row[seen] = counts.float().log()
-                return row
+                return n, s, hits
         return None
+
+    def match_length(self, context: list[int]) -> int:
+        """How long a match drafting after ``context`` would use (0: none, so no draft)."""
+        found = self._find(context)
+        return found[0] if found else 0
+
+    def _lookup(self, seq: list[int], node: int) -> torch.Tensor | None:
+        """Log-counts ``[V]`` of the tokens that followed the longest earlier match of a suffix, or None; the
+        match's length and the count of its most frequent continuation are kept for ``confidence``."""
+        found = self._find(seq)
+        if found is None:
+            return None
+        n, s, hits = found
+        seen, counts = torch.unique(s[hits + n], return_counts=True)
+        self._match[node] = (n, float(counts.max()), float(counts.sum()))
+        row = torch.full((self.vocab_size,), float("-inf"))  # never seen
+        row[seen] = counts.float().log()
+        return row
 
     def _root_logits(self, context):
         self._context = list(context)

@@ -1,0 +1,67 @@
+"""Prompt lookup where the text repeats itself, a model draft elsewhere: one draft source per step, chosen from the
+context alone.
+
+Prompt lookup costs nothing and, where an answer copies its prompt or itself (summaries, answers from a given text,
+names and numbers in a translation), it proposes long runs the target accepts; a trained head is right more often
+on fresh text but costs a forward per depth. Each step, ``source(context)`` picks prompt lookup when the longest
+earlier match of the context's last tokens is at least ``min_match`` tokens long, the model draft otherwise.
+
+The choice is a function of the context, so each step's draft law is well defined and every exact verifier stays
+exact. The ``auto`` policy keeps its acceptance statistics and step costs per source (``PerSource``), so each source
+drafts as deep as it pays on the text at hand.
+"""
+
+from __future__ import annotations
+
+from ..tree import Tree
+from .base import Draft, Drafter
+from .ngram import NgramDrafter
+
+
+class SwitchDrafter(Drafter):
+    def __init__(self, model: Drafter, lookup: NgramDrafter, min_match: int = 2, name: str | None = None):
+        if not 1 <= min_match <= lookup.max_n:
+            raise ValueError(f"min_match must lie in 1..{lookup.max_n} (the lookup's longest n-gram), got {min_match}")
+        if model.name == lookup.name:
+            raise ValueError(f"the two sources need different names, both are {model.name!r}")
+        self.model, self.lookup, self.min_match = model, lookup, min_match
+        self.name = name or f"{lookup.name}+{model.name}"
+        self.vocab_size = model.vocab_size if model.vocab_size is not None else lookup.vocab_size
+        self.uses_target_hidden = model.uses_target_hidden
+        self.feature_layers = model.feature_layers
+        self.sources = {lookup.name: lookup, model.name: model}
+        depth = max(Tree.parse(model.default_tree).max_depth if model.default_tree else 1, 5)
+        self.default_tree = f"chain:{depth}"  # deep enough for a lookup run; the policy cuts each source's depth
+        self._chosen: tuple[int, Drafter] | None = None  # (context length, source) of the step being drafted
+
+    def source(self, context: list[int]) -> str:
+        """``lookup.name`` if the context's last ``min_match`` tokens or more occurred earlier, else ``model.name``."""
+        n = self.lookup.match_length(context)
+        chosen = self.lookup if n >= self.min_match else self.model
+        self._chosen = (len(context), chosen)
+        return chosen.name
+
+    def _current(self, context: list[int]) -> Drafter:
+        if self._chosen is None or self._chosen[0] != len(context):
+            self.source(context)
+        return self._chosen[1]
+
+    def propose(self, context, shape, sampling, children, rng, policy=None) -> Draft:
+        return self._current(context).propose(context, shape, sampling, children, rng, policy)
+
+    def observe(self, hidden) -> None:
+        self.model.observe(hidden)  # every step, whichever source drafted: the model's features stay complete
+
+    def reset(self, prompt: list[int]) -> None:
+        self.model.reset(prompt)
+        self.lookup.reset(prompt)
+        self._chosen = None
+
+    def check_compatible(self, target) -> None:
+        self.model.check_compatible(target)
+        self.lookup.check_compatible(target)
+
+    def commit(self, draft: Draft, path: list[int]) -> None:
+        chosen = self._chosen[1] if self._chosen is not None else self.model
+        chosen.commit(draft, path)
+        self._chosen = None
