@@ -186,19 +186,65 @@ def by_category_table(rows, metrics=(("vs_hf_generate", "vs HF generate"), ("spe
     return markdown(["T", "category", "draft", "method", *[h for _, h in metrics], "accepted length"], body)
 
 
+def auto_meaning(res: Results) -> str:
+    """What the draft ``auto`` was in a run: the shipped head alone until commit 74b1b1d, prompt lookup and the head
+    switched per step (``hybrid``) since."""
+    if str(res.header.get("started", "")) < "2026-11-30 19:40":
+        return ("In this run `auto` was the shipped head alone, with its tuned tree `chain:1` (it is now `hybrid`, "
+                "see the next section).")
+    return ("`auto` is `hybrid`: prompt lookup on steps where the text repeats itself, the shipped head elsewhere "
+            "(`chain:5`, the `auto` policy per source).")
+
+
 def speed_section(res: Results, figs: Path) -> list[str]:
     rows = summarize(res)
     cats = summarize(res, by_category=True)
     return ["## Speed of the defaults against plain decoding, Hugging Face and llama.cpp", "", f"Run: {res.describe()}",
-            "", "`default` is what `verispec generate` does with no options (draft `auto`, the shipped head; its tuned "
-            "tree; exact chain verification; the draft length chosen per step by the `auto` policy), here also with "
-            "the prompt-lookup draft `ngram`. `ar` is plain decoding in verispec's loop, `hf-generate` Hugging Face "
+            "", "`default` is what `verispec generate` does with no options (draft `auto`; exact chain verification; the "
+            "draft length chosen per step by the `auto` policy), here also with the prompt-lookup draft `ngram`. "
+            + auto_meaning(res) + " `ar` is plain decoding in verispec's loop, `hf-generate` Hugging Face "
             "`generate`, `hf-assisted` Hugging Face assisted generation with prompt lookup, `llama-cpp` llama.cpp's "
             "plain decoding of the same model's GGUF file (Q4_1: a quantised model, so a different and cheaper "
             "target; shown for scale). Every ratio is paired per prompt with its 95 % interval.", "",
             table_peers(rows), "", "By Spec-Bench category:", "", by_category_table(cats), "",
             fig(categories(res, figs / "speed_by_category.png")), "", fig(latency(res, figs / "speed_latency.png", rows)),
             ""]
+
+
+def source_table(res: Results) -> str:
+    """Per temperature, for the switching draft: how often each source drafted, and what its steps gave."""
+    from collections import defaultdict
+
+    from verispec.bench.report import markdown
+
+    by = defaultdict(lambda: [0, 0, 0])  # steps, drafted tokens, accepted length
+    total = defaultdict(int)
+    for steps in res.steps.values():
+        for st in steps:
+            cell = st["cell"]
+            if cell.get("draft") != "hybrid" or cell.get("method") != "default":
+                continue
+            acc = by[(cell["T"], st.get("source") or "-")]
+            acc[0], acc[1], acc[2] = acc[0] + 1, acc[1] + st["drafted"], acc[2] + st["accepted_length"]
+            total[cell["T"]] += 1
+    body = [[f"{T:g}", src, f"{n / total[T]:.2f}", f"{d / n:.2f}", f"{a / n:.2f}"]
+            for (T, src), (n, d, a) in sorted(by.items())]
+    return markdown(["T", "source", "share of steps", "drafted / step", "accepted length"], body)
+
+
+def hybrid_section(res: Results, figs: Path) -> list[str]:
+    rows = summarize(res)
+    cats = summarize(res, by_category=True)
+    return ["## A hybrid draft: prompt lookup where the text repeats itself, the head elsewhere", "",
+            f"Run: {res.describe()}", "",
+            "Every row runs `default` (the `auto` policy, exact chain verification) with a different draft: `eagle` "
+            "(the shipped head, its tuned `chain:1`), `ngram` (prompt lookup, `chain:5`) and `hybrid` (`chain:5`): "
+            "each step drafts by prompt lookup when the context's last 2 or more tokens occurred before, by the "
+            "head otherwise (`verispec/drafters/switch.py`), and the `auto` policy keeps its acceptance and step "
+            "costs per source. Ratios paired per prompt with 95 % intervals.", "",
+            table_peers(rows), "", "Which source drafted:", "", source_table(res), "",
+            "By Spec-Bench category:", "", by_category_table(cats, (("speedup_ar", "vs ar"),)), "",
+            fig(categories(res, figs / "hybrid_by_category.png")), ""]
 
 
 def gate_section(res: Results) -> list[str]:
@@ -448,6 +494,8 @@ def render() -> str:
 
     if path("speed").exists():
         out += speed_section(Results.load(path("speed")), figs)
+    if path("hybrid").exists():
+        out += hybrid_section(Results.load(path("hybrid")), figs)
     if path("gate").exists():
         out += gate_section(Results.load(path("gate")))
     out += head_section(figs)

@@ -178,7 +178,8 @@ def test_shipped_head_reproduces_its_recorded_acceptance_and_fits_the_budget(smo
     recorded = info["fixed_prompt"]["mean_accepted_length"]
     assert recorded > 1.1  # a trained head, not a placeholder (an untrained one accepts about nothing)
     assert abs(fixed_prompt_acceptance(smollm, head) - recorded) <= 0.1  # greedy: equal up to float noise
-    assert isinstance(build_drafter("auto", smollm), EagleDrafter)  # the default draft for the default target
+    default = build_drafter("auto", smollm)  # the default draft for the default target: prompt lookup + the head
+    assert isinstance(default.model, EagleDrafter)
     from verispec import Tree, generate, get_verifier  # greedy with the head equals plain decoding token for token
     from verispec.drafters import NoDrafter
 
@@ -189,3 +190,8 @@ def test_shipped_head_reproduces_its_recorded_acceptance_and_fits_the_budget(smo
         out = generate(smollm, EagleDrafter(head), get_verifier("chain" if tree.is_chain else "greedy"), prompt,
                        tree=tree, children="iid" if tree.is_chain else "topk", **kw)
         assert out.token_ids == ref, tree.describe()
+    from verispec.backends.costs import auto_policy
+
+    out = generate(smollm, default, get_verifier("chain"), prompt, tree=Tree.parse(default.default_tree),
+                   policy=auto_policy(smollm, default), **kw)
+    assert out.token_ids == ref and {s.source for s in out.steps} == {"ngram", "eagle"}

@@ -159,7 +159,7 @@ def test_trained_head_drafts_better_than_untrained(tmp_path):
 def test_auto_draft_picks_the_shipped_head(tmp_path, monkeypatch):
     import verispec.eagle.head as eagle
     from verispec.drafters import build_drafter
-    from verispec.drafters import NgramDrafter
+    from verispec.drafters import NgramDrafter, SwitchDrafter
     from verispec.errors import VerispecError
 
     target = tiny_model("llama")
@@ -168,7 +168,8 @@ def test_auto_draft_picks_the_shipped_head(tmp_path, monkeypatch):
     with pytest.raises(VerispecError, match="no draft head ships"):
         build_drafter("eagle", target)
     EagleHead(target).save(tmp_path / f"{target.name}.pt", {"target": target.name})
-    assert isinstance(build_drafter("auto", target), EagleDrafter)
+    auto = build_drafter("auto", target)  # with a head: prompt lookup where the text repeats, the head elsewhere
+    assert isinstance(auto, SwitchDrafter) and isinstance(auto.model, EagleDrafter)
     assert isinstance(build_drafter(f"eagle:{tmp_path / (target.name + '.pt')}", target), EagleDrafter)
     other = tiny_model("llama", layers=2, vocab=50)
     with pytest.raises(VerispecError, match="does not fit"):

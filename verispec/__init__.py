@@ -4,7 +4,7 @@ The public API, one import away::
 
     import verispec
     target = verispec.load()                                   # the built-in default model
-    drafter = verispec.build_drafter("auto", target)           # its shipped EAGLE head
+    drafter = verispec.build_drafter("auto", target)           # prompt lookup + its shipped EAGLE head
     out = verispec.generate(target, drafter, verispec.get_verifier("chain"), "Hello!", temperature=0.6)
 
 Pieces (each with a small interface): ``backends`` (target engines: the Hugging Face adapter with tree attention),
@@ -15,6 +15,7 @@ trained draft head), ``hf`` (a ``custom_generate`` for Hugging Face ``generate``
 """
 
 from .backends import DEFAULT_TARGET, CausalLM, Target, load
+from .backends.costs import auto_policy
 from .decode import GenerationResult, StepRecord, TextStream, generate, generate_steps
 from .drafters import DraftSpec, ModelDrafter, NgramDrafter, NoDrafter, build_drafter, layer_skip_drafter
 from .errors import VerispecError
@@ -27,8 +28,8 @@ from .verifiers import VERIFIERS, get_verifier
 __version__ = "0.2.0"
 
 __all__ = [
-    "DEFAULT_TARGET", "POLICIES", "VERIFIERS", "CausalLM", "DraftSpec", "GenerationResult", "ModelDrafter",
-    "NgramDrafter", "NoDrafter", "Policy", "Randomness", "Sampling", "StepRecord", "Target", "TextStream", "Tree",
-    "TorchRandomness", "VerispecError", "build_drafter", "generate", "generate_steps", "get_policy", "get_verifier",
-    "layer_skip_drafter", "load",
+    "CausalLM", "DEFAULT_TARGET", "DraftSpec", "GenerationResult", "ModelDrafter", "NgramDrafter", "NoDrafter",
+    "POLICIES", "Policy", "Randomness", "Sampling", "StepRecord", "Target", "TextStream", "TorchRandomness", "Tree",
+    "VERIFIERS", "VerispecError", "auto_policy", "build_drafter", "generate", "generate_steps", "get_policy",
+    "get_verifier", "layer_skip_drafter", "load",
 ]

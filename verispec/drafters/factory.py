@@ -22,7 +22,7 @@ DRAFT_HELP = (
     "int8 copy of the target), 'eagle' (the EAGLE-style head shipped for the target; 'eagle:PATH' for one from "
     "'verispec train-draft'), 'model:SPEC' (a separate draft model with the target's tokenizer: alias, .gguf file, "
     "folder or hub id), 'hybrid' or 'hybrid:DRAFT' (prompt lookup on steps where the text repeats itself, the model "
-    "draft DRAFT elsewhere; default DRAFT: the shipped head), or 'auto' (the default: 'eagle' when a head ships for "
+    "draft DRAFT elsewhere; default DRAFT: the shipped head), or 'auto' (the default: 'hybrid' when a head ships for "
     "the target, else 'ngram')"
 )
 KINDS = ("auto", "none", "layerskip", "ngram", "int8", "eagle", "model", "hybrid")
@@ -101,7 +101,7 @@ def build_drafter(spec: str | DraftSpec, target, dtype: str = "float32") -> Draf
     kind, arg = spec.kind, spec.arg
     hf = hasattr(target, "hf")  # the Hugging Face backend: a head, an int8 copy and layer skipping need its model
     if kind == "auto":
-        return build_drafter("eagle" if hf and shipped_head_path(target) is not None else "ngram", target, dtype)
+        return build_drafter("hybrid" if hf and shipped_head_path(target) is not None else "ngram", target, dtype)
     if kind == "hybrid":
         from .switch import SwitchDrafter  # noqa: PLC0415
 
