@@ -135,7 +135,8 @@ def gate_names(res: Results) -> str:
     return "`default` runs the `auto` policy (the plan alone), `auto-gate` the same with the confidence gate."
 
 
-HEAD_RUNS = {"speed": speed_run, "table2": table2_run, "shadow": shadow_run, "hybrid": hybrid_run}  # need the shipped draft head
+# need the shipped draft head
+HEAD_RUNS = {"speed": speed_run, "table2": table2_run, "shadow": shadow_run, "hybrid": hybrid_run}
 RUNS["gate"] = gate_run()
 # ResiSpec Table 3 shape (a cell costs ~30 s here): one run per temperature and tree group, two at a time share the
 # two cores
