@@ -32,6 +32,16 @@ def test_nan_and_inf_logits_raise(temperature, dtype):
     assert logits_to_probs(torch.tensor([0.0, -inf], dtype=dtype), Sampling(temperature)).tolist() == [1.0, 0.0]
 
 
+def test_greedy_law_without_numpy_is_the_same():
+    """A tensor numpy cannot view (one that requires grad; on a GPU likewise) takes torch's path: same rows, same
+    errors."""
+    x = torch.tensor([[0.0, 2.0, 2.0, -1.0], [float("-inf"), -3.0, -3.0, -5.0]])
+    assert torch.equal(logits_to_probs(x.clone().requires_grad_(), Sampling(0)), logits_to_probs(x, Sampling(0)))
+    for bad in ([0.0, float("nan")], [float("-inf"), float("-inf")]):
+        with pytest.raises(VerispecError, match="NaN"):
+            logits_to_probs(torch.tensor(bad, requires_grad=True), Sampling(0))
+
+
 @pytest.mark.parametrize("kw", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1)])
 def test_bad_sampling_settings(kw):
     with pytest.raises(VerispecError):
