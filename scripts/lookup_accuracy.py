@@ -13,13 +13,12 @@ from __future__ import annotations
 import argparse
 from collections import defaultdict
 
-import torch
-
 from verispec.backends.hf import CausalLM
 from verispec.backends.loading import tokenizer_for
 from verispec.bench.records import Results
 from verispec.datasets import load_prompts
 from verispec.drafters.ngram import NgramDrafter
+from verispec.probs import argmax
 
 
 class _Tokenizer:  # what CausalLM.encode_prompt reads: the tokenizer alone, no model
@@ -35,7 +34,7 @@ def main() -> None:
     res = Results.load(args.records)
     holder = _Tokenizer(tokenizer_for(args.target))
     problems = {p.id: p for p in load_prompts("spec-bench")}
-    lookup = NgramDrafter(vocab_size=1)
+    lookup = NgramDrafter(vocab_size=len(holder.tokenizer))
     count = defaultdict(lambda: [0, 0])  # (category, match length) -> [positions, top guess right]
     for rec in res.prompts:
         cell = rec["cell"]
@@ -44,13 +43,9 @@ def main() -> None:
         ids = CausalLM.encode_prompt(holder, problems[cell["prompt"]].prompt)
         answer = rec["token_ids"]
         for i, token in enumerate(answer):
-            found = lookup._find(ids + answer[:i])
-            n = found[0] if found else 0
-            right = False
-            if found:
-                _, seq, hits = found
-                seen, counts = torch.unique(seq[hits + n], return_counts=True)
-                right = int(seen[counts.argmax()]) == token
+            law = lookup._root_logits(ids + answer[:i])  # the draft's own log-counts after the context, or None
+            n = lookup._match[0][0] if law is not None else 0
+            right = law is not None and int(argmax(law)) == token  # its top guess (ties: the lowest token id)
             for key in ((rec["category"], n), ("all", n)):
                 count[key][0] += 1
                 count[key][1] += right

@@ -187,24 +187,15 @@ def by_category_table(rows, metrics=(("vs_hf_generate", "vs HF generate"), ("spe
     return markdown(["T", "category", "draft", "method", *[h for _, h in metrics], "accepted length"], body)
 
 
-def auto_meaning(res: Results) -> str:
-    """What the draft ``auto`` was in a run: the shipped head alone until commit 74b1b1d, prompt lookup and the head
-    switched per step (``hybrid``) since."""
-    if str(res.header.get("started", "")) < "2026-11-30 19:40":
-        return ("In this run `auto` was the shipped head alone, with its tuned tree `chain:1` (it is now `hybrid`, "
-                "see the next section).")
-    return ("`auto` is `hybrid`: prompt lookup on steps where the text repeats itself, the shipped head elsewhere "
-            "(`chain:5`, the `auto` policy per source).")
-
-
 def speed_section(res: Results, figs: Path) -> list[str]:
     rows = summarize(res)
     cats = summarize(res, by_category=True)
     return ["## Speed of the defaults against plain decoding, Hugging Face and llama.cpp", "", f"Run: {res.describe()}",
             "", "`default` is what `verispec generate` does with no options (draft `auto`; exact chain verification; the "
             "draft length chosen per step by the `auto` policy), here also with the prompt-lookup draft `ngram`. "
-            + auto_meaning(res) + " `ar` is plain decoding in verispec's loop, `hf-generate` Hugging Face "
-            "`generate`, `hf-assisted` Hugging Face assisted generation with prompt lookup, `llama-cpp` llama.cpp's "
+            "`auto` is `hybrid`: prompt lookup on steps where the text repeats itself, the shipped head elsewhere "
+            "(`chain:5`, the `auto` policy per source). `ar` is plain decoding in verispec's loop, `hf-generate` "
+            "Hugging Face `generate`, `hf-assisted` Hugging Face assisted generation with prompt lookup, `llama-cpp` llama.cpp's "
             "plain decoding of the same model's GGUF file (Q4_1: a quantised model, so a different and cheaper "
             "target; shown for scale). Every ratio is paired per prompt with its 95 % interval.", "",
             table_peers(rows), "", "By Spec-Bench category:", "", by_category_table(cats), "",

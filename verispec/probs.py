@@ -43,12 +43,16 @@ class Sampling:
         return self.temperature == 0
 
 
+_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}  # the float dtypes numpy can view
+_NOT_POSSIBLE = "contain NaN/+inf values or a row with no finite entry"  # what check_finite(allow_masked=True) raises
+
+
 def as_numpy(x: torch.Tensor) -> np.ndarray | None:
     """A numpy view of a CPU float tensor (a copy only if it is not contiguous), or None. A step at a 262k vocabulary
     runs right after the engine has streamed the model's weights through the caches, and there each torch call costs
     tens of microseconds however small it is (measured in the llama.cpp loop): the per-step vocabulary passes below
     go through numpy, with fewer calls."""
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and not x.requires_grad:
+    if x.device.type == "cpu" and x.dtype in _NUMPY and not x.requires_grad:
         return x.contiguous().numpy()
     return None
 
@@ -58,9 +62,6 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     numpy, about 10x faster than torch's at a 262k vocabulary on this machine; the same indices."""
     a = as_numpy(x)
     return torch.from_numpy(np.asarray(a.argmax(-1))) if a is not None else x.argmax(-1)
-
-
-_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
 
 
 def point_mass(index: torch.Tensor, size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -88,7 +89,7 @@ def check_finite(logits: torch.Tensor, what: str = "logits", allow_masked: bool 
     hi = logits.amax(-1)
     if allow_masked:
         if not bool(torch.isfinite(hi).all()):
-            raise VerispecError(f"{what} contain NaN/+inf values or a row with no finite entry")
+            raise VerispecError(f"{what} {_NOT_POSSIBLE}")
         return
     if not bool((torch.isfinite(logits.amin(-1)) & torch.isfinite(hi)).all()):
         bad = (~torch.isfinite(logits)).sum().item()
@@ -139,7 +140,7 @@ def _greedy_law(x: torch.Tensor) -> torch.Tensor:
         finite = all(math.isfinite(rows[r, j]) for r, j in enumerate(i.reshape(-1).tolist()))
         idx = torch.from_numpy(i)
     if not finite:
-        raise VerispecError("logits contain NaN/+inf values or a row with no finite entry")
+        raise VerispecError(f"logits {_NOT_POSSIBLE}")
     return point_mass(idx, x.shape[-1], x.dtype)
 
 

@@ -154,13 +154,13 @@ class LlamaCppTarget:
             if self._L.llama_decode(self.ctx, b) != 0:
                 raise VerispecError("llama.cpp could not decode the batch (context full?)")
 
-    def _logits(self, rows: int) -> torch.Tensor:
-        """The logits of the last batch's first ``rows`` output rows, copied out of llama.cpp's buffer (the next
-        decode overwrites it) by one memmove per row."""
-        out = torch.empty(rows, self.vocab_size)
+    def _logits(self, rows: list[int]) -> torch.Tensor:
+        """The logits of the last batch's output ``rows`` (-1: the last one), copied out of llama.cpp's buffer (the
+        next decode overwrites it) by one memmove per row."""
+        out = torch.empty(len(rows), self.vocab_size)
         size = self.vocab_size * 4
-        for i in range(rows):
-            ctypes.memmove(out.data_ptr() + i * size, self._L.llama_get_logits_ith(self.ctx, i), size)
+        for k, i in enumerate(rows):
+            ctypes.memmove(out.data_ptr() + k * size, self._L.llama_get_logits_ith(self.ctx, i), size)
         return out
 
     def forward(self, state: LlamaState, tokens: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor,
@@ -205,13 +205,8 @@ class LlamaCppTarget:
             state.pending_tokens.append(int(tokens[i]))
         rows = [True] * n if not last_logits_only else [i == n - 1 for i in range(n)]
         self._decode(tokens.tolist(), positions.tolist(), seqs, rows)
-        logits = self._logits(sum(rows)) if not last_logits_only else self._last_logits()
+        logits = self._logits(list(range(n)) if not last_logits_only else [-1])
         return ForwardOutput(logits=logits, hidden=torch.zeros(n, 0))
-
-    def _last_logits(self) -> torch.Tensor:
-        out = torch.empty(1, self.vocab_size)
-        ctypes.memmove(out.data_ptr(), self._L.llama_get_logits_ith(self.ctx, -1), self.vocab_size * 4)
-        return out
 
     def _seqs_for(self, state: LlamaState, parent: int | None, fresh: bool = False) -> list[int]:
         """Sequence ids for a path leaving the already-decoded entry ``parent`` (None: from the committed text): its
@@ -289,7 +284,7 @@ class LlamaCppTarget:
         self._decode(list(tokens), pos, [[0]] * n, [i == n - 1 for i in range(n)])
         state.committed += n
         state.tokens += list(tokens)
-        return ForwardOutput(logits=self._last_logits(), hidden=torch.zeros(n, 0))
+        return ForwardOutput(logits=self._logits([-1]), hidden=torch.zeros(n, 0))
 
 
 def load_llama(spec: str, threads: int | None = None) -> LlamaCppTarget:
