@@ -8,7 +8,7 @@ from verispec.drafters.base import Draft
 from verispec.probs import residual
 from verispec.rng import TorchRandomness
 from verispec.tree import Tree
-from verispec.verifiers import get_verifier
+from verispec.verifiers import VERIFIERS, get_verifier
 from verispec.verifiers.base import Verdict, VerifierSpec, first_child_law
 
 V = 4
@@ -80,3 +80,38 @@ def test_unknown_method_is_a_clear_error():
 
     with pytest.raises(VerispecError, match="unknown verifier"):
         get_verifier("nope")
+
+
+@pytest.mark.parametrize("name", sorted(VERIFIERS))
+def test_with_nothing_drafted_every_verifier_draws_from_the_target(name):
+    # the decoding loop relies on this to skip the verifier on steps with nothing drafted (decode._draw_root):
+    # the same token from the same random calls, nothing tested, nothing learned
+    spec = VERIFIERS[name]
+    root = Draft(Tree.root_only(), torch.tensor([2]), torch.zeros(1, 7, dtype=torch.float64),
+                 torch.ones(1, dtype=torch.float64), "iid")
+    for seed in range(8):
+        p = torch.softmax(torch.randn(1, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)), -1)
+        used, reference = TorchRandomness(seed), TorchRandomness(seed)
+        v = spec(root, p, used, spec.new_state() if spec.new_state else None)
+        assert (v.path, v.token, v.tested, v.feedback) == ((), int(reference.categorical(p[0])), (), ())
+        assert torch.equal(used.generator.get_state(), reference.generator.get_state())
+
+
+@pytest.mark.parametrize("name", sorted(VERIFIERS))
+def test_tested_counts_one_entry_per_depth_reached(name):
+    # per depth: the accepted node's depths, plus the depth where every tested candidate was rejected (if any)
+    spec = VERIFIERS[name]
+    gen = torch.Generator().manual_seed(0)
+    for shape in ("chain:1", "chain:3", "2x2", "3,1"):
+        tree = Tree.parse(shape)
+        if spec.chain_only and not tree.is_chain or spec.children not in (None, "iid") and tree.size > 1:
+            continue
+        for trial in range(25):
+            p, q = (torch.softmax(2 * torch.randn(tree.size, 5, dtype=torch.float64, generator=gen), -1)
+                    for _ in range(2))
+            if spec.greedy_only:
+                p = torch.nn.functional.one_hot(p.argmax(-1), 5).double()
+            tokens = torch.randint(0, 5, (tree.size,), generator=gen)
+            draft = Draft(tree, tokens, q, torch.ones(tree.size, dtype=torch.float64), "iid")
+            v = spec(draft, p, TorchRandomness(trial), spec.new_state() if spec.new_state else None)
+            assert len(v.tested) in (len(v.path), len(v.path) + 1) and all(t >= 1 for t in v.tested), (shape, v)

@@ -67,7 +67,7 @@ def traverse(draft, p: torch.Tensor, rng, residual_update: bool = True) -> Verdi
             path.append(child)
         target = Mb.get(node, p[node])
         if node == 0 or bool(rng.bernoulli(torch.tensor(alpha[node], dtype=torch.float64))):
-            tested = [len(removed[n]) + 1 for n in [0, *path[:-1]]]  # per depth: rejected siblings + the kept one
+            tested = [len(removed[n]) + 1 for n in [0, *path[:-1]]] if path else []  # rejected siblings + the kept
             if removed[node]:  # below the kept node, every child was tested and rejected
                 tested.append(len(removed[node]))
             return Verdict(tuple(path), int(rng.categorical(target)), tuple(tested))
