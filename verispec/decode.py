@@ -2,6 +2,11 @@
 
 Accepted length per step counts the accepted drafted tokens plus the one recovered/bonus token, so
 plain autoregressive decoding (``NoDrafter``) scores exactly 1.0 per step.
+
+A step with nothing drafted (plain decoding, or a policy that drafts nothing this step) does not call the verifier:
+every registered verifier returns ``rng.categorical(p[0])`` for a root alone, with the same random calls and no
+feedback (tests/test_verifiers.py checks each one), so the loop draws that token itself -- at temperature 0 the
+logits' argmax, without the one-hot law a verifier would need.
 """
 
 from __future__ import annotations
@@ -16,10 +21,10 @@ from .drafters.base import Drafter
 from .errors import VerispecError
 from .backends import CausalLM
 from .policies import Feedback, Fixed
-from .probs import DEFAULT_TEMPERATURE, Sampling, logits_to_probs
+from .probs import DEFAULT_TEMPERATURE, Sampling, greedy_index, logits_to_probs
 from .rng import Randomness, TorchRandomness
 from .tree import Tree
-from .verifiers.base import VerifierSpec
+from .verifiers.base import Verdict, VerifierSpec
 
 
 @dataclass(frozen=True)
@@ -187,10 +192,13 @@ def generate_steps(
         positions = state.committed + torch.tensor(draft.tree.depths)
         out = target.forward(state, draft.tokens, positions, draft.tree.ancestors_mask(), features=features)
         t2 = time.perf_counter()
-        p = logits_to_probs(out.logits, sampling)  # [N, V]
-        verdict = verifier(draft, p, rng, verifier_state)
-        if verifier_state is not None:
-            verifier_state.update(verdict.feedback)
+        if draft.num_drafted:
+            p = logits_to_probs(out.logits, sampling)  # [N, V]
+            verdict = verifier(draft, p, rng, verifier_state)
+            if verifier_state is not None:
+                verifier_state.update(verdict.feedback)
+        else:  # nothing to verify: a draw from the target, as every verifier returns for a root alone (tested)
+            verdict = Verdict((), _draw_root(out.logits[:1], sampling, rng), ())
         t3 = time.perf_counter()
         target.commit(state, [0, *verdict.path])
         t4 = time.perf_counter()
@@ -223,6 +231,14 @@ def generate_steps(
         )
         if stop:
             return
+
+
+def _draw_root(logits: torch.Tensor, sampling: Sampling, rng: Randomness) -> int:
+    """The token of a step with nothing drafted: ``rng.categorical`` of the target's law, or at temperature 0 the
+    argmax of the logits itself (the greedy law's point mass without building it, and without a draw)."""
+    if sampling.greedy:
+        return int(greedy_index(logits)[0])
+    return int(rng.categorical(logits_to_probs(logits, sampling)[0]))
 
 
 def generate(

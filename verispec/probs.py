@@ -126,14 +126,19 @@ def logits_to_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
 
 
 def _greedy_law(x: torch.Tensor) -> torch.Tensor:
-    """Point masses on each row's first maximal entry, with ``check_finite(allow_masked=True)``'s check read off the
-    chosen entries instead of a pass of its own: the first maximum is NaN if the row has a NaN (NaN counts as
-    maximal), +inf if it has a +inf, -inf if nothing in the row is possible."""
+    """Point masses on each row's first maximal entry (``greedy_index``)."""
+    return point_mass(greedy_index(x), x.shape[-1], x.dtype)
+
+
+def greedy_index(x: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximal index: the token the greedy law puts all its mass on, with
+    ``check_finite(allow_masked=True)``'s check read off the chosen entries instead of a pass of its own (the first
+    maximum is NaN if the row has a NaN, since NaN counts as maximal, +inf if it has a +inf, -inf if nothing in the
+    row is possible)."""
     a = as_numpy(x)
     if a is None:
         idx = x.argmax(-1)
-        top = x.gather(-1, idx.unsqueeze(-1))
-        finite = bool(torch.isfinite(top).all())
+        finite = bool(torch.isfinite(x.gather(-1, idx.unsqueeze(-1))).all())
     else:
         i = np.asarray(a.argmax(-1))
         rows = a.reshape(-1, a.shape[-1])
@@ -141,7 +146,7 @@ def _greedy_law(x: torch.Tensor) -> torch.Tensor:
         idx = torch.from_numpy(i)
     if not finite:
         raise VerispecError(f"logits {_NOT_POSSIBLE}")
-    return point_mass(idx, x.shape[-1], x.dtype)
+    return idx
 
 
 def normalize(v: torch.Tensor) -> torch.Tensor:

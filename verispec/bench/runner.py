@@ -316,13 +316,20 @@ class Runner:
             driver, tvs = _recording(driver)
         res = generate(self.target, drafter, driver, ids, tree=tree, max_new_tokens=budget,
                        temperature=cell.temperature, policy=policy, verifier_state=state, seed=cell.seed)
+        # the verifier (and so each wrapper) ran on the steps that drafted something; a step with nothing drafted is
+        # a draw from the target, which every shadow would have matched with accepted length 1 and no distortion
+        verified = sum(1 for s in res.steps if s.drafted)
+        shadows = iter(shadow.records if shadow is not None else [])
+        distortions = iter(tvs if tvs is not None else [])
+        if shadow is not None and len(shadow.records) != verified or tvs is not None and len(tvs) != verified:
+            raise RuntimeError("a wrapped verifier was not called once per step with a draft")
         steps = []
         for i, s in enumerate(res.steps):
             extra = {}
-            if shadow is not None and i < len(shadow.records):
-                extra["shadow"] = shadow.records[i]
-            if tvs is not None and i < len(tvs):
-                extra["tv"] = tvs[i]
+            if shadow is not None:
+                extra["shadow"] = next(shadows) if s.drafted else shadow.undrafted()
+            if tvs is not None:
+                extra["tv"] = next(distortions) if s.drafted else []
             steps.append(step_record(cell.key, i, s, **extra))
         return steps, res.token_ids, res.wall_s, res.prefill_s, tree.size - 1
 
@@ -340,7 +347,7 @@ def _recording(spec):
     def fn(draft, p, rng, *state):
         verdict = spec.fn(draft, p, rng, *state)
         tested = len(verdict.tested)
-        if draft.num_drafted and tested:
+        if tested:
             _, laws = chain_laws(draft)
             law = position_law(rule, p[:tested], laws[:tested], state[0] if state else None)
             tvs.append((0.5 * (law - p[:tested].double()).abs().sum(-1)).tolist())

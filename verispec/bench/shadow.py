@@ -62,6 +62,12 @@ class Shadow:
 
         return dataclasses.replace(self.driver, fn=fn)
 
+    def undrafted(self) -> dict:
+        """The record of a step with nothing drafted (the loop calls no verifier there): every shadow emits one
+        token."""
+        return {spec.name: [{"accepted_length": 1, "tested": [], "accepted_ranks": []}] * self.seeds
+                for spec in self.shadows}
+
     def observe(self, draft, p) -> dict:
         step = len(self.records)
         ranks = draft.tree.ranks
