@@ -140,3 +140,30 @@ def test_llama_cpp_prompt_lookup_on_a_long_prompt_reproduces_plain_greedy(llama)
     assert len(prompt) > 600
     plain = llama_generate("smollm2-135m", prompt, 24, 0.0, threads=1).token_ids
     assert llama_generate("smollm2-135m", prompt, 24, 0.0, lookup=4, threads=1).token_ids == plain
+
+
+def test_plain_decoding_and_an_accepted_chain_touch_no_cache_sequence(llama, prompt, monkeypatch):
+    from verispec import Tree
+
+    calls = []
+    lib = llama._L
+
+    class Counting:  # the llama.cpp library, counting the sequence operations
+        def __getattr__(self, name):
+            if name.startswith("llama_memory_seq"):
+                calls.append(name)
+            return getattr(lib, name)
+
+    state = llama.new_state()
+    llama.prefill(state, prompt[:-1])
+    monkeypatch.setattr(llama, "_L", Counting())
+    tree = Tree.chain(3)
+    for keep in ([0], [0, 1, 2, 3]):  # a plain step, then a chain accepted whole
+        tokens = torch.tensor([prompt[-1], 300, 301, 302][: tree.size if len(keep) > 1 else 1])
+        shape = tree if len(keep) > 1 else Tree.root_only()
+        llama.forward(state, tokens, state.committed + torch.tensor(shape.depths), shape.ancestors_mask())
+        llama.commit(state, keep)
+    assert calls == [] and state.trash == 0
+    monkeypatch.undo()
+    nxt = llama.forward(state, torch.tensor([77]), torch.tensor([state.committed]), torch.ones(1, 1, dtype=torch.bool))
+    assert float((nxt.logits[0] - fresh(llama, state.tokens + [77])).abs().max()) <= TOL

@@ -5,11 +5,13 @@ of its own, and verispec's exactness is relative to it (the Hugging Face backend
 different target; their texts are not comparable token for token).
 
 How a token tree runs in one ``llama_decode`` batch: the committed text lives in sequence 0 of a unified KV cache.
-Every drafted node is given the sequence ids of the root-to-leaf paths through it -- a node's first child inherits
-its ids, each further child gets a fresh id whose cells are copied (tagged, not moved) from the path so far -- so
-each token attends exactly to the committed text and its own ancestors. Per-node logits come from
-``llama_get_logits_ith``. Commit tags the kept path's cells into sequence 0 and removes every path sequence: no
-accepted token is decoded twice. Rejected nodes' cells are not freed but moved to a sequence nothing attends to:
+Every drafted node is given the sequence ids of the root-to-leaf paths through it -- the first path is sequence 0
+itself, a node's first child inherits its ids, each further child gets a fresh id whose cells are copied (tagged, not
+moved) from the path so far -- so each token attends exactly to the committed text and its own ancestors. Per-node
+logits come from ``llama_get_logits_ith``. Commit keeps the kept path's cells in sequence 0 (tagging them there if
+they lie on another path), takes sequence 0's other new cells out of it and removes every other path sequence: no
+accepted token is decoded twice, and plain decoding or an accepted chain needs no cache operation at all. Rejected
+nodes' cells are not freed but moved to a sequence nothing attends to:
 with llama-cpp-python 0.3.36, a token written into a freed cell that lies before cells of its own sequence reads
 the wrong context (measured: the next logits differ from a fresh decode), so the cache never gets holes; when it
 fills up, the committed text is decoded once more into an empty cache.
@@ -214,8 +216,8 @@ class LlamaCppTarget:
         key = -1 if parent is None else parent
         count = state.children.get(key, 0)
         state.children[key] = count + 1
-        if count == 0 and parent is not None and not fresh:
-            return list(state.pending_seqs[parent])
+        if count == 0 and not fresh:  # the first path from the committed text is sequence 0 itself
+            return [0] if parent is None else list(state.pending_seqs[parent])
         if state.next_seq > MAX_PATHS:
             raise VerispecError(f"a tree with more than {MAX_PATHS} root-to-leaf paths does not fit the llama backend")
         s = state.next_seq
@@ -232,10 +234,15 @@ class LlamaCppTarget:
         if any(not 0 <= k < state.pending for k in keep):
             raise ValueError(f"commit indices {keep} out of range for {state.pending} pending entries")
         c = state.committed
-        if keep:
-            s = state.pending_seqs[keep[-1]][0]
-            if [state.pending_positions[k] for k in keep] != list(range(c, c + len(keep))):
-                raise ValueError("the llama backend commits a chain of pending entries right after the committed text")
+        if keep and [state.pending_positions[k] for k in keep] != list(range(c, c + len(keep))):
+            raise ValueError("the llama backend commits a chain of pending entries right after the committed text")
+        in_zero = sum(1 for seqs in state.pending_seqs if seqs[0] == 0)  # the first path: sequence 0's own cells
+        s = state.pending_seqs[keep[-1]][0] if keep else None
+        kept_in_zero = len(keep) if s == 0 else 0  # a kept path in sequence 0 is its first cells
+        if in_zero > kept_in_zero:  # the rest of sequence 0's cells leave it (tagged, not freed)
+            self._L.llama_memory_seq_cp(self.mem, 0, TRASH, c + kept_in_zero, -1)
+            self._L.llama_memory_seq_rm(self.mem, 0, c + kept_in_zero, -1)
+        if keep and s != 0:
             self._L.llama_memory_seq_cp(self.mem, s, 0, c, c + len(keep))
         for s in range(1, state.next_seq):  # every tree cell keeps a tag, so no cell is freed (see the docstring)
             self._L.llama_memory_seq_cp(self.mem, s, TRASH, c, -1)
