@@ -53,3 +53,22 @@ def test_point_mass_rows_are_drawn_by_argmax_without_changing_later_draws():
         assert point_mass_index(nan) is None
     assert point_mass_index(torch.zeros(1, 50)) is None
     assert TorchRandomness(0).categorical(torch.zeros(1, 50)).tolist() == [49]  # no mass: inverse-CDF's answer
+
+
+def test_draws_equal_torch_float64_inverse_cdf():
+    """``categorical`` is float64 inverse-CDF sampling on the same uniform numbers, for every row shape and dtype
+    (a faster rewrite must keep the same draws: a numpy cumsum was tried here and was 3x slower than torch's)."""
+
+    def reference(rng, probs):
+        u = rng.uniform(probs.shape[:-1] + (1,))
+        cdf = torch.cumsum(probs.double(), dim=-1)
+        idx = torch.searchsorted(cdf, u * cdf[..., -1:], right=True).squeeze(-1)
+        return idx.clamp_max(probs.shape[-1] - 1)
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64):
+        for shape in ((1000,), (3, 1000), (2, 4, 7)):
+            law = torch.softmax(3 * torch.randn(shape, generator=gen, dtype=dtype), -1)
+            law = law * (torch.rand(shape, generator=gen, dtype=dtype) > 0.3)  # impossible tokens, unnormalised rows
+            for seed in range(20):
+                assert torch.equal(TorchRandomness(seed).categorical(law), reference(TorchRandomness(seed), law))
