@@ -311,7 +311,7 @@ class AutoDepth(_Defaults):
     then only decides whether to start drafting at all (a depth of 0 skips the draft's first forward); with
     ``free_root`` (a draft whose first depth costs next to nothing, such as prompt lookup) every step starts and the
     gate alone decides. Probe steps bypass the gate. Measured no faster than the plan alone on the Hugging Face target,
-    faster on llama.cpp with Gemma 3 but not with SmolLM2 (one run each, docs/findings.md), so it is opt-in.
+    faster on llama.cpp with Gemma 3 but not with SmolLM2 (two runs each, docs/findings.md), so it is opt-in.
 
     It decides lengths only, from the draft and past outcomes, so the output law is the verifier's, exactly. Costs
     are fixed numbers rather than live timings, so the same seed gives the same text. When drafting is a loss it
