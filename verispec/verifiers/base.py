@@ -8,7 +8,10 @@ A verifier is a pure function ``fn(draft, p, rng) -> Verdict``:
 
 It walks from the root, accepting at most one child per node, and ends by emitting one token: the
 *recovered* token (drawn from a residual after a rejection) or the *bonus* token (drawn from ``p``
-after a leaf). The accepted length of a step is ``len(path) + 1``.
+after a leaf). The accepted length of a step is ``len(path) + 1``. With nothing drafted (a root alone) the
+verdict is the bonus token ``rng.categorical(p[0])`` with nothing tested and no feedback: the decoding loop relies
+on it and draws that token itself instead of calling the verifier (tests/test_verifiers.py checks every
+registered verifier).
 
 Adding a verifier is one small module with a function decorated by ``@register(...)`` and an import
 line in ``verispec/verifiers/__init__.py``.
