@@ -408,3 +408,26 @@ def test_committed_summaries_match_what_report_derives_from_their_records():
         summary = path.with_name(path.stem + ".summary.md")
         assert summary.exists(), summary
         assert summary.read_text().strip() == report(Results.load(path)).strip(), path.name
+
+
+def test_traversal_records_from_before_the_tested_fix_are_repaired_on_reading(tmp_path):
+    """Records written before d2ca1e0 gave traversal a phantom first ``tested`` entry when nothing was accepted."""
+    import copy
+
+    from verispec.bench.records import Results
+    from verispec.metrics import per_candidate_acceptance
+
+    cell = {"T": 1.0, "seed": 0, "prompt": "p", "draft": "int8", "method": "specinfer@3x3"}
+    old = [{"accepted_length": 1, "tested": [4, 3], "accepted_ranks": []},  # all 3 rejected, as written then
+           {"accepted_length": 2, "tested": [2, 3], "accepted_ranks": [2]}]  # a path: written right, left alone
+    own = {"type": "step", "cell": {**cell, "method": "traversal@3x3"}, "i": 0, "tested": [4, 3], "accepted_ranks": []}
+    records = [{"type": "header", "config": {}},
+               {"type": "step", "cell": cell, "i": 0, "shadow": {"traversal": copy.deepcopy(old), "specinfer": old}},
+               own, {"type": "prompt", "cell": cell}, {"type": "prompt", "cell": own["cell"]}]
+    res = Results.from_records(records)
+    steps = [s for ss in res.steps.values() for s in ss]
+    runs = steps[0]["shadow"]
+    assert [r["tested"] for r in runs["traversal"]] == [[3], [2, 3]]
+    assert [r["tested"] for r in runs["specinfer"]] == [[4, 3], [2, 3]]  # other verifiers never had the bug
+    assert steps[1]["tested"] == [3]
+    assert per_candidate_acceptance(runs["traversal"]) == pytest.approx([0.0, 1 / 3, 0.0])  # [0, 1/4, 0, 0] unrepaired

@@ -98,6 +98,22 @@ def machine() -> dict:
     return out
 
 
+def _repair_traversal(step: dict) -> dict:
+    """Records written before commit d2ca1e0 carry a phantom first ``tested`` entry for the ``traversal`` verifier on
+    steps that accepted no drafted token: ``[k + 1, k]`` where ``[k]`` is right (k candidates at depth 1, all
+    rejected). A step that accepts nothing reaches one depth, so two entries are impossible; the right list is the
+    last entry. Repaired on reading (the file stays as written), for the step's own verdict and for its shadows."""
+    def fix(run: dict, verifier: str) -> None:
+        if verifier == "traversal" and not run.get("accepted_ranks") and len(run.get("tested") or []) == 2:
+            run["tested"] = run["tested"][1:]
+
+    fix(step, step.get("cell", {}).get("method", "").partition("@")[0])
+    for name, runs in (step.get("shadow") or {}).items():
+        for run in runs:
+            fix(run, name)
+    return step
+
+
 @dataclass
 class Results:
     """A results file, read: its header, finished cells' prompt and step records, and audit rows."""
@@ -130,7 +146,7 @@ class Results:
         steps = defaultdict(list)
         for r in records:
             if r.get("type") == "step" and cell_id(r["cell"]) in done:  # steps of unfinished cells do not count
-                steps[cell_id(r["cell"])].append(r)
+                steps[cell_id(r["cell"])].append(_repair_traversal(r))
         return cls(records[0], prompts, dict(steps), [r for r in records if r.get("type") == "audit"])
 
     def describe(self) -> str:
