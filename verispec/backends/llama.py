@@ -237,13 +237,13 @@ class LlamaCppTarget:
         if keep and [state.pending_positions[k] for k in keep] != list(range(c, c + len(keep))):
             raise ValueError("the llama backend commits a chain of pending entries right after the committed text")
         in_zero = sum(1 for seqs in state.pending_seqs if seqs[0] == 0)  # the first path: sequence 0's own cells
-        s = state.pending_seqs[keep[-1]][0] if keep else None
-        kept_in_zero = len(keep) if s == 0 else 0  # a kept path in sequence 0 is its first cells
+        kept_seq = state.pending_seqs[keep[-1]][0] if keep else None
+        kept_in_zero = len(keep) if kept_seq == 0 else 0  # a kept path in sequence 0 is its first cells
         if in_zero > kept_in_zero:  # the rest of sequence 0's cells leave it (tagged, not freed)
             self._L.llama_memory_seq_cp(self.mem, 0, TRASH, c + kept_in_zero, -1)
             self._L.llama_memory_seq_rm(self.mem, 0, c + kept_in_zero, -1)
-        if keep and s != 0:
-            self._L.llama_memory_seq_cp(self.mem, s, 0, c, c + len(keep))
+        if keep and kept_seq != 0:
+            self._L.llama_memory_seq_cp(self.mem, kept_seq, 0, c, c + len(keep))
         for s in range(1, state.next_seq):  # every tree cell keeps a tag, so no cell is freed (see the docstring)
             self._L.llama_memory_seq_cp(self.mem, s, TRASH, c, -1)
             self._L.llama_memory_seq_rm(self.mem, s, -1, -1)
