@@ -21,22 +21,21 @@ VERIFIER_FOR = {"iid": "specinfer", "swor": "swor", "topk": "topk"}
 
 
 def target_forward_cost(target, context: list[int], sizes: list[int], repeats: int = 5) -> dict[int, float]:
-    """Median seconds of one target forward over n tree tokens after ``context``, for each n in ``sizes``."""
+    """Median seconds of one target forward over n tree tokens after ``context``, for each n in ``sizes``; the sizes
+    take turns within each round, so that a slow spell of the machine falls on all of them alike."""
     state = target.new_state()
     target.prefill(state, context[:-1])
-    out = {}
-    for n in sizes:
-        tree = Tree.complete(max(1, n - 1), 1) if n > 1 else Tree.root_only()
-        tokens = torch.tensor(context[-1:] * tree.size)
-        pos = state.committed + torch.tensor(tree.depths)
-        times = []
-        for _ in range(repeats):
+    shapes = {n: Tree.complete(max(1, n - 1), 1) if n > 1 else Tree.root_only() for n in sizes}
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(repeats):
+        for n, tree in shapes.items():
+            tokens = torch.tensor(context[-1:] * tree.size)
+            pos = state.committed + torch.tensor(tree.depths)
             t = time.perf_counter()
             target.forward(state, tokens, pos, tree.ancestors_mask())
-            times.append(time.perf_counter() - t)
+            times[n].append(time.perf_counter() - t)
             target.commit(state, [])
-        out[n] = statistics.median(times)
-    return out
+    return {n: statistics.median(ts) for n, ts in times.items()}
 
 
 def draft_cost_model(drafter, context: list[int], sampling: Sampling, children: str, repeats: int = 3):

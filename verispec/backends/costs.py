@@ -26,17 +26,17 @@ DRAFT_COST = {"ngram": 0.01}  # drafting cost per depth relative to a plain step
 def _key(target) -> str:
     ident = getattr(target, "path", None) or getattr(target, "name", "model")
     backend = "llama" if hasattr(target, "path") else "hf"
-    plan = None
+    plan, lean = None, getattr(target, "_lean", None) is not None  # the forward's kernels and implementation
     if hasattr(target, "hf"):
         from torch import nn  # noqa: PLC0415
 
         plan = next((getattr(m, "_verispec_plan", None) for m in target.hf.modules() if type(m) is nn.Linear), None)
     raw = f"{backend}|{ident}|{getattr(target, 'threads', torch.get_num_threads())}|{platform.machine()}|" \
-          f"{os.cpu_count()}|{plan}|{torch.__version__}"
+          f"{os.cpu_count()}|{plan}|{torch.__version__}" + ("|lean" if lean else "")
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
-def forward_costs(target, repeats: int = 5, measure: bool = True) -> list[float] | None:
+def forward_costs(target, repeats: int = 9, measure: bool = True) -> list[float] | None:
     """Seconds of the target's forward over 1..MAX_ROWS tree tokens (median of ``repeats``), cached on disk."""
     from .loading import cache_root  # noqa: PLC0415
 

@@ -12,6 +12,7 @@ appends ``pending`` entries (tree nodes); ``commit(state, keep)`` turns the pend
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -39,9 +40,15 @@ class ForwardOutput:
 
 
 class CausalLM:
-    """A causal LM with its tokenizer, driven through explicit KV states."""
+    """A causal LM with its tokenizer, driven through explicit KV states.
 
-    def __init__(self, hf_model, tokenizer=None, name: str = "model"):
+    ``lean``: run the forward with ``LeanLlama`` (``backends/lean.py``) when the model is one it supports; it reads
+    the model's modules and changes nothing in them. ``VERISPEC_STOCK_FORWARD=1`` keeps the ``transformers`` forward
+    everywhere."""
+
+    def __init__(self, hf_model, tokenizer=None, name: str = "model", lean: bool = True):
+        from . import lean as lean_forward  # noqa: PLC0415
+
         self.hf = hf_model.eval()
         self.tokenizer = tokenizer
         self.name = name
@@ -56,6 +63,8 @@ class CausalLM:
         self.max_context = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
         self.eos_token_ids = self._eos_ids()
         self._dtype = next(hf_model.parameters()).dtype
+        use_lean = lean and os.environ.get("VERISPEC_STOCK_FORWARD") != "1" and lean_forward.supports(hf_model)
+        self._lean = lean_forward.LeanLlama(hf_model) if use_lean else None
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set()
@@ -86,7 +95,7 @@ class CausalLM:
 
     # ---------- KV cache ----------
     def new_state(self) -> KVState:
-        return KVState(cache=new_cache())
+        return KVState(cache=self._lean.new_cache() if self._lean is not None else new_cache())
 
     @torch.inference_mode()
     def forward(
@@ -107,6 +116,11 @@ class CausalLM:
         if attend.shape != (n, state.pending + n):
             raise ValueError(f"attend must have shape {(n, state.pending + n)}, got {tuple(attend.shape)}")
         visible = torch.cat([torch.ones(n, state.committed, dtype=torch.bool), attend.bool()], dim=1)
+        if self._lean is not None:
+            logits, hidden = self._lean.forward(state.cache, tokens, positions, visible, inputs_embeds,
+                                                last_logits_only, features)
+            state.pending_positions.extend(int(p) for p in positions)
+            return ForwardOutput(logits=logits.float(), hidden=hidden)
         mask = self._float_mask(visible)
         if self._sliding_window is not None:
             kpos = torch.cat([torch.arange(state.committed), torch.tensor(state.pending_positions, dtype=torch.long), positions])

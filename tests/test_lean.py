@@ -1,0 +1,80 @@
+"""The lean Llama forward (``verispec.backends.lean``) against the ``transformers`` forward of the same model."""
+
+import pytest
+import torch
+
+from verispec import NgramDrafter, generate, get_verifier
+from verispec.backends import CausalLM
+from verispec.backends.hf import quantized_copy
+from verispec.backends.lean import supports
+from verispec.tree import Tree
+
+from conftest import tiny_model
+
+FEATURES = (0, 2, 4, -1)
+
+
+def pair(**kw):
+    lean = tiny_model("llama", **kw)
+    stock = CausalLM(lean.hf, name="stock", lean=False)
+    assert lean._lean is not None and stock._lean is None
+    return lean, stock
+
+
+def test_lean_serves_plain_llama_models_only():
+    assert supports(tiny_model("llama").hf)
+    assert not supports(tiny_model("qwen2").hf)  # another architecture keeps the transformers forward
+    assert not supports(quantized_copy(tiny_model("llama")).hf)  # int8 linear layers
+    sliding = tiny_model("llama")
+    sliding.hf.config.sliding_window = 8
+    assert not supports(sliding.hf)
+
+
+@pytest.mark.parametrize("shape", ["3x2", "2,1", "chain:4", "1"])
+def test_tree_forward_commit_and_features_match_transformers(shape):
+    lean, stock = pair()
+    tree = Tree.parse(shape)
+    prompt = [5, 9, 13, 17, 21, 25, 29, 33, 37, 41]
+    outs = []
+    for m in (lean, stock):
+        state = m.new_state()
+        pre = m.prefill_output(state, prompt, features=FEATURES)
+        tokens = torch.arange(3, 3 + tree.size)
+        out = m.forward(state, tokens, state.committed + torch.tensor(tree.depths), tree.ancestors_mask(),
+                        features=FEATURES)
+        deepest = max(range(tree.size), key=lambda n: (tree.depths[n], -n))
+        path = []
+        while deepest:
+            path.append(deepest)
+            deepest = tree.parents[deepest]
+        m.commit(state, [0, *path[::-1]])  # not a prefix of the pending entries for wide trees
+        nxt = m.forward(state, torch.tensor([7, 8]), state.committed + torch.arange(2),
+                        torch.ones(2, 2, dtype=torch.bool).tril())
+        outs.append((pre, out, nxt))
+    (p1, o1, n1), (p2, o2, n2) = outs
+    for a, b in ((p1.logits, p2.logits), (p1.hidden, p2.hidden), (o1.logits, o2.logits), (o1.hidden, o2.hidden),
+                 (n1.logits, n2.logits)):
+        assert a.shape == b.shape
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
+    assert o1.hidden.shape[-1] == len(FEATURES) * lean.config.hidden_size
+
+
+def test_positions_beyond_the_rotary_table_are_computed(monkeypatch):
+    from verispec.backends import lean as lean_module
+
+    monkeypatch.setattr(lean_module.LeanLlama, "TABLE", 8)  # the table covers positions 0..7 only
+    lean, stock = pair()
+    logits = []
+    for m in (lean, stock):
+        state = m.new_state()
+        logits.append(m.prefill(state, list(range(3, 23))))
+    assert torch.allclose(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_generation_equals_the_transformers_forward_token_for_token():
+    lean, stock = pair(seed=3)
+    prompt = [1, 10, 20, 30, 10, 20, 30, 10, 20]
+    for m in (lean, stock):
+        m.out = generate(m, NgramDrafter(lean.vocab_size), get_verifier("specinfer"), prompt, tree=Tree.parse("2x2"),
+                         max_new_tokens=40, temperature=0.0).token_ids
+    assert lean.out == stock.out and len(lean.out) == 40

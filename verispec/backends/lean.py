@@ -1,0 +1,178 @@
+"""A lean forward for Llama-architecture models: the same arithmetic as Hugging Face's, without its per-call Python.
+
+On this 2-core CPU a one-token forward of SmolLM2-135M through ``transformers`` spends about a quarter of its time
+outside the matrix products: module dispatch, mask and rotary-table construction per call, and attention over
+key/value heads copied to the query heads' count. ``LeanLlama`` runs the same float32 model with a flat loop over
+the decoder layers:
+
+* rotary tables computed once (the same float32 products and cosines as ``transformers``, then indexed);
+* grouped-query attention without copying keys and values (``enable_gqa``), masked by the tree's boolean mask;
+* its own key/value buffers with spare room (appending copies only the new entries; keeping a prefix copies
+  nothing), with the ``keep`` interface ``CausalLM.commit`` uses;
+* the linear layers through ``kernels``' plan for the row count, reading the modules' weights at every call (the
+  model's parameters stay where they are and nothing is copied).
+
+It reads the model's own modules, so it serves only models whose modules it understands (``supports``); any other
+model keeps the ``transformers`` forward. Results differ from that forward by float rounding only (measured on
+SmolLM2-135M: logits within 1e-4, the same greedy tokens; ``tests/test_lean.py`` checks tiny models).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from . import kernels
+
+
+def supports(hf_model) -> bool:
+    """Whether ``LeanLlama`` computes what ``hf_model``'s own forward does: a float32 Llama decoder (RMSNorm, SiLU
+    gated MLP, rotary positions without scaling, no biases, no sliding window) with plain linear layers."""
+    cfg = getattr(hf_model, "config", None)
+    base = getattr(hf_model, "model", None)
+    if cfg is None or getattr(cfg, "model_type", None) != "llama" or base is None:
+        return False
+    rotary = getattr(base, "rotary_emb", None)
+    if getattr(rotary, "rope_type", None) != "default" or getattr(cfg, "hidden_act", None) != "silu":
+        return False
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False) or \
+            getattr(cfg, "pretraining_tp", 1) != 1:
+        return False
+    if getattr(cfg, "sliding_window", None) or getattr(cfg, "layer_types", None) and \
+            any(t != "full_attention" for t in cfg.layer_types):
+        return False
+    for layer in base.layers:
+        a, m = layer.self_attn, layer.mlp
+        for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
+            if type(lin) is not nn.Linear or lin.weight.dtype != torch.float32:
+                return False
+    emb = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+    return isinstance(getattr(emb, "weight", None), torch.Tensor) and emb.weight.dtype == torch.float32
+
+
+class LeanLayer:
+    """One layer's keys and values ``[kv heads, capacity, head dim]`` with spare room; ``keep`` as in ``hf.py``."""
+
+    def __init__(self):
+        self.k = self.v = None
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = k.shape[1]
+        need = self.length + n
+        if self.k is None or need > self.k.shape[1]:
+            cap = max(need + 64, 2 * (0 if self.k is None else self.k.shape[1]))
+            kb, vb = k.new_empty(k.shape[0], cap, k.shape[2]), v.new_empty(v.shape[0], cap, v.shape[2])
+            if self.length:
+                kb[:, : self.length] = self.k[:, : self.length]
+                vb[:, : self.length] = self.v[:, : self.length]
+            self.k, self.v = kb, vb
+        self.k[:, self.length:need] = k
+        self.v[:, self.length:need] = v
+        self.length = need
+        return self.k[:, :need], self.v[:, :need]
+
+    def keep(self, idx: torch.Tensor | int) -> None:
+        """Keep the entries ``idx`` (an int n: the first n) in this order."""
+        if self.k is None:
+            return
+        if isinstance(idx, int):
+            self.length = min(idx, self.length)
+            return
+        with torch.inference_mode(self.k.is_inference()):  # buffers made by a forward under inference mode
+            k, v = self.k[:, : self.length].index_select(1, idx), self.v[:, : self.length].index_select(1, idx)
+            self.k[:, : len(idx)] = k
+            self.v[:, : len(idx)] = v
+        self.length = len(idx)
+
+
+class LeanCache:
+    def __init__(self, n_layers: int):
+        self.layers = [LeanLayer() for _ in range(n_layers)]
+
+
+def _linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """``module(x)`` for rows ``x [n, K]``: a float32 ``nn.Linear`` through the kernel plan for n rows (``W @ x^T``,
+    padded to the plan's width), anything else (e.g. a draft head's restricted output head) called as it is."""
+    if type(module) is not nn.Linear:
+        return module(x)
+    w, n = module.weight, x.shape[0]
+    plan = getattr(module, "_verispec_plan", None)
+    width = plan[n] if plan is not None and 0 < n <= kernels.MAX_ROWS else 0
+    if width:
+        if width > n:
+            x = torch.cat([x, x[:1].expand(width - n, -1)])
+        y = (w @ x.T).T[:n].contiguous()  # a row-major result: the next product reads it as W @ x^T again
+        return y if module.bias is None else y + module.bias
+    return F.linear(x, w, module.bias)
+
+
+class LeanLlama:
+    """The forward of a Llama-architecture ``transformers`` model (see ``supports``) over explicit KV buffers."""
+
+    TABLE = 8192  # rotary rows computed up front; positions beyond are computed per call
+
+    def __init__(self, hf_model):
+        self.hf = hf_model
+        cfg = hf_model.config
+        self.base = hf_model.model
+        self.heads, self.kv_heads = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.eps = float(cfg.rms_norm_eps)
+        self.n_layers = len(self.base.layers)
+        self.cos, self.sin = self._rotary(torch.arange(min(self.TABLE, int(cfg.max_position_embeddings or self.TABLE))))
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[n, head dim]`` as ``transformers``' rotary embedding computes them (float32)."""
+        r = self.base.rotary_emb
+        freqs = (r.inv_freq[:, None].float() @ positions[None, :].float()).T
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos() * r.attention_scaling, emb.sin() * r.attention_scaling
+
+    def new_cache(self) -> LeanCache:
+        return LeanCache(self.n_layers)
+
+    def _rms(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+    @torch.inference_mode()
+    def forward(self, cache: LeanCache, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None, last_logits_only: bool = False,
+                features: tuple[int, ...] = (-1,)) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``tokens [n]`` at ``positions [n]``; ``visible [n, cached + n]`` (bool) is each token's view of
+        the cache and of the new tokens. Returns (logits ``[n or 1, V]``, the ``features`` hidden states
+        ``[n, k H]``, indices as in ``transformers``' ``hidden_states``)."""
+        n = int(positions.shape[0])
+        x = self.base.embed_tokens(tokens) if inputs_embeds is None else inputs_embeds
+        if int(positions.max()) < self.cos.shape[0]:
+            cos, sin = self.cos[positions], self.sin[positions]
+        else:
+            cos, sin = self._rotary(positions)
+        cos, sin = cos[None], sin[None]
+        heads, kv, hd = self.heads, self.kv_heads, self.head_dim
+        want = {self.n_layers if i == -1 else i for i in features}
+        kept = {0: x} if 0 in want else {}
+        for i, (layer, store) in enumerate(zip(self.base.layers, cache.layers)):
+            a, m = layer.self_attn, layer.mlp
+            h = self._rms(x, layer.input_layernorm)
+            q = _linear(h, a.q_proj).view(n, heads, hd).transpose(0, 1)
+            k = _linear(h, a.k_proj).view(n, kv, hd).transpose(0, 1)
+            v = _linear(h, a.v_proj).view(n, kv, hd).transpose(0, 1)
+            q, k = self._rope(q, cos, sin).contiguous(), self._rope(k, cos, sin)  # a strided q: a slow kernel
+            keys, values = store.append(k, v)
+            o = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=visible, enable_gqa=True)
+            x = x + _linear(o[0].transpose(0, 1).reshape(n, heads * hd), a.o_proj)
+            h = self._rms(x, layer.post_attention_layernorm)
+            x = x + _linear(F.silu(_linear(h, m.gate_proj)) * _linear(h, m.up_proj), m.down_proj)
+            if i + 1 in want and i + 1 < self.n_layers:
+                kept[i + 1] = x
+        out = self._rms(x, self.base.norm)
+        kept[self.n_layers] = out
+        hidden = torch.cat([kept[self.n_layers if i == -1 else i] for i in features], dim=-1)
+        logits = _linear(out[-1:] if last_logits_only else out, self.hf.get_output_embeddings())
+        return logits, hidden
