@@ -195,7 +195,9 @@ def speed_section(res: Results, figs: Path) -> list[str]:
             "draft length chosen per step by the `auto` policy), here also with the prompt-lookup draft `ngram`. "
             "`auto` is `hybrid`: prompt lookup on steps where the text repeats itself, the shipped head elsewhere "
             "(`chain:5`, the `auto` policy per source). `ar` is plain decoding in verispec's loop, `hf-generate` "
-            "Hugging Face `generate`, `hf-assisted` Hugging Face assisted generation with prompt lookup, "
+            "Hugging Face `generate`, `hf-assisted` Hugging Face assisted generation with prompt lookup, all on one "
+            "model object (verispec's loop runs it with its lean forward, `verispec.backends.lean`, Hugging Face's "
+            "methods with the `transformers` forward; both with verispec's linear kernels), "
             "`llama-cpp` llama.cpp's plain decoding of the same model's GGUF file (Q4_1: a quantised model, so a different and cheaper "
             "target; shown for scale). Every ratio is paired per prompt with its 95 % interval.", "",
             table_peers(rows), "", "By Spec-Bench category:", "", by_category_table(cats), "",
