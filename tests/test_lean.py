@@ -6,6 +6,7 @@ import torch
 from verispec import NgramDrafter, generate, get_verifier
 from verispec.backends import CausalLM
 from verispec.backends.hf import quantized_copy
+from verispec.backends.kernels import use_fast_linear
 from verispec.backends.lean import supports
 from verispec.tree import Tree
 
@@ -14,25 +15,35 @@ from conftest import tiny_model
 FEATURES = (0, 2, 4, -1)
 
 
-def pair(**kw):
-    lean = tiny_model("llama", **kw)
+def pair(kind="llama", **kw):
+    lean = tiny_model(kind, **kw)
+    with torch.no_grad():  # Qwen2's q, k and v biases start at zero; give them values a lost bias would show
+        for module in lean.hf.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(0, 0.5)
+    use_fast_linear(lean.hf)  # the kernel plan for up to 16 rows, as verispec.load gives real models (both forwards)
     stock = CausalLM(lean.hf, name="stock", lean=False)
     assert lean._lean is not None and stock._lean is None
     return lean, stock
 
 
-def test_lean_serves_plain_llama_models_only():
-    assert supports(tiny_model("llama").hf)
-    assert not supports(tiny_model("qwen2").hf)  # another architecture keeps the transformers forward
+def test_lean_serves_plain_llama_and_qwen2_models_only():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    assert supports(tiny_model("llama").hf) and supports(tiny_model("qwen2").hf)
+    gemma = Gemma3ForCausalLM(Gemma3TextConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    assert not supports(gemma)  # another architecture keeps the transformers forward
     assert not supports(quantized_copy(tiny_model("llama")).hf)  # int8 linear layers
     sliding = tiny_model("llama")
     sliding.hf.config.sliding_window = 8
     assert not supports(sliding.hf)
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("shape", ["3x2", "2,1", "chain:4", "1"])
-def test_tree_forward_commit_and_features_match_transformers(shape):
-    lean, stock = pair()
+def test_tree_forward_commit_and_features_match_transformers(shape, kind):
+    lean, stock = pair(kind)
     tree = Tree.parse(shape)
     prompt = [5, 9, 13, 17, 21, 25, 29, 33, 37, 41]
     outs = []
@@ -71,8 +82,9 @@ def test_positions_beyond_the_rotary_table_are_computed(monkeypatch):
     assert torch.allclose(logits[0], logits[1], atol=1e-4, rtol=1e-4)
 
 
-def test_greedy_generation_equals_the_transformers_forward_token_for_token():
-    lean, stock = pair(seed=3)
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_greedy_generation_equals_the_transformers_forward_token_for_token(kind):
+    lean, stock = pair(kind, seed=3)
     prompt = [1, 10, 20, 30, 10, 20, 30, 10, 20]
     texts = [generate(m, NgramDrafter(lean.vocab_size), get_verifier("specinfer"), prompt, tree=Tree.parse("2x2"),
                       max_new_tokens=40, temperature=0.0).token_ids for m in (lean, stock)]

@@ -1,4 +1,4 @@
-"""A lean forward for Llama-architecture models: the same arithmetic as Hugging Face's, without its per-call Python.
+"""A lean forward for Llama-architecture models (Llama, Qwen2): Hugging Face's arithmetic without its per-call Python.
 
 On this 2-core CPU a one-token forward of SmolLM2-135M through ``transformers`` spends about a quarter of its time
 outside the matrix products: module dispatch, mask and rotary-table construction per call, and attention over
@@ -27,18 +27,20 @@ from torch.nn import functional as F
 from . import kernels
 
 
+MODEL_TYPES = ("llama", "qwen2")  # the same decoder; Qwen2 adds biases to q, k and v, which ``_linear`` applies
+
+
 def supports(hf_model) -> bool:
-    """Whether ``LeanLlama`` computes what ``hf_model``'s own forward does: a float32 Llama decoder (RMSNorm, SiLU
-    gated MLP, rotary positions without scaling, no biases, no sliding window) with plain linear layers."""
+    """Whether ``LeanLlama`` computes what ``hf_model``'s own forward does: a float32 Llama or Qwen2 decoder
+    (RMSNorm, SiLU gated MLP, rotary positions without scaling, no sliding window) with plain linear layers."""
     cfg = getattr(hf_model, "config", None)
     base = getattr(hf_model, "model", None)
-    if cfg is None or getattr(cfg, "model_type", None) != "llama" or base is None:
+    if cfg is None or getattr(cfg, "model_type", None) not in MODEL_TYPES or base is None:
         return False
     rotary = getattr(base, "rotary_emb", None)
     if getattr(rotary, "rope_type", None) != "default" or getattr(cfg, "hidden_act", None) != "silu":
         return False
-    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False) or \
-            getattr(cfg, "pretraining_tp", 1) != 1:
+    if getattr(cfg, "pretraining_tp", 1) != 1:
         return False
     if getattr(cfg, "sliding_window", None) or getattr(cfg, "layer_types", None) and \
             any(t != "full_attention" for t in cfg.layer_types):
