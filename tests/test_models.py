@@ -166,3 +166,21 @@ def test_a_parsed_gguf_tokenizer_is_kept_for_the_next_load(tmp_path, monkeypatch
     assert not calls  # read back, not parsed and saved again
     text = "Speculative decoding, verified: 12 + 30 = 42."
     assert second.encode(text) == first.encode(text) and second.chat_template == first.chat_template
+
+
+def test_the_kernel_plan_computes_what_a_linear_layer_does():
+    """``kernels``' planned ``W @ x^T`` (with padding) equals ``x @ W^T + b`` for every planned row count and beyond."""
+    from verispec.backends.kernels import DEFAULT_PLAN, MAX_ROWS, use_fast_linear
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(24, 40)
+    with torch.no_grad():
+        layer.bias.normal_()
+        undo = use_fast_linear(layer)
+        for rows in range(1, MAX_ROWS + 3):
+            x = torch.randn(rows, 24)
+            y = layer(x)
+            assert y.is_contiguous() and torch.allclose(y, x @ layer.weight.T + layer.bias, atol=1e-5), rows
+        assert layer._verispec_plan == DEFAULT_PLAN
+        undo()
+    assert "forward" not in layer.__dict__

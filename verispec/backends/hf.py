@@ -224,16 +224,15 @@ def quantized_copy(model: "CausalLM") -> "CausalLM":
     return out
 
 
-class _BufferLayer:
-    """Mixed into ``DynamicLayer``: keys and values live in buffers with spare room, so appending copies only the
-    new entries (``DynamicLayer`` concatenates, copying the whole cache at every forward), and keeping a prefix
-    copies nothing."""
+class KVBuffer:
+    """Keys and values along axis -2 in buffers with spare room: appending copies only the new entries, keeping a
+    prefix copies nothing. The layer of ``new_cache``'s cache and of the lean forward's (``backends/lean.py``)."""
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-            self._kbuf = self._vbuf = None
-            self._len = 0
+    _kbuf = _vbuf = None
+    _len = 0
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new entries; returns all keys and values so far (views of the buffers)."""
         n = key_states.shape[-2]
         need = self._len + n
         if self._kbuf is None or need > self._kbuf.shape[-2]:
@@ -255,7 +254,7 @@ class _BufferLayer:
 
     def keep(self, idx: torch.Tensor | int) -> None:
         """Keep the entries ``idx`` (an int n: the first n) in this order."""
-        if not self.is_initialized or self._kbuf is None:
+        if self._kbuf is None:
             return
         if isinstance(idx, int):
             self._set_length(min(idx, self._len))
@@ -265,6 +264,18 @@ class _BufferLayer:
             self._kbuf[..., : len(idx), :] = k
             self._vbuf[..., : len(idx), :] = v
             self._set_length(len(idx))
+
+
+class _BufferLayer(KVBuffer):
+    """Mixed into ``DynamicLayer`` (which concatenates, copying the whole cache at every forward): its entries live
+    in a ``KVBuffer``."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self._kbuf = self._vbuf = None
+            self._len = 0
+        return self.append(key_states, value_states)
 
 
 def new_cache():

@@ -35,18 +35,24 @@ MAX_ROWS = 16
 DEFAULT_PLAN = (0, 2, 2, 3, 4, 5, 6, 7, 8, 16, 16, 16, 16, 16, 16, 16, 16)
 
 
+def planned_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int) -> torch.Tensor:
+    """``x [n, K] @ weight^T + bias`` as ``weight @ x^T`` over ``width >= n`` columns (the first row repeated as
+    padding); the result is row-major, so that the next layer reads it as ``W @ x^T`` again (a contiguous ``x^T``
+    is MKL's slow case)."""
+    rows = x.shape[0]
+    if width > rows:
+        x = torch.cat([x, x[:1].expand(width - rows, -1)])
+    y = (weight @ x.T).T[:rows]
+    return (y if bias is None else y + bias).contiguous()
+
+
 def _planned_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     if 0 < rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype == self.weight.dtype and not torch.is_grad_enabled():
         width = self._verispec_plan[rows]
         if width:
-            flat = x.reshape(rows, x.shape[-1])
-            if width > rows:
-                flat = torch.cat([flat, flat[:1].expand(width - rows, -1)])
-            y = (self.weight @ flat.T).T[:rows]
-            if self.bias is not None:
-                y = y + self.bias
-            return y.contiguous().view(*x.shape[:-1], y.shape[-1])
+            y = planned_rows(x.reshape(rows, x.shape[-1]), self.weight, self.bias, width)
+            return y.view(*x.shape[:-1], y.shape[-1])
     return nn.functional.linear(x, self.weight, self.bias)
 
 

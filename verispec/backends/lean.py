@@ -7,10 +7,10 @@ the decoder layers:
 
 * rotary tables computed once (the same float32 products and cosines as ``transformers``, then indexed);
 * grouped-query attention without copying keys and values (``enable_gqa``), masked by the tree's boolean mask;
-* its own key/value buffers with spare room (appending copies only the new entries; keeping a prefix copies
-  nothing), with the ``keep`` interface ``CausalLM.commit`` uses;
-* the linear layers through ``kernels``' plan for the row count, reading the modules' weights at every call (the
-  model's parameters stay where they are and nothing is copied).
+* the key/value buffers of ``new_cache``'s layers (``KVBuffer``), without the ``DynamicCache`` around them;
+* the linear layers through ``kernels``' plan for the row count (as ``verispec.backends.load`` sets it), straight
+  to ``kernels.planned_rows`` without the module call and its checks (measured: 2-3 ms of a 40 ms forward); the
+  model's parameters stay where they are and nothing is copied.
 
 It reads the model's own modules, so it serves only models whose modules it understands (``supports``); any other
 model keeps the ``transformers`` forward. Results differ from that forward by float rounding at most (measured on
@@ -25,9 +25,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from . import kernels
+from .hf import KVBuffer
 
 
-MODEL_TYPES = ("llama", "qwen2")  # the same decoder; Qwen2 adds biases to q, k and v, which ``_linear`` applies
+MODEL_TYPES = ("llama", "qwen2")  # the same decoder; Qwen2 adds biases to q, k and v
 
 
 def supports(hf_model) -> bool:
@@ -54,61 +55,20 @@ def supports(hf_model) -> bool:
     return isinstance(getattr(emb, "weight", None), torch.Tensor) and emb.weight.dtype == torch.float32
 
 
-class LeanLayer:
-    """One layer's keys and values ``[kv heads, capacity, head dim]`` with spare room; ``keep`` as in ``hf.py``."""
-
-    def __init__(self):
-        self.k = self.v = None
-        self.length = 0
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n = k.shape[1]
-        need = self.length + n
-        if self.k is None or need > self.k.shape[1]:
-            cap = max(need + 64, 2 * (0 if self.k is None else self.k.shape[1]))
-            kb, vb = k.new_empty(k.shape[0], cap, k.shape[2]), v.new_empty(v.shape[0], cap, v.shape[2])
-            if self.length:
-                kb[:, : self.length] = self.k[:, : self.length]
-                vb[:, : self.length] = self.v[:, : self.length]
-            self.k, self.v = kb, vb
-        self.k[:, self.length:need] = k
-        self.v[:, self.length:need] = v
-        self.length = need
-        return self.k[:, :need], self.v[:, :need]
-
-    def keep(self, idx: torch.Tensor | int) -> None:
-        """Keep the entries ``idx`` (an int n: the first n) in this order."""
-        if self.k is None:
-            return
-        if isinstance(idx, int):
-            self.length = min(idx, self.length)
-            return
-        with torch.inference_mode(self.k.is_inference()):  # buffers made by a forward under inference mode
-            k, v = self.k[:, : self.length].index_select(1, idx), self.v[:, : self.length].index_select(1, idx)
-            self.k[:, : len(idx)] = k
-            self.v[:, : len(idx)] = v
-        self.length = len(idx)
-
-
 class LeanCache:
+    """One ``KVBuffer`` of keys and values ``[kv heads, length, head dim]`` per layer."""
+
     def __init__(self, n_layers: int):
-        self.layers = [LeanLayer() for _ in range(n_layers)]
+        self.layers = [KVBuffer() for _ in range(n_layers)]
 
 
 def _linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
-    """``module(x)`` for rows ``x [n, K]``: a float32 ``nn.Linear`` through the kernel plan for n rows (``W @ x^T``,
-    padded to the plan's width), anything else (e.g. a draft head's restricted output head) called as it is."""
-    if type(module) is not nn.Linear:
-        return module(x)
-    w, n = module.weight, x.shape[0]
+    """``module(x)`` for rows ``x [n, K]`` (inside the lean forward: inference mode, float32 on the CPU): a linear
+    layer with a plan for n rows goes to ``kernels.planned_rows``, anything else (no plan, more rows, a draft head's
+    restricted output head) to the module's own ``forward``."""
     plan = getattr(module, "_verispec_plan", None)
-    width = plan[n] if plan is not None and 0 < n <= kernels.MAX_ROWS else 0
-    if width:
-        if width > n:
-            x = torch.cat([x, x[:1].expand(width - n, -1)])
-        y = (w @ x.T).T[:n].contiguous()  # a row-major result: the next product reads it as W @ x^T again
-        return y if module.bias is None else y + module.bias
-    return F.linear(x, w, module.bias)
+    width = plan[x.shape[0]] if plan is not None and x.shape[0] <= kernels.MAX_ROWS else 0
+    return kernels.planned_rows(x, module.weight, module.bias, width) if width else module.forward(x)
 
 
 class LeanLlama:
