@@ -3,7 +3,7 @@
 Reads the greedy answers of plain decoding (`ar`, T = 0) from a benchmark's records, rebuilds each prompt's token ids
 with the target's tokenizer and chat template, and at every answer position asks the lookup (`NgramDrafter`, n-grams
 of up to 3 tokens) for its longest match and its most frequent continuation. This is what chose the hybrid draft's
-threshold (`verispec/drafters/switch.py`): lookup where a match of 2 or more tokens exists, the head elsewhere.
+threshold (`verispec/drafters/hybrid.py`): lookup where a match of 2 or more tokens exists, the head elsewhere.
 
     python scripts/lookup_accuracy.py results/speed.jsonl --target smollm2-135m
 """

@@ -234,7 +234,7 @@ def hybrid_section(res: Results, figs: Path) -> list[str]:
             "Every row runs `default` (the `auto` policy, exact chain verification) with a different draft: `eagle` "
             "(the shipped head, its tuned `chain:1`), `ngram` (prompt lookup, `chain:5`) and `hybrid` (`chain:5`): "
             "each step drafts by prompt lookup when the context's last 2 or more tokens occurred before, by the "
-            "head otherwise (`verispec/drafters/switch.py`), and the `auto` policy keeps its acceptance and step "
+            "head otherwise (`verispec/drafters/hybrid.py`), and the `auto` policy keeps its acceptance and step "
             "costs per source. Ratios paired per prompt with 95 % intervals.", "",
             table_peers(rows), "", "Which source drafted:", "", source_table(res), "",
             "By Spec-Bench category:", "", by_category_table(cats, (("speedup_ar", "vs ar"),)), "",

@@ -22,6 +22,7 @@ from verispec.audit.optimum import alpha_star_iid, ordered_acceptance_k2, sequen
 from verispec.audit.real import real_pairs
 from verispec.drafters import build_drafter
 
+
 def rates(pairs, k):
     out = {"specinfer": 0.0, "reserve": 0.0, "alpha*": 0.0}
     if k == 2:

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from verispec import load  # noqa: E402
-from verispec.eagle import FIXED_PROMPT, FIXED_TOKENS, HEADS_DIR, EagleHead, fixed_prompt_acceptance  # noqa: E402
+from verispec.bench.agreement import FIXED_PROMPT, FIXED_TOKENS, fixed_prompt_acceptance  # noqa: E402
+from verispec.eagle import HEADS_DIR, EagleHead  # noqa: E402
 
 
 def main() -> None:

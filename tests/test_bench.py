@@ -4,16 +4,16 @@ import json
 import math
 
 import pytest
+from conftest import ByteTokenizer, tiny_model
 
 from verispec import cli
-from verispec.bench.runner import BenchConfig, Runner, plan, run_bench
+from verispec.bench.peers import PEERS
 from verispec.bench.records import Results, read_records
+from verispec.bench.report import report, rows_csv, summarize, table_width
+from verispec.bench.runner import BenchConfig, Runner, plan, run_bench
 from verispec.datasets import jsonl_problems, load_prompts
 from verispec.errors import VerispecError
-from verispec.methods import resolve_method
-from verispec.bench.report import report, rows_csv, summarize, table_width
-
-from conftest import ByteTokenizer, tiny_model
+from verispec.methods import resolve
 
 HEADER = {"type": "header", "config": {"methods": ["ar", "fixed", "hf-generate", "hf-assisted"], "drafts": ["d"]},
           "command": "hand", "machine": {}, "versions": {}, "git": "x"}
@@ -77,12 +77,13 @@ def test_metrics_from_hand_written_records(tmp_path):
     assert ar.tokens_per_s == pytest.approx(10 / 4.0) and ar.mean_accepted_length == 1.0
     assert fixed.tokens_per_s == pytest.approx(10 / 2.0)
     assert fixed.mean_accepted_length == pytest.approx((3 + 1 + 3 + 3) / 4)
-    assert fixed.speedup_ar == pytest.approx(2.0)
+    assert fixed.vs["speedup_ar"] == pytest.approx(2.0)
     # against HF generate only prompt a is shared: (4 / 1.0) / (4 / 1.6)
-    assert fixed.vs_hf_generate == pytest.approx(1.6)
-    assert ar.vs_hf_generate == pytest.approx((4 / 2.0) / (4 / 1.6))
-    assert fixed.vs_hf_assisted == pytest.approx((10 / 2.0) / (10 / 2.4))
-    assert fixed.vs_best_hf_assisted == pytest.approx(fixed.vs_hf_assisted) and ar.vs_best_hf_assisted < 1
+    assert fixed.vs["vs_hf_generate"] == pytest.approx(1.6)
+    assert ar.vs["vs_hf_generate"] == pytest.approx((4 / 2.0) / (4 / 1.6))
+    assert fixed.vs["vs_hf_assisted"] == pytest.approx((10 / 2.0) / (10 / 2.4))
+    assert fixed.vs["vs_best_hf_assisted"] == pytest.approx(fixed.vs["vs_hf_assisted"])
+    assert ar.vs["vs_best_hf_assisted"] < 1
     assert hfa.mean_accepted_length == pytest.approx(3.0) and hfa.drafted_per_step == pytest.approx(5.0)
     assert math.isnan(gen.mean_accepted_length) and math.isnan(gen.draft_ms)
     # time split per step; draft cost leaves out a prompt's first step (i = 0: it includes the draft's prefill):
@@ -93,8 +94,8 @@ def test_metrics_from_hand_written_records(tmp_path):
     # candidate 1: tested at 3 + 1 + 3 + 3 depths, accepted at 2 + 0 + 2 + 2 of them
     assert fixed.per_candidate == pytest.approx([6 / 10])
     cats = {(r.method, r.category): r for r in summarize(res, by_category=True) if r.draft == "d"}
-    assert cats["fixed", "qa"].speedup_ar == pytest.approx((4 / 1.0) / (4 / 2.0))
-    assert cats["fixed", "rag"].speedup_ar == pytest.approx((6 / 1.0) / (6 / 2.0))
+    assert cats["fixed", "qa"].vs["speedup_ar"] == pytest.approx((4 / 1.0) / (4 / 2.0))
+    assert cats["fixed", "rag"].vs["speedup_ar"] == pytest.approx((6 / 1.0) / (6 / 2.0))
     text = report(res)
     line = next(x for x in text.splitlines() if x.startswith("| 0.6 | d | fixed |"))
     assert line.startswith("| 0.6 | d | fixed | 2 | 10 | 5.0 [") and "| 2.00x [" in line and "| 1.60x |" in line
@@ -128,7 +129,7 @@ def test_contended_cells_are_left_out_and_counted(tmp_path):
     write(path, recs, partial_tail=False)
     res = Results.load(path)
     fixed = next(r for r in summarize(res) if r.method == "fixed")
-    assert fixed.prompts == 1 and fixed.speedup_ar == pytest.approx((4 / 1.0) / (4 / 2.0))
+    assert fixed.prompts == 1 and fixed.vs["speedup_ar"] == pytest.approx((4 / 1.0) / (4 / 2.0))
     assert "1 of 7 cells are left out" in report(res)  # ar 2, fixed 2, hf-generate 1, hf-assisted 2
 
 
@@ -183,14 +184,15 @@ def test_eta_from_hand_written_width_records(tmp_path):
 
 
 def test_method_and_dataset_specs(tmp_path):
-    assert resolve_method("specinfer@3x5").tree().size == 364
-    assert resolve_method("fixed@chain:8").policy == "fixed" and resolve_method("fixed@chain:8").tree().max_depth == 8
-    assert resolve_method("fsd:0.2").verifier == "fsd:0.2" and resolve_method("reserve").shape == "chain:5"
-    assert not resolve_method("ar").uses_draft and not resolve_method("hf-generate").uses_draft
-    assert resolve_method("hf-assisted").uses_draft
-    for bad, msg in (("nope", "unknown method"), ("ar@3x5", "takes no tree"), ("chain@3y", "cannot parse tree")):
+    assert resolve("specinfer@3x5").tree_for().size == 364
+    assert resolve("fixed@chain:8").policy == "fixed" and resolve("fixed@chain:8").tree_for().max_depth == 8
+    assert resolve("fsd:0.2").verifier.name == "fsd:0.2" and resolve("reserve").tree == "chain:5"
+    assert not resolve("ar").drafts and not PEERS["hf-generate"].drafts
+    assert PEERS["hf-assisted"].drafts
+    for bad, msg in (("nope", "unknown method"), ("ar@3x5", "takes no tree"), ("chain@3y", "cannot parse tree"),
+                     ("hf-generate", "unknown method")):  # a peer is not a verispec method
         with pytest.raises(VerispecError, match=msg):
-            resolve_method(bad)
+            resolve(bad)
     sb = load_prompts("spec-bench:qa,rag", 2)
     assert [p.group for p in sb] == ["qa", "qa", "rag", "rag"] and all(p.chat for p in sb)
     assert len(load_prompts("spec-bench", 1)) == 6 and len(load_prompts("spec-bench")) == 480
@@ -372,7 +374,7 @@ def test_carried_state_and_decoded_position_distortion(tmp_path, tiny_target):
     cells, _ = plan(config, config.validate(), load_prompts(str(f)))
     adasd = [c for c in cells if c.method.name == "adasd"]
     runner.run(adasd[0])
-    state = runner._build(adasd[1], warm=False)[2]
+    state = runner._build(adasd[1], warm=False).verifier_state
     assert len(state.accepted) + len(state.rejected) > 0  # learned on the first prompt, carried to the second
 
 

@@ -93,7 +93,7 @@ def test_default_model_speculative_greedy_equals_autoregressive(smollm):
 
 @pytest.mark.slow
 def test_default_model_prompt_longer_than_context(smollm):
-    from verispec import VerispecError, Tree, generate, get_verifier
+    from verispec import Tree, VerispecError, generate, get_verifier
     from verispec.drafters import NoDrafter
 
     with pytest.raises(VerispecError, match="context"):
@@ -166,9 +166,10 @@ def test_cli_audit_distortion_on_the_default_model():
 
 @pytest.mark.slow
 def test_shipped_head_reproduces_its_recorded_acceptance_and_fits_the_budget(smollm):
+    from verispec.bench.agreement import fixed_prompt_acceptance
     from verispec.drafters import build_drafter
     from verispec.drafters.eagle import EagleDrafter
-    from verispec.eagle import HEADS_DIR, EagleHead, fixed_prompt_acceptance
+    from verispec.eagle import HEADS_DIR, EagleHead
 
     path = HEADS_DIR / "smollm2-135m.pt"
     info = json.loads((HEADS_DIR / "smollm2-135m.json").read_text())
@@ -190,8 +191,5 @@ def test_shipped_head_reproduces_its_recorded_acceptance_and_fits_the_budget(smo
         out = generate(smollm, EagleDrafter(head), get_verifier("chain" if tree.is_chain else "greedy"), prompt,
                        tree=tree, children="iid" if tree.is_chain else "topk", **kw)
         assert out.token_ids == ref, tree.describe()
-    from verispec.backends.costs import auto_policy
-
-    out = generate(smollm, default, get_verifier("chain"), prompt, tree=Tree.parse(default.default_tree),
-                   policy=auto_policy(smollm, default), **kw)
+    out = generate(smollm, default, get_verifier("chain"), prompt, tree="auto", policy="auto", **kw)
     assert out.token_ids == ref and {s.source for s in out.steps} == {"ngram", "eagle"}

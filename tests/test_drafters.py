@@ -1,7 +1,7 @@
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from verispec.drafters import ModelDrafter, NgramDrafter, layer_skip_drafter
 from verispec.probs import Sampling, logits_to_probs
 from verispec.rng import TorchRandomness

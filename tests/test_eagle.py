@@ -3,13 +3,13 @@ the loop feeds it exactly what training does (in-loop acceptance equals teacher-
 
 import pytest
 import torch
+from conftest import VOCAB, ByteTokenizer, tiny_model
 
 from verispec import Tree, generate, get_verifier
+from verispec.bench.agreement import in_loop_check
 from verispec.drafters import NoDrafter
 from verispec.drafters.eagle import EagleDrafter
-from verispec.eagle import EagleHead, TrainConfig, evaluate, features, head_loss, in_loop_check, train
-
-from conftest import VOCAB, ByteTokenizer, tiny_model
+from verispec.eagle import EagleHead, TrainConfig, evaluate, features, head_loss, train
 
 
 def corpus(target, n=6, length=24, seed=0):
@@ -158,8 +158,7 @@ def test_trained_head_drafts_better_than_untrained(tmp_path):
 
 def test_auto_draft_picks_the_shipped_head(tmp_path, monkeypatch):
     import verispec.eagle.head as eagle
-    from verispec.drafters import build_drafter
-    from verispec.drafters import NgramDrafter, SwitchDrafter
+    from verispec.drafters import HybridDrafter, NgramDrafter, build_drafter
     from verispec.errors import VerispecError
 
     target = tiny_model("llama")
@@ -169,7 +168,7 @@ def test_auto_draft_picks_the_shipped_head(tmp_path, monkeypatch):
         build_drafter("eagle", target)
     EagleHead(target).save(tmp_path / f"{target.name}.pt", {"target": target.name})
     auto = build_drafter("auto", target)  # with a head: prompt lookup where the text repeats, the head elsewhere
-    assert isinstance(auto, SwitchDrafter) and isinstance(auto.model, EagleDrafter)
+    assert isinstance(auto, HybridDrafter) and isinstance(auto.model, EagleDrafter)
     assert isinstance(build_drafter(f"eagle:{tmp_path / (target.name + '.pt')}", target), EagleDrafter)
     other = tiny_model("llama", layers=2, vocab=50)
     with pytest.raises(VerispecError, match="does not fit"):
@@ -264,7 +263,7 @@ def test_dynamic_tree_is_exact_greedy_prunes_by_path_probability_and_refuses_sam
 def test_teacher_forced_agreement_runs_on_a_freshly_loaded_target():
     """``verispec eval-draft`` on a target as loaded (its weights still require gradients, the features come from
     inference mode): counting needs no gradient, and the result does not depend on the flag."""
-    from verispec.eagle.agreement import teacher_forced
+    from verispec.bench.agreement import teacher_forced
 
     target = tiny_model("llama")
     assert all(p.requires_grad for p in target.hf.parameters())

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,6 +37,70 @@ def _imports(path: Path) -> set[str]:
     return out
 
 
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (anywhere in the file). ``from pkg import sub`` depends on the
+    submodule ``sub``, not on the package's face; ``from pkg import name`` on the module that defines it."""
+    modules = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in root.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name in modules}
+            elif isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                mod = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module or ""
+                for a in node.names:
+                    edges.add(f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod)
+        graph[name] = {e for e in edges if e in modules and e != name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_package_has_no_import_circle(tmp_path):
+    assert circles(import_graph()) == []
+    # and the check can fail: two modules that import each other are a circle
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from . import b\n")
+    (pkg / "b.py").write_text("def f():\n    from .a import g\n")
+    assert circles(import_graph(pkg)) == [["pkg.a", "pkg.b"]]
+
+
 def test_no_library_module_imports_the_cli():
     offenders = [str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py") if p.name not in ("cli.py", "__main__.py")
                  and any(m == "verispec.cli" or m.startswith("verispec.cli.") for m in _imports(p))]
@@ -50,7 +113,7 @@ def test_no_script_or_test_reaches_into_the_cli_for_library_work():
     """Scripts and tests take library pieces from the library (they may still run the CLI as a command)."""
     for p in [*ROOT.glob("scripts/*.py"), *ROOT.glob("tests/*.py")]:
         reached = {m for m in _imports(p) if m.startswith("verispec.cli.")}
-        assert reached <= {"verispec.cli.main", "verispec.cli.build_parser", "verispec.cli.resolve_generation"}, p
+        assert reached <= {"verispec.cli.main", "verispec.cli.build_parser"}, p
 
 
 def test_every_algorithms_reference_in_the_code_resolves():
@@ -117,20 +180,20 @@ def test_streamed_text_never_shows_half_a_character():
 
 
 def test_hugging_face_door_matches_verispec_and_plain_generate():
-    import verispec.hf
     from verispec import Tree, build_drafter, generate, get_policy, get_verifier
+    from verispec.integrations.transformers import speculative
 
     target = tiny_model("llama")
     ids = torch.tensor([[5, 17, 33, 8, 61, 42]])
     mask = torch.ones_like(ids)
     kw = dict(attention_mask=mask, max_new_tokens=20, pad_token_id=0, eos_token_id=2)
     plain = target.hf.generate(ids, do_sample=False, **kw)
-    door = target.hf.generate(ids, custom_generate=verispec.hf.speculative(draft="ngram", tree="chain:3"),
+    door = target.hf.generate(ids, custom_generate=speculative(draft="ngram", tree="chain:3"),
                               do_sample=False, **kw)
     assert door.tolist() == plain.tolist()  # greedy: exactly plain decoding
     # a fixed draft length on both sides: the auto policy's choices follow step costs timed on this machine, and
     # the door times its own wrapper of the model, so only a fixed policy makes the two runs comparable token by token
-    out = target.hf.generate(ids, custom_generate=verispec.hf.speculative(draft="ngram", tree="chain:3", seed=5,
+    out = target.hf.generate(ids, custom_generate=speculative(draft="ngram", tree="chain:3", seed=5,
                                                                           policy="fixed"),
                              do_sample=True, temperature=0.7, top_k=0, return_dict_in_generate=True, **kw)
     drafter = build_drafter("ngram", target)
@@ -141,8 +204,8 @@ def test_hugging_face_door_matches_verispec_and_plain_generate():
 
 
 def test_hugging_face_door_streams_and_refuses_what_it_cannot_do_exactly():
-    import verispec.hf
     from verispec import VerispecError
+    from verispec.integrations.transformers import speculative
 
     target = tiny_model("llama")
     ids = torch.tensor([[5, 17, 33, 8, 61, 42]])
@@ -158,11 +221,11 @@ def test_hugging_face_door_streams_and_refuses_what_it_cannot_do_exactly():
             self.parts.append("end")
 
     streamer = Collect()
-    out = target.hf.generate(ids, attention_mask=torch.ones_like(ids), custom_generate=verispec.hf.speculative(
+    out = target.hf.generate(ids, attention_mask=torch.ones_like(ids), custom_generate=speculative(
         draft="ngram"), do_sample=False, max_new_tokens=10, pad_token_id=0, eos_token_id=2, streamer=streamer)
     streamed = [t for part in streamer.parts[1:-1] for t in part]
     assert streamer.parts[-1] == "end" and streamed == out[0, 6:].tolist()
-    door = verispec.hf.speculative(draft="ngram")
+    door = speculative(draft="ngram")
     for kw, message in ((dict(num_beams=2), "beam search"), (dict(do_sample=True, repetition_penalty=1.3), "top_p")):
         with pytest.raises(VerispecError, match=message):
             target.hf.generate(ids, attention_mask=torch.ones_like(ids), custom_generate=door, max_new_tokens=4,
@@ -170,7 +233,7 @@ def test_hugging_face_door_streams_and_refuses_what_it_cannot_do_exactly():
     with pytest.raises(VerispecError, match="batch of 2"):
         target.hf.generate(torch.cat([ids, ids]), custom_generate=door, max_new_tokens=4, pad_token_id=0)
     with pytest.raises(VerispecError, match="unknown draft"):
-        verispec.hf.speculative(draft="bogus")
+        speculative(draft="bogus")
 
 
 def cli(*args, timeout=120):
@@ -241,14 +304,15 @@ def test_one_default_temperature():
 
 
 def test_deprecated_method_spelling_still_works_with_a_note():
-    from verispec.cli import resolve_generation
+    from verispec import resolve
 
     notes = []
-    method, verifier, policy, shape, children = resolve_generation("specinfer@2x2", None, None, None, None,
-                                                                   notes.append)
-    assert verifier.name == "specinfer" and shape == "2x2" and children == "iid" and "deprecated" in notes[0]
-    method, verifier, policy, shape, children = resolve_generation(None, "topk", None, "3,1", None, notes.append)
-    assert method.name == "default" and verifier.name == "topk" and policy.name == "auto" and children == "topk"
+    plan = resolve("specinfer@2x2", info=notes.append)
+    assert plan.verifier.name == "specinfer" and plan.tree == "2x2" and plan.children == "iid"
+    assert "deprecated" in notes[0]
+    plan = resolve(None, verifier="topk", tree="3,1", info=notes.append)
+    assert plan.name == "default" and plan.verifier.name == "topk" and plan.policy == "auto" and plan.children == "topk"
+    assert len(notes) == 1
 
 
 def test_every_command_option_has_help():

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import tiny_model
 
 from verispec import NgramDrafter, generate, get_verifier
 from verispec.backends import CausalLM
@@ -9,8 +10,6 @@ from verispec.backends.hf import quantized_copy
 from verispec.backends.kernels import use_fast_linear
 from verispec.backends.lean import supports
 from verispec.tree import Tree
-
-from conftest import tiny_model
 
 FEATURES = (0, 2, 4, -1)
 

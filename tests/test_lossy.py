@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from verispec import Tree, generate, get_verifier
 from verispec.audit.distortion import distortion, monte_carlo_position, position_stats, warm_state
 from verispec.audit.law import random_tables, target_law, tv_and_kl, verifier_law
@@ -16,7 +16,16 @@ from verispec.drafters.base import Draft
 from verispec.errors import VerispecError
 from verispec.rng import TorchRandomness
 from verispec.verifiers.chain import exact_rule, position_law
-from verispec.verifiers.lossy import COLLABORATIVE, LOSSY, TRUNCATION, AdaSDState, adasd_rule, gaussian_kde, js_distance, js_divergence
+from verispec.verifiers.lossy import (
+    COLLABORATIVE,
+    LOSSY,
+    TRUNCATION,
+    AdaSDState,
+    adasd_rule,
+    gaussian_kde,
+    js_distance,
+    js_divergence,
+)
 
 V = 8
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
-
 from conftest import VOCAB, tiny_model
+
 from verispec.tree import Tree
 
 PROMPT = [5, 17, 33, 8, 9, 41]

@@ -17,6 +17,7 @@ from verispec.policies import (
     BiLDFallback,
     Feedback,
     HFAssisted,
+    PolicyBase,
     entropy,
     get_policy,
     roc_threshold,
@@ -201,13 +202,13 @@ def test_policy_shortens_drafts_in_the_loop(target):
     assert any(itertools.starmap(lambda a, b: a != b, zip(lengths, lengths[1:])))
 
 
-class Recorder:
+class Recorder(PolicyBase):
     name = "recorder"
 
     def __init__(self):
         self.seen = []
 
-    def keep_drafting(self, depth, q, last, drawn):
+    def keep_drafting(self, depth, q, last=None, drawn=None, confidence=None):
         assert (last is None) == (drawn is None) == (depth == 0)
         self.seen.append((depth, q.clone(), None if last is None else last.clone()))
         return True

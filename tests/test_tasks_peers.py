@@ -1,13 +1,13 @@
 """Task scoring (GSM8K, HumanEval in a subprocess) and the Hugging Face peers on a tiny model."""
 
 import pytest
-
 from conftest import tiny_model
+
 from verispec import Tree, generate, get_verifier
-from verispec.drafters import NoDrafter
-from verispec.methods import METHODS, get_method
 from verispec.bench.peers import hf_generate
 from verispec.bench.tasks import gsm8k, gsm8k_correct, humaneval, humaneval_passes, score, truncate_completion
+from verispec.drafters import NoDrafter
+from verispec.methods import METHODS, resolve
 
 
 @pytest.mark.parametrize("output,gold,ok", [
@@ -88,16 +88,15 @@ def test_hf_peer_sampling_is_seeded(target):
 
 
 def test_methods_registry():
-    assert get_method("adasd").verifier == "adasd" and get_method("adasd").policy == "adasd-entropy"
-    assert get_method("adasd-gen-only").verifier == "chain"
-    assert get_method("adasd-verify-only").policy == "fixed" and get_method("adasd-verify-only").tree().max_depth == 5
-    assert get_method("adasd-hybrid").policy == "hf"
-    assert get_method("default").policy == "auto" and get_method("default").shape == "auto"
+    assert resolve("adasd").verifier.name == "adasd" and resolve("adasd").policy == "adasd-entropy"
+    assert resolve("adasd-gen-only").verifier.name == "chain"
+    assert resolve("adasd-verify-only").policy == "fixed" and resolve("adasd-verify-only").tree_for().max_depth == 5
+    assert resolve("adasd-hybrid").policy == "hf"
+    assert resolve("default").policy == "auto" and resolve("default").tree == "auto"
     for m in METHODS.values():
-        if m.peer is None:
-            spec, policy, state = m.build()
-            assert (state is not None) == (spec.new_state is not None)
-            assert policy.name == m.policy  # the policy the row names is the one it builds
-            assert (m.tree().size == 1) == (m.shape == "none")  # a drafting method drafts something
+        run = resolve(m.name).build()
+        assert (run.verifier_state is not None) == (run.verifier.new_state is not None)
+        assert run.policy.name == m.policy  # the policy the row names is the one it builds
+        assert (run.tree.size == 1) == (m.tree == "none")  # a drafting method drafts something
     with pytest.raises(Exception, match="unknown method"):
-        get_method("nope")
+        resolve("nope")

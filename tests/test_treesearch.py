@@ -3,13 +3,12 @@
 import itertools
 
 import pytest
+from conftest import tiny_model
 
 from verispec.drafters import NgramDrafter, layer_skip_drafter
 from verispec.errors import VerispecError
 from verispec.tree import Tree
 from verispec.treesearch import best_shape, positional_acceptance, tree_spec, tree_table
-
-from conftest import tiny_model
 
 
 def expected_accepted(tree: Tree, p) -> float:

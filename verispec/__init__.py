@@ -15,21 +15,20 @@ trained draft head), ``hf`` (a ``custom_generate`` for Hugging Face ``generate``
 """
 
 from .backends import DEFAULT_TARGET, CausalLM, Target, load
-from .backends.costs import auto_policy
 from .decode import GenerationResult, StepRecord, TextStream, generate, generate_steps
 from .drafters import DraftSpec, ModelDrafter, NgramDrafter, NoDrafter, build_drafter, layer_skip_drafter
 from .errors import VerispecError
+from .methods import METHODS, Plan, Recipe, build_policy, resolve
 from .policies import POLICIES, Policy, get_policy
 from .probs import Sampling
 from .rng import Randomness, TorchRandomness
 from .tree import Tree
 from .verifiers import VERIFIERS, get_verifier
-
-__version__ = "0.2.0"
+from .version import __version__
 
 __all__ = [
-    "CausalLM", "DEFAULT_TARGET", "DraftSpec", "GenerationResult", "ModelDrafter", "NgramDrafter", "NoDrafter",
-    "POLICIES", "Policy", "Randomness", "Sampling", "StepRecord", "Target", "TextStream", "TorchRandomness", "Tree",
-    "VERIFIERS", "VerispecError", "auto_policy", "build_drafter", "generate", "generate_steps", "get_policy",
-    "get_verifier", "layer_skip_drafter", "load",
+    "CausalLM", "DEFAULT_TARGET", "DraftSpec", "GenerationResult", "METHODS", "ModelDrafter", "NgramDrafter",
+    "NoDrafter", "POLICIES", "Plan", "Policy", "Randomness", "Recipe", "Sampling", "StepRecord", "Target",
+    "TextStream", "TorchRandomness", "Tree", "VERIFIERS", "VerispecError", "build_drafter", "build_policy", "generate",
+    "generate_steps", "get_policy", "get_verifier", "layer_skip_drafter", "load", "resolve", "__version__",
 ]

@@ -17,19 +17,37 @@ import sys
 import time
 from pathlib import Path
 
-from . import __version__
-from .drafters import CHILD_MODES, DRAFT_HELP, DraftSpec
+import torch
+from tqdm import tqdm
+
+from .audit.controls import NEGATIVE_CONTROLS
+from .audit.distortion import distortion_report, format_distortion, format_nll
+from .audit.montecarlo import format_monte_carlo, monte_carlo_report
+from .audit.run import audit, format_table, never_lose_table
+from .backends import default_threads, load
+from .bench import QUICK, BenchConfig, Results, run_bench
+from .bench.agreement import agreement_report, format_agreement
+from .bench.peers import PEERS
+from .bench.plots import plot_all
+from .bench.report import report, rows_csv, summarize
+from .bench.runner import BENCH_HELP
+from .datasets import DATASETS_HELP
+from .decode import TextStream, generate
+from .drafters import CHILD_MODES, DRAFT_HELP, DraftSpec, ModelDrafter, build_drafter
+from .eagle.train import TRAIN_HELP, TrainConfig, train
 from .errors import VerispecError
-from .methods import METHODS, METHODS_HELP, resolve_method
-from .policies import POLICIES, get_policy
-from .probs import DEFAULT_TEMPERATURE
-from .tree import MAX_NODES, Tree
+from .methods import DEFAULT_TREE, METHODS, METHODS_HELP, check, resolve
+from .policies import POLICIES
+from .probs import DEFAULT_TEMPERATURE, Sampling
+from .tree import MAX_NODES
+from .tune import tune_tree
 from .verifiers import VERIFIERS, get_verifier
+from .version import __version__
 
 BUILTIN = "smollm2-135m (the default), gemma3-270m"
 TREE_HELP = (f"draft tree: chain:G, BxD (complete, e.g. 3x5), b1,b2,... (per-depth branching, e.g. 3,1,1), "
              f"paths:0;1;0.0 (Medusa-style rank paths), dyn:DEPTH,K,N (EAGLE-2 dynamic tree, top-k children), or "
-             f"auto (the tree tuned for the draft, else chain:5); at most {MAX_NODES} drafted nodes")
+             f"auto (the tree tuned for the draft, else {DEFAULT_TREE}); at most {MAX_NODES} drafted nodes")
 
 
 def _threads(parser) -> None:
@@ -39,21 +57,16 @@ def _threads(parser) -> None:
 
 
 def _set_threads(args) -> None:
-    from .backends import default_threads  # noqa: PLC0415
-
     n = getattr(args, "threads", None)
     if n is None:
         n = default_threads()
     if n < 1:
         raise VerispecError(f"--threads must be >= 1, got {n}")
-    import torch  # noqa: PLC0415
 
     torch.set_num_threads(n)
 
 
 def _progress(total: int, desc: str):
-    from tqdm import tqdm  # noqa: PLC0415
-
     return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True)
 
 
@@ -76,7 +89,7 @@ def _add_generate(sub):
     g.add_argument("--draft", default="auto", help="the draft: " + DRAFT_HELP)
     g.add_argument("--method", default=None, metavar="METHOD",
                    help="a named method (verifier + policy + tree; default 'default'): "
-                        + "; ".join(f"{m.name}: {m.note}" for m in METHODS.values() if m.peer is None)
+                        + "; ".join(f"{m.name}: {m.note}" for m in METHODS.values())
                         + ". A tree after '@' overrides the method's, e.g. fixed@chain:3")
     g.add_argument("--verifier", default=None, metavar="VERIFIER",
                    help="the verification rule, overriding the method's: "
@@ -104,42 +117,7 @@ def _add_generate(sub):
     g.set_defaults(func=cmd_generate)
 
 
-def resolve_generation(method: str | None, verifier: str | None, policy: str | None, tree: str | None,
-                       children: str | None, info=None):
-    """The (method, verifier spec, policy, tree text, children) a generate call runs, checked without a model.
-
-    ``--method`` with a verifier's name (the old spelling) still works, with a note to use ``--verifier``."""
-    name = method or "default"
-    if name.partition("@")[0] not in METHODS and name.partition("@")[0].partition(":")[0] in VERIFIERS:
-        if info is not None:
-            info(f"note: --method {name} names a verifier; this spelling is deprecated, use --verifier "
-                 f"{name.partition('@')[0]}")
-        if verifier is not None:
-            raise VerispecError("give the verifier once: --verifier, or the old --method VERIFIER")
-        verifier, rest = name.partition("@")[0], name.partition("@")[2]
-        name = "fixed" + (f"@{rest}" if rest else "")
-        tree = tree or (rest or None)
-    m = resolve_method(name)
-    if m.peer is not None:
-        raise VerispecError(f"method {m.name!r} is a peer for benchmarks, not a verispec method")
-    spec = get_verifier(verifier or m.verifier or "chain")
-    pol = get_policy(policy or m.policy)
-    shape = tree or m.shape
-    if shape not in ("auto", "none"):
-        parsed = Tree.parse(shape)
-        if spec.chain_only and not parsed.is_chain:
-            raise VerispecError(f"verifier {spec.name!r} only verifies chains, not {parsed.describe()}")
-    if children is not None and spec.children is not None and children != spec.children:
-        raise VerispecError(f"verifier {spec.name!r} needs --children {spec.children}, got {children}")
-    return m, spec, pol, shape, children or spec.children or "iid"
-
-
 def cmd_generate(args) -> int:
-    from .backends import load  # noqa: PLC0415
-    from .decode import TextStream, generate  # noqa: PLC0415
-    from .drafters import NoDrafter, build_drafter  # noqa: PLC0415
-    from .probs import Sampling  # noqa: PLC0415
-
     info = _info(args)
     if not args.prompt.strip():
         raise VerispecError("the prompt is empty")
@@ -147,32 +125,29 @@ def cmd_generate(args) -> int:
         raise VerispecError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not math.isfinite(args.temperature):
         raise VerispecError(f"--temperature must be a finite number >= 0, got {args.temperature}")
-    Sampling(args.temperature, args.top_k, args.top_p)
-    method, verifier, policy, shape, children = resolve_generation(args.method, args.verifier, args.policy, args.tree,
-                                                                   args.children, info)
-    draft = DraftSpec.parse("none" if method.shape == "none" or shape == "none" else args.draft)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    plan = resolve(args.method, verifier=args.verifier, policy=args.policy, tree=args.tree, children=args.children,
+                   info=info)
+    check(plan.verifier, None, plan.children, temperature=sampling.temperature)
+    draft = DraftSpec.parse(args.draft if plan.drafts else "none")
     _set_threads(args)
     t = time.perf_counter()
     info(f"loading target {args.target} ({args.backend}) ...")
     target = load(args.target, dtype=args.dtype, backend=args.backend, threads=args.threads)
     drafter = build_drafter(draft, target, dtype=args.dtype)
-    if policy.name in ("auto", "auto:gate") and not isinstance(drafter, NoDrafter):
-        from .backends.costs import auto_policy  # noqa: PLC0415
-
-        policy = auto_policy(target, drafter, policy.name)
-    tree = Tree.root_only() if isinstance(drafter, NoDrafter) else \
-        Tree.parse(getattr(drafter, "default_tree", None) or "chain:5") if shape == "auto" else Tree.parse(shape)
-    info(f"loaded in {time.perf_counter() - t:.1f}s; draft {drafter.name}, verifier {verifier.name}, policy "
-         f"{policy.name}, {tree.describe()}")
+    run = plan.build(target, drafter)
+    info(f"loaded in {time.perf_counter() - t:.1f}s; draft {drafter.name}, verifier {run.verifier.name}, policy "
+         f"{run.policy.name}, {run.tree.describe()}")
     stream = TextStream(target.decode)
 
     def show(tokens):
         sys.stdout.write(stream.push(tokens))
         sys.stdout.flush()
 
-    result = generate(target, drafter, verifier, args.prompt, tree=tree, max_new_tokens=args.max_new_tokens,
-                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, children=children,
-                      seed=args.seed, chat=not args.no_chat, on_tokens=None if args.json else show, policy=policy)
+    result = generate(target, drafter, run.verifier, args.prompt, tree=run.tree, policy=run.policy,
+                      children=run.children, verifier_state=run.verifier_state, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                      chat=not args.no_chat, on_tokens=None if args.json else show)
     if args.json:
         print(json.dumps(result.to_dict()))
         return 0
@@ -231,18 +206,13 @@ def _add_audit(sub):
 
 
 def _model_draft(target, spec: str, what: str):
-    from .drafters import build_drafter  # noqa: PLC0415
-
     drafter = build_drafter(spec, target)
-    if not hasattr(drafter, "model"):
+    if not isinstance(drafter, ModelDrafter):
         raise VerispecError(f"{what} needs a model draft (int8, layerskip:..., model:...), not {spec!r}")
     return drafter
 
 
 def cmd_audit(args) -> int:
-    from .audit.controls import NEGATIVE_CONTROLS  # noqa: PLC0415
-    from .audit.run import audit, format_table, never_lose_table  # noqa: PLC0415
-
     if args.cases < 1:
         raise VerispecError(f"--cases must be >= 1, got {args.cases}")
     specs = [get_verifier(n) for n in args.verifiers] if args.verifiers else list(VERIFIERS.values())
@@ -272,9 +242,6 @@ def cmd_audit(args) -> int:
 
 
 def _audit_montecarlo(args, specs) -> list[str]:
-    from .audit.montecarlo import format_monte_carlo, monte_carlo_report  # noqa: PLC0415
-    from .backends import load  # noqa: PLC0415
-
     _set_threads(args)
     target = load(args.target)
     drafter = _model_draft(target, args.draft or "layerskip:0-11,18-29", "--montecarlo")
@@ -293,9 +260,6 @@ def _audit_montecarlo(args, specs) -> list[str]:
 
 
 def _audit_distortion(args) -> int:
-    from .audit.distortion import distortion_report, format_distortion, format_nll  # noqa: PLC0415
-    from .backends import load  # noqa: PLC0415
-
     names = args.verifiers or [v.name for v in VERIFIERS.values() if v.position_rule is not None and not v.exact]
     specs = [get_verifier(n) for n in names]
     missing = [s.name for s in specs if s.position_rule is None]
@@ -333,9 +297,6 @@ def _audit_distortion(args) -> int:
 # ---------------------------------------------------------------- bench, report, plot
 
 def _add_bench(sub):
-    from .bench.runner import BENCH_HELP, BenchConfig  # noqa: PLC0415
-    from .datasets import DATASETS_HELP  # noqa: PLC0415
-
     d = BenchConfig()
     b = sub.add_parser(
         "bench", help="benchmark methods x drafts x data sets x temperatures x seeds (resumable records + tables)",
@@ -347,7 +308,8 @@ def _add_bench(sub):
     b.add_argument("--quick", action="store_true",
                    help="a small preset that exercises every part on the default model in under 10 minutes on 2 CPU "
                         "cores (the other options then default to the preset's)")
-    extra = {"drafts": " (" + DRAFT_HELP + ")", "methods": ": " + METHODS_HELP, "datasets": ": " + DATASETS_HELP}
+    extra = {"drafts": " (" + DRAFT_HELP + ")", "datasets": ": " + DATASETS_HELP,
+             "methods": ": " + METHODS_HELP + "; or a peer: " + "; ".join(f"{p.name} ({p.note})" for p in PEERS.values())}
     for f in dataclasses.fields(BenchConfig):
         default = getattr(d, f.name)
         flag = "--" + f.name.replace("_", "-")
@@ -381,9 +343,6 @@ def _writable_file(path: str, what: str) -> Path:
 
 
 def cmd_bench(args) -> int:
-    from .bench import QUICK, BenchConfig, Results, run_bench  # noqa: PLC0415
-    from .bench.report import report, rows_csv, summarize  # noqa: PLC0415
-
     base = QUICK if args.quick else BenchConfig()
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig) if getattr(args, f.name) is not None}
     config = dataclasses.replace(base, **given)
@@ -433,9 +392,6 @@ def _results_files(paths: list[str]) -> list[Path]:
 
 
 def cmd_report(args) -> int:
-    from .bench import Results  # noqa: PLC0415
-    from .bench.report import report, rows_csv, summarize  # noqa: PLC0415
-
     warn = lambda msg: print(f"verispec: warning: {msg}", file=sys.stderr)  # noqa: E731
     files = _results_files(args.results)
     for i, path in enumerate(files):
@@ -459,8 +415,6 @@ def _add_plot(sub):
 
 
 def cmd_plot(args) -> int:
-    from .bench.plots import plot_all  # noqa: PLC0415
-
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise VerispecError(f"--out {args.out} is a file; give a folder for the figures")
@@ -476,8 +430,6 @@ def cmd_plot(args) -> int:
 # ---------------------------------------------------------------- draft heads and trees
 
 def _add_train_draft(sub):
-    from .eagle.train import TRAIN_HELP, TrainConfig  # noqa: PLC0415
-
     t = sub.add_parser(
         "train-draft", help="train an EAGLE-style draft head for a target (self-written data, resumable)",
         description="Train a one-layer EAGLE-style draft head for TARGET by distillation on text the target writes "
@@ -503,9 +455,6 @@ def _add_train_draft(sub):
 
 
 def cmd_train_draft(args) -> int:
-    from .backends import load  # noqa: PLC0415
-    from .eagle.train import TrainConfig, train  # noqa: PLC0415
-
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     config.validate()
     store = TrainConfig(feature_layers=args.store_layers).layers() if args.store_layers else None
@@ -544,10 +493,6 @@ def _add_eval_draft(sub):
 
 
 def cmd_eval_draft(args) -> int:
-    from .backends import load  # noqa: PLC0415
-    from .drafters import build_drafter  # noqa: PLC0415
-    from .eagle.agreement import agreement_report, format_agreement  # noqa: PLC0415
-
     spec = DraftSpec.parse(args.draft)
     if spec.kind != "eagle":
         raise VerispecError(f"eval-draft measures EAGLE heads ('eagle' or 'eagle:PATH'), not {args.draft!r}")
@@ -596,10 +541,6 @@ def _add_tune_tree(sub):
 
 
 def cmd_tune_tree(args) -> int:
-    from .backends import load  # noqa: PLC0415
-    from .drafters import build_drafter  # noqa: PLC0415
-    from .tune import tune_tree  # noqa: PLC0415
-
     spec = DraftSpec.parse(args.draft)
     if not 0 <= args.temperature < math.inf or args.prompts < 1 or args.width < 1 or args.max_nodes < 1 \
             or args.max_depth < 1 or args.max_new_tokens < 1:

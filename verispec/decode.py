@@ -17,13 +17,14 @@ from typing import Callable, Iterator
 
 import torch
 
-from .drafters.base import Drafter
+from .backends.base import Target
+from .drafters.base import DraftControl, Drafter
 from .errors import VerispecError
-from .backends import CausalLM
-from .policies import Feedback, Fixed
+from .methods import check, resolve
+from .policies import Feedback, Fixed, Policy
 from .probs import DEFAULT_TEMPERATURE, Sampling, greedy_index, logits_to_probs
 from .rng import Randomness, TorchRandomness
-from .tree import Tree
+from .tree import DynamicTree, Tree
 from .verifiers.base import Verdict, VerifierSpec
 
 
@@ -115,7 +116,7 @@ class TextStream:
         return new
 
 
-def _check_args(target, drafter, verifier, prompt_ids, tree, max_new_tokens, sampling, children):
+def _check_args(target, drafter, verifier, prompt_ids, tree, max_new_tokens, sampling, children, policy):
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise VerispecError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
     if not prompt_ids:
@@ -128,26 +129,21 @@ def _check_args(target, drafter, verifier, prompt_ids, tree, max_new_tokens, sam
             f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) + draft depth ({tree.max_depth}) "
             f"exceeds the model's context of {target.max_context} tokens"
         )
-    if verifier.greedy_only and not sampling.greedy:
-        raise VerispecError(f"verifier {verifier.name!r} is for temperature 0 only; got temperature {sampling.temperature}")
-    if verifier.children is not None and children != verifier.children and tree.size > 1:
-        raise VerispecError(f"verifier {verifier.name!r} needs --children {verifier.children}, got {children}")
-    if verifier.chain_only and not tree.is_chain:
-        raise VerispecError(f"verifier {verifier.name!r} only verifies chains, not {tree.describe()}")
+    check(verifier, tree, children, policy.name, 0.0 if sampling.greedy else sampling.temperature)
     drafter.check_compatible(target)
 
 
 def generate_steps(
-    target: CausalLM,
+    target: Target,
     drafter: Drafter,
     verifier: VerifierSpec,
     prompt_ids: list[int],
     *,
-    tree: Tree,
+    tree: Tree | DynamicTree,
     max_new_tokens: int,
     sampling: Sampling,
     children: str = "iid",
-    policy=None,
+    policy: Policy | None = None,
     verifier_state=None,
     seed: int = 0,
     stats: dict | None = None,
@@ -160,10 +156,8 @@ def generate_steps(
     ``stats``, if given, receives ``prefill_s`` (the target's prefill of the prompt). ``rng`` replaces the
     seeded randomness (the audit passes a scripted one to enumerate every outcome of the whole loop).
     """
-    _check_args(target, drafter, verifier, prompt_ids, tree, max_new_tokens, sampling, children)
     policy = policy or Fixed()
-    plan = getattr(policy, "planned_depth", None)  # optional in the Policy protocol
-    select = getattr(policy, "select_source", None)  # optional too: a policy per draft source
+    _check_args(target, drafter, verifier, prompt_ids, tree, max_new_tokens, sampling, children, policy)
     if verifier.new_state is not None and verifier_state is None:
         verifier_state = verifier.new_state()
     rng = rng if rng is not None else TorchRandomness(seed)
@@ -180,14 +174,14 @@ def generate_steps(
     produced = 0
     while True:
         t0 = time.perf_counter()
-        source = drafter.source(context)  # None unless the drafter switches between sources
-        if source is not None and select is not None:
-            select(source)
+        source = drafter.source(context)  # None unless the drafter has several sources
+        if source is not None:
+            policy.select_source(source)
         shape = tree
-        if plan is not None and isinstance(tree, Tree):  # a dynamic tree sets its own depth
-            depth = plan(tree.max_depth)
+        if isinstance(tree, Tree):  # a dynamic tree sets its own depth
+            depth = policy.planned_depth(tree.max_depth)
             shape = tree if depth >= tree.max_depth else tree.truncate(max(depth, 0))
-        draft = drafter.propose(context, shape, sampling, children, rng, policy)
+        draft = drafter.propose(context, shape, sampling, children, rng, DraftControl.of(policy))
         t1 = time.perf_counter()
         positions = state.committed + torch.tensor(draft.tree.depths)
         out = target.forward(state, draft.tokens, positions, draft.tree.ancestors_mask(), features=features)
@@ -242,18 +236,18 @@ def _draw_root(logits: torch.Tensor, sampling: Sampling, rng: Randomness) -> int
 
 
 def generate(
-    target: CausalLM,
+    target: Target,
     drafter: Drafter,
-    verifier: VerifierSpec,
+    verifier: VerifierSpec | str,
     prompt: str | list[int],
     *,
-    tree: Tree | None = None,
+    tree: Tree | DynamicTree | str | None = None,
     max_new_tokens: int = 128,
     temperature: float = DEFAULT_TEMPERATURE,
     top_k: int = 0,
     top_p: float = 1.0,
     children: str | None = None,
-    policy=None,
+    policy: Policy | str | None = None,
     verifier_state=None,
     seed: int = 0,
     chat: bool = True,
@@ -261,18 +255,22 @@ def generate(
 ) -> GenerationResult:
     """Generate from ``prompt`` (text, through the chat template if any, or token ids).
 
-    ``children`` defaults to the mode the verifier needs (``iid`` for those that take any).
-    ``on_tokens`` is called with each step's emitted tokens as soon as they are verified (streaming).
+    ``verifier``, ``tree`` and ``policy`` are objects or the names ``verispec generate`` takes (``"specinfer"``,
+    ``"3x2"`` or ``"auto"``, ``"auto"`` or ``"fixed:3"``), resolved by ``methods.resolve``; left out, they are those
+    of the method ``fixed``: the whole ``DEFAULT_TREE`` every step. ``children`` defaults to the child mode the
+    verifier needs (``iid`` for those that take any). ``on_tokens`` is called with each step's emitted tokens as
+    soon as they are verified (streaming).
     """
     sampling = Sampling(temperature, top_k, top_p)
-    children = children or verifier.children or "iid"
-    tree = tree if tree is not None else Tree.chain(5)
+    recipe = resolve("fixed", verifier=verifier, tree=tree, policy=policy, children=children).build(
+        target, drafter, verifier_state)
     prompt_ids = target.encode_prompt(prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
     start = time.perf_counter()
     steps, out, stats = [], [], {}
     for rec in generate_steps(
-        target, drafter, verifier, prompt_ids, tree=tree, max_new_tokens=max_new_tokens,
-        sampling=sampling, children=children, policy=policy, verifier_state=verifier_state, seed=seed, stats=stats,
+        target, drafter, recipe.verifier, prompt_ids, tree=recipe.tree, max_new_tokens=max_new_tokens,
+        sampling=sampling, children=recipe.children, policy=recipe.policy, verifier_state=recipe.verifier_state,
+        seed=seed, stats=stats,
     ):
         steps.append(rec)
         out.extend(rec.emitted)
@@ -281,10 +279,10 @@ def generate(
     wall = time.perf_counter() - start
     stop = "eos" if out and out[-1] in target.eos_token_ids else "max_new_tokens"
     config = {
-        "target": target.name, "drafter": drafter.name, "method": verifier.name,
-        "tree": list(tree.parents) if isinstance(tree, Tree) else str(tree),
-        "children": children, "temperature": temperature, "top_k": top_k, "top_p": top_p,
-        "max_new_tokens": max_new_tokens, "seed": seed, "policy": getattr(policy, "name", "fixed"),
+        "target": target.name, "draft": drafter.name, "verifier": recipe.verifier.name,
+        "tree": list(recipe.tree.parents) if isinstance(recipe.tree, Tree) else str(recipe.tree),
+        "children": recipe.children, "temperature": temperature, "top_k": top_k, "top_p": top_p,
+        "max_new_tokens": max_new_tokens, "seed": seed, "policy": recipe.policy.name,
     }
     return GenerationResult(
         text=target.decode(out), token_ids=out, prompt_ids=prompt_ids, steps=steps, stop_reason=stop,

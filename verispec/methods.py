@@ -1,59 +1,41 @@
-"""Named methods: a verifier, a draft-length policy and a draft tree shape -- what ``verispec generate`` does by
-default (``default``), AdaSD's Tables 1-2 rows -- plus the peers (Hugging Face ``generate`` and assisted
-generation, llama.cpp). Benchmarks pick methods from here by name instead of wiring them again.
+"""Named methods and the one resolver: what a run decodes with, from the names a user gives.
 
-``resolve_method`` also accepts any registered verifier (``specinfer``, ``fsd:0.2``) and a tree after
-``@`` (``specinfer@3x5``, ``fixed@chain:8``): a verifier alone means fixed-length drafting of a chain of 5.
-The tree ``auto`` is the one tuned for the draft (``Drafter.default_tree``), else ``FALLBACK_TREE``.
+A *method* is a named recipe: a verifier, a draft-length policy and a draft tree (``default`` is what ``verispec
+generate`` does with no options; ``fixed``, ``ar`` and AdaSD's rows are others). ``resolve`` turns a method name
+and any overrides (``--verifier``, ``--policy``, ``--tree``, ``--children``) into a ``Plan``, checked without a model;
+``Plan.build(target, drafter)`` makes the run's pieces (``Recipe``): the tree (``auto``: the one tuned for the draft,
+else ``DEFAULT_TREE``), the policy (``auto`` weighs depths by this machine's measured step costs) and a fresh
+learning state. The CLI, the transformers door, the benchmark and ``decode.generate`` all go through here, and
+``check`` is the one place where a verifier, a tree, a child mode, a policy and a temperature are found compatible.
+
+A method name may also be a registered verifier (``specinfer``, ``fsd:0.2``: fixed-length drafting of
+``DEFAULT_TREE``), and any method takes a tree after ``@`` (``specinfer@3x5``, ``fixed@chain:8``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import itertools
+from dataclasses import dataclass
 
+from .backends.costs import forward_costs
 from .errors import VerispecError
-from .policies import get_policy
-from .tree import Tree
-from .verifiers import get_verifier
+from .policies import PerSource, Policy, get_policy
+from .tree import DynamicTree, Tree
+from .verifiers import VERIFIERS, VerifierSpec, get_verifier
+
+DEFAULT_TREE = "chain:5"  # the tree of a draft with no tuned tree (and of a verifier named as a method)
+DEFAULT_VERIFIER = "chain"
+DEFAULT_METHOD = "default"  # what ``verispec generate`` runs with no options
 
 
 @dataclass(frozen=True)
 class Method:
     name: str
-    verifier: str | None  # None: a Hugging Face peer
+    verifier: str
     policy: str
-    shape: str  # draft tree (``Tree.parse`` syntax), "none" for no drafting, "auto" for the draft's tuned tree
+    tree: str  # ``Tree.parse`` syntax, "none" for no drafting, "auto" for the draft's tuned tree
     note: str
-    peer: str | None = None  # "generate", "assisted", "llama-cpp" or "llama-cpp-lookup" for the peers
 
-    def tree(self, drafter=None) -> Tree:
-        """The draft tree; ``auto`` needs the drafter whose tuned tree it is (without one: ``FALLBACK_TREE``)."""
-        if self.shape == "none":
-            return Tree.root_only()
-        if self.shape == "auto":
-            return Tree.parse(getattr(drafter, "default_tree", None) or FALLBACK_TREE)
-        return Tree.parse(self.shape)
-
-    @property
-    def uses_draft(self) -> bool:
-        """Whether the method's output depends on the draft (plain decoding and HF generate do not)."""
-        return self.peer == "assisted" or (self.peer is None and self.shape != "none")
-
-    def build(self, drafter=None, target=None):
-        """Fresh (verifier spec, policy, verifier state) for a run; reuse them across prompts to keep learning.
-        With the target and drafter, the ``auto`` policy weighs depths by their measured step costs."""
-        spec = get_verifier(self.verifier or "chain")
-        if self.policy.partition(":")[0] == "auto" and target is not None and drafter is not None:
-            from .backends.costs import auto_policy  # noqa: PLC0415
-
-            policy = auto_policy(target, drafter, self.policy)
-        else:
-            policy = get_policy(self.policy)
-        return spec, policy, spec.new_state() if spec.new_state else None
-
-
-FALLBACK_TREE = "chain:5"  # the tree "auto" means for a draft with no tuned tree
-DEFAULT_VERIFIER = "chain"  # what ``verispec generate`` verifies with by default
 
 _ROWS = [
     Method("default", DEFAULT_VERIFIER, "auto", "auto",
@@ -62,18 +44,9 @@ _ROWS = [
     Method("auto-gate", DEFAULT_VERIFIER, "auto:gate", "auto",
            "the default plus the auto policy's confidence gate: each further token drafted only while the draft's "
            "calibrated confidence in it makes it pay"),
-    Method("hf-generate", None, "fixed", "none", "Hugging Face generate of the target (no draft)", peer="generate"),
-    Method("hf-assisted", None, "fixed", "none",
-           "Hugging Face assisted generation with the same draft (a model draft, or prompt lookup for ngram)",
-           peer="assisted"),
-    Method("llama-cpp", None, "fixed", "none",
-           "llama.cpp's plain decoding of the same GGUF file (llama-cpp-python; a quantised model: its own target)",
-           peer="llama-cpp"),
-    Method("llama-cpp-lookup", None, "fixed", "none",
-           "llama-cpp-python's prompt-lookup speculative decoding of the same GGUF file (its own target)",
-           peer="llama-cpp-lookup"),
     Method("ar", "chain", "fixed", "none", "plain autoregressive decoding of the target in verispec's loop"),
-    Method("fixed", "chain", "fixed", "chain:5", "exact chain speculative sampling, 5 tokens (the papers' Vanilla)"),
+    Method("fixed", "chain", "fixed", DEFAULT_TREE,
+           "exact chain speculative sampling, 5 tokens (the papers' Vanilla)"),
     Method("hf", "chain", "hf", "chain:20",
            "exact verification with Hugging Face's draft-length rules (20, confidence 0.4, ROC)"),
     Method("hf-heuristic", "chain", "hf:heuristic", "chain:20", "exact verification, Hugging Face +2/-1 schedule"),
@@ -81,10 +54,10 @@ _ROWS = [
     Method("adasd", "adasd", "adasd-entropy", "chain:10",
            "AdaSD: entropy stop + Bayesian JS acceptance (cap 10; lossy)"),
     Method("adasd-gen-only", "chain", "adasd-entropy", "chain:10", "AdaSD generation rule only (exact verification)"),
-    Method("adasd-verify-only", "adasd", "fixed", "chain:5", "AdaSD verification only, 5 tokens (lossy)"),
+    Method("adasd-verify-only", "adasd", "fixed", DEFAULT_TREE, "AdaSD verification only, 5 tokens (lossy)"),
     Method("adasd-hybrid", "adasd", "hf", "chain:20", "AdaSD verification + Hugging Face length control (lossy)"),
-    Method("fsd", "fsd", "fixed", "chain:5", "FSD, JS threshold 0.3, 5 tokens (lossy)"),
-    Method("typical", "typical", "fixed", "chain:5", "Medusa typical acceptance, 5 tokens (lossy)"),
+    Method("fsd", "fsd", "fixed", DEFAULT_TREE, "FSD, JS threshold 0.3, 5 tokens (lossy)"),
+    Method("typical", "typical", "fixed", DEFAULT_TREE, "Medusa typical acceptance, 5 tokens (lossy)"),
     Method("bild", "bild", "bild", "chain:10", "BiLD fallback 0.6 + rollback 5 (cap 10; lossy)"),
 ]
 METHODS = {m.name: m for m in _ROWS}
@@ -94,29 +67,127 @@ METHODS_HELP = (
 )
 
 
-def get_method(name: str) -> Method:
-    try:
-        return METHODS[name]
-    except KeyError:
-        raise VerispecError(f"unknown method {name!r}; choose from {', '.join(METHODS)}") from None
+def check(verifier: VerifierSpec, tree: Tree | DynamicTree | None, children: str, policy: str | None = None,
+          temperature: float | None = None) -> None:
+    """The one compatibility check of a run's pieces (``None``: not known yet); one message per mistake."""
+    if temperature is not None and verifier.greedy_only and temperature > 0:
+        raise VerispecError(f"verifier {verifier.name!r} is for temperature 0 only; got temperature {temperature}")
+    drafting = tree is not None and tree.size > 1
+    if drafting and verifier.children is not None and children != verifier.children:
+        raise VerispecError(f"verifier {verifier.name!r} needs --children {verifier.children}, got {children}")
+    if drafting and verifier.chain_only and not tree.is_chain:
+        raise VerispecError(f"verifier {verifier.name!r} only verifies chains, not {tree.describe()}")
+    if isinstance(tree, DynamicTree):
+        if policy is not None and policy != "fixed":
+            raise VerispecError("a dynamic tree chooses its own depth; use it with the fixed draft-length policy")
+        if children != "topk" and temperature is not None and temperature > 0:
+            raise VerispecError(f"a dynamic tree drafts top-k children; use --children topk (got {children!r}): "
+                                "pruning sampled children by their own probability would bias their law")
 
 
-def resolve_method(spec: str) -> Method:
-    """``NAME[@TREE]``: a named method or a verifier, with an optional draft tree (see ``METHODS_HELP``)."""
-    name, at, shape = spec.partition("@")
-    if name in METHODS:
-        method = METHODS[name]
+@dataclass
+class Recipe:
+    """A run's pieces, built for a target and a draft: fresh for each run, or reused across prompts to keep what
+    the policy and a learning verifier have learned."""
+
+    verifier: VerifierSpec
+    tree: Tree | DynamicTree
+    children: str
+    policy: Policy
+    verifier_state: object | None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A resolved method: checked, but not yet built (no model is needed to make one)."""
+
+    name: str  # the method's name as given (``specinfer@3x5``)
+    verifier: VerifierSpec
+    policy: str | Policy  # a spec string, or a policy object passed through
+    tree: str | Tree | DynamicTree  # "auto" (the draft's tuned tree), "none" (no draft), a spec string, or a tree
+    children: str
+
+    @property
+    def drafts(self) -> bool:
+        """Whether the output depends on a draft (plain decoding does not)."""
+        return not (isinstance(self.tree, str) and self.tree == "none")
+
+    def tree_for(self, drafter=None) -> Tree | DynamicTree:
+        """The draft tree: ``auto`` is the drafter's tuned one (``Drafter.default_tree``), else ``DEFAULT_TREE``."""
+        if not isinstance(self.tree, str):
+            return self.tree
+        if self.tree == "none":
+            return Tree.root_only()
+        if self.tree == "auto":
+            return Tree.parse((drafter.default_tree if drafter is not None else None) or DEFAULT_TREE)
+        return Tree.parse(self.tree)
+
+    def build(self, target=None, drafter=None, verifier_state=None) -> Recipe:
+        """The run's pieces for ``target`` and ``drafter`` (both needed for the ``auto`` policy's measured costs and
+        the ``auto`` tree; without them the generic costs and ``DEFAULT_TREE``)."""
+        tree = self.tree_for(drafter) if drafter is None or drafter.drafts else Tree.root_only()
+        policy = self.policy if not isinstance(self.policy, str) else build_policy(self.policy, target, drafter)
+        check(self.verifier, tree, self.children, policy.name)
+        if verifier_state is None and self.verifier.new_state is not None:
+            verifier_state = self.verifier.new_state()
+        return Recipe(self.verifier, tree, self.children, policy, verifier_state)
+
+
+def resolve(method: str | None = None, *, verifier: str | VerifierSpec | None = None,
+            policy: str | Policy | None = None, tree: str | Tree | DynamicTree | None = None,
+            children: str | None = None, info=None) -> Plan:
+    """The plan for ``method`` (default ``DEFAULT_METHOD``; ``NAME[@TREE]``, see ``METHODS_HELP``) with the given
+    overrides, checked. ``info`` receives notes (the deprecated ``--method VERIFIER`` spelling)."""
+    name = method or DEFAULT_METHOD
+    base, at, shape = name.partition("@")
+    if base not in METHODS and base.partition(":")[0] in VERIFIERS:
+        if verifier is not None:
+            raise VerispecError("give the verifier once: --verifier, or the old --method VERIFIER")
+        if info is not None:
+            info(f"note: --method {name} names a verifier; this spelling is deprecated, use --verifier {base}")
+        verifier = verifier or base
+        row = Method(name, base, "fixed", DEFAULT_TREE, "")
+    elif base in METHODS:
+        row = METHODS[base]
     else:
-        try:
-            verifier = get_verifier(name)
-        except VerispecError:
-            raise VerispecError(f"unknown method {name!r}: use {METHODS_HELP}") from None
-        method = Method(spec, name, "fixed", "chain:5",
-                        f"{verifier.name}: {verifier.note}")
+        raise VerispecError(f"unknown method {base!r}: use {METHODS_HELP}")
     if at:
-        if method.peer is not None or method.shape == "none":
-            raise VerispecError(f"method {name!r} drafts nothing; it takes no tree (got {spec!r})")
-        if shape != "auto":
-            Tree.parse(shape)  # fail early on a bad tree
-        method = replace(method, name=spec, shape=shape)
-    return method
+        if row.tree == "none":
+            raise VerispecError(f"method {base!r} drafts nothing; it takes no tree (got {name!r})")
+        row = Method(name, row.verifier, row.policy, shape, row.note)
+    spec = verifier if isinstance(verifier, VerifierSpec) else get_verifier(verifier or row.verifier)
+    chosen_tree = tree if tree is not None else row.tree
+    parsed = chosen_tree if not isinstance(chosen_tree, str) else \
+        None if chosen_tree in ("auto", "none") else Tree.parse(chosen_tree)  # fails early on a bad tree
+    chosen_policy = policy if policy is not None else row.policy
+    if isinstance(chosen_policy, str):
+        get_policy(chosen_policy)  # fails early on a bad policy
+    child = children or spec.children or "iid"
+    check(spec, parsed, child, chosen_policy if isinstance(chosen_policy, str) else chosen_policy.name)
+    return Plan(name, spec, chosen_policy, chosen_tree, child)
+
+
+def step_costs(target, drafter) -> tuple[float, ...] | None:
+    """Relative cost of a step drafting a chain of d tokens (d = 0..COSTED_ROWS - 1), a plain step = 1, never
+    decreasing: a shipped head's measured costs (its sidecar), else the target's measured forward costs plus the
+    draft's own cost per depth (``Drafter.depth_cost``). None without a target (the policy's generic costs)."""
+    if target is None:
+        return None
+    if drafter.step_costs and target.backend == "hf":
+        return tuple(drafter.step_costs)
+    fwd = forward_costs(target)
+    if not fwd:
+        return None
+    costs = (fwd[d] / fwd[0] + d * drafter.depth_cost for d in range(len(fwd)))
+    return tuple(itertools.accumulate(costs, max))
+
+
+def build_policy(spec: str, target=None, drafter=None) -> Policy:
+    """A policy from its spec (``policies.POLICIES``). ``auto`` and ``auto:gate`` weigh depths by the step costs of
+    this target and draft and know whether the draft's first depth is free; a drafter with several sources gets one
+    such policy per source (``PerSource``)."""
+    if spec.partition(":")[0] != "auto" or drafter is None or not drafter.drafts:
+        return get_policy(spec)
+    if drafter.sources:
+        return PerSource({name: build_policy(spec, target, sub) for name, sub in drafter.sources.items()})
+    return get_policy(spec, step_costs(target, drafter), free_root=drafter.free_root)

@@ -18,30 +18,37 @@ from .errors import VerispecError
 
 
 class Policy(Protocol):
-    """How deep to draft. Three calls, each with a default a policy may keep:
+    """How deep to draft. Every policy has all of these (``PolicyBase`` gives the defaults), and the decoding loop
+    calls nothing else:
 
+    * ``select_source(source)``: first, when the drafter has several draft sources (``Drafter.source``), the one
+      that drafts this step (``PerSource`` keeps a policy per source); the default ignores it;
     * ``planned_depth(limit) -> int``: before anything is drafted this step, how many depths to draft at most, up to
       ``limit`` (the tree's depth); 0 means no draft, a plain decoding step. Asked first, so a policy that skips
       drafting costs the step nothing;
-    * ``keep_drafting(depth, q, last, drawn) -> bool``: before drafting depth ``depth + 1``. ``q [F, V]`` are the
-      draft laws at the frontier nodes (the laws the next tokens will be drawn from), ``drawn [F, V]`` the laws
-      the frontier nodes' own tokens were drawn from and ``last [F]`` their probabilities under those laws (both
-      ``None`` at depth 0);
+    * ``keep_drafting(depth, q, last, drawn, confidence) -> bool``: before drafting depth ``depth + 1``. The drafter
+      receives it (``drafters.DraftControl``), never the policy itself. ``q [F, V]`` are the draft laws at the
+      frontier nodes (the laws the next tokens will be drawn from), ``drawn [F, V]`` the laws the frontier nodes' own
+      tokens were drawn from and ``last [F]`` their probabilities under those laws (both ``None`` at depth 0).
+      A policy that ``uses_confidence`` is asked before any law is computed, with ``q``, ``last`` and ``drawn``
+      ``None`` and ``confidence [F]`` the drafter's own score for each frontier node (``Drafter.confidence``); any
+      other is asked with the laws and ``confidence`` ``None``;
     * ``update(feedback)``: after each step, with what verification said (``Feedback``).
 
-    Optional: ``select_source(source)``, called before ``planned_depth`` when the drafter has several draft sources
-    (``Drafter.source``), names the one that drafts this step (``PerSource`` keeps a policy per source).
-
-    A policy whose ``reads_laws`` is False (optional, True by default) promises never to look at the laws
-    ``keep_drafting`` receives or at ``Feedback.entropy`` / ``confidence``; a greedy draft then skips the temperature-1
-    softmax over the vocabulary it would otherwise compute for it at every depth.
+    ``reads_laws`` False promises never to look at the laws ``keep_drafting`` receives or at ``Feedback.entropy`` /
+    ``confidence``; a greedy draft then skips the temperature-1 softmax over the vocabulary it would otherwise
+    compute for it at every depth.
     """
 
     name: str
+    reads_laws: bool
+    uses_confidence: bool
+
+    def select_source(self, source: str) -> None: ...
 
     def planned_depth(self, limit: int) -> int: ...
 
-    def keep_drafting(self, depth: int, q: torch.Tensor, last=None, drawn=None) -> bool: ...
+    def keep_drafting(self, depth: int, q: torch.Tensor | None, last=None, drawn=None, confidence=None) -> bool: ...
 
     def update(self, feedback: "Feedback") -> None: ...
 
@@ -123,15 +130,19 @@ def roc_threshold(scores: torch.Tensor, positive: torch.Tensor, fn_weight: float
     return float(thresholds[first_min])
 
 
-class _Defaults:
-    """The protocol's defaults: no plan before drafting, keep drafting, learn nothing."""
+class PolicyBase:
+    """The protocol's defaults: one source, no plan before drafting, keep drafting, learn nothing."""
 
     reads_laws = True
+    uses_confidence = False
+
+    def select_source(self, source: str) -> None:
+        pass
 
     def planned_depth(self, limit: int) -> int:
         return limit
 
-    def keep_drafting(self, depth: int, q: torch.Tensor, last=None, drawn=None) -> bool:
+    def keep_drafting(self, depth: int, q, last=None, drawn=None, confidence=None) -> bool:
         return True
 
     def update(self, feedback: Feedback) -> None:
@@ -139,7 +150,7 @@ class _Defaults:
 
 
 @dataclass
-class Fixed(_Defaults):
+class Fixed(PolicyBase):
     """Draft the whole tree shape every step, or at most ``length`` levels (the papers' "Vanilla" is 5)."""
 
     length: int | None = None
@@ -149,7 +160,7 @@ class Fixed(_Defaults):
     def planned_depth(self, limit: int) -> int:
         return limit if self.length is None else min(limit, self.length)
 
-    def keep_drafting(self, depth: int, q: torch.Tensor, last=None, drawn=None) -> bool:
+    def keep_drafting(self, depth: int, q, last=None, drawn=None, confidence=None) -> bool:
         return self.length is None or depth < self.length
 
     def update(self, feedback: Feedback) -> None:
@@ -157,7 +168,7 @@ class Fixed(_Defaults):
 
 
 @dataclass
-class HFAssisted(_Defaults):
+class HFAssisted(PolicyBase):
     """Hugging Face assisted generation's draft-length rules (``transformers`` 5.24, AssistedCandidateGenerator).
 
     * length: draft at most ``num_tokens`` tokens (20 by default). ``schedule="heuristic"``: after a step
@@ -184,7 +195,7 @@ class HFAssisted(_Defaults):
             raise VerispecError(f"hf schedule must be 'constant' or 'heuristic', got {self.schedule!r}")
         self.name = "hf" if self.schedule == "constant" else "hf:heuristic"
 
-    def keep_drafting(self, depth: int, q: torch.Tensor, last=None, drawn=None) -> bool:
+    def keep_drafting(self, depth: int, q, last=None, drawn=None, confidence=None) -> bool:
         if depth >= int(self.num_tokens):
             return False
         if self.threshold is not None and last is not None and float(last.max()) < self.threshold:
@@ -206,7 +217,7 @@ class HFAssisted(_Defaults):
 
 
 @dataclass
-class AdaSDEntropy(_Defaults):
+class AdaSDEntropy(PolicyBase):
     """AdaSD's generation rule: stop drafting when the draft law's entropy exceeds a learned threshold.
 
     The paper says the threshold is "adaptively updated based on feedback from the target model" and
@@ -230,7 +241,7 @@ class AdaSDEntropy(_Defaults):
     rejected: list[bool] = field(default_factory=list)
     name = "adasd-entropy"
 
-    def keep_drafting(self, depth: int, q: torch.Tensor, last=None, drawn=None) -> bool:
+    def keep_drafting(self, depth: int, q, last=None, drawn=None, confidence=None) -> bool:
         return drawn is None or bool((entropy(drawn) < self.threshold).any())
 
     def update(self, feedback: Feedback) -> None:
@@ -242,7 +253,7 @@ class AdaSDEntropy(_Defaults):
 
 
 @dataclass
-class AdaEDL(_Defaults):
+class AdaEDL(PolicyBase):
     """AdaEDL (Agrawal et al. 2024): stop before drafting a token if ``1 - sqrt(gamma * H(q)) < lambda``.
 
     ``1 - sqrt(gamma H)`` approximates a lower bound on the token's acceptance probability (gamma = 0.2).
@@ -259,7 +270,7 @@ class AdaEDL(_Defaults):
     acc: float = 0.6
     name = "adaedl"
 
-    def keep_drafting(self, depth: int, q: torch.Tensor, last=None, drawn=None) -> bool:
+    def keep_drafting(self, depth: int, q, last=None, drawn=None, confidence=None) -> bool:
         bound = 1 - torch.sqrt(self.gamma * entropy(q))
         return bool((bound >= self.lam).any())
 
@@ -272,14 +283,14 @@ class AdaEDL(_Defaults):
 
 
 @dataclass
-class BiLDFallback(_Defaults):
+class BiLDFallback(PolicyBase):
     """BiLD's fallback rule (Kim et al. 2023): the draft hands over to the target as soon as its top
     probability falls below ``threshold`` (0.6), before drafting that token (possibly drafting nothing)."""
 
     threshold: float = 0.6
     name = "bild"
 
-    def keep_drafting(self, depth: int, q: torch.Tensor, last=None, drawn=None) -> bool:
+    def keep_drafting(self, depth: int, q, last=None, drawn=None, confidence=None) -> bool:
         return bool((q.max(-1).values >= self.threshold).any())
 
     def update(self, feedback: Feedback) -> None:
@@ -290,7 +301,7 @@ GENERIC_COSTS = (1.0, 1.12, 1.24, 1.36, 1.48, 1.6, 1.72, 1.84, 1.96)  # a plain 
 
 
 @dataclass
-class AutoDepth(_Defaults):
+class AutoDepth(PolicyBase):
     """Draft as deep as pays on the text at hand, down to not drafting at all (the default policy).
 
     It keeps, per depth d, the chain acceptance ``a_d`` (among steps that drafted depth d and accepted every depth
@@ -338,7 +349,7 @@ class AutoDepth(_Defaults):
         return "auto:gate" if self.gate else "auto"
 
     @property
-    def uses_confidence(self) -> bool:  # the drafter passes its confidence to keep_drafting
+    def uses_confidence(self) -> bool:  # the gate judges the drafter's confidence, before any law is computed
         return self.gate
 
     def __post_init__(self):
@@ -392,7 +403,7 @@ class AutoDepth(_Defaults):
             return limit
         return self._forced
 
-    def keep_drafting(self, depth: int, q: torch.Tensor, last=None, drawn=None, confidence=None) -> bool:
+    def keep_drafting(self, depth: int, q, last=None, drawn=None, confidence=None) -> bool:
         if not self.gate:
             return True
         c = float(confidence.max()) if confidence is not None else float(q.max())  # q: laws at temperature 1
@@ -428,8 +439,8 @@ class AutoDepth(_Defaults):
             self.accepted[i - 1] = self.decay * self.accepted[i - 1] + (a >= i)
 
 
-class PerSource:
-    """One policy per draft source, for a drafter with several (``SwitchDrafter``): the loop names each step's source
+class PerSource(PolicyBase):
+    """One policy per draft source, for a drafter with several (``HybridDrafter``): the loop names each step's source
     (``select_source``) before planning the step, and planning, the decisions while drafting and what the step teaches
     all go to that source's policy. A free prompt lookup that is often right for long runs and a model draft that
     costs a forward per depth then each learn their own acceptance and weigh their own costs."""
@@ -442,15 +453,15 @@ class PerSource:
 
     @property
     def name(self) -> str:
-        return getattr(self.policies[self.current], "name", "policy")
+        return self.policies[self.current].name
 
     @property
     def reads_laws(self) -> bool:
-        return any(getattr(p, "reads_laws", True) for p in self.policies.values())
+        return any(p.reads_laws for p in self.policies.values())
 
     @property
     def uses_confidence(self) -> bool:
-        return bool(getattr(self.policies[self.current], "uses_confidence", False))
+        return self.policies[self.current].uses_confidence
 
     def select_source(self, source: str) -> None:
         if source not in self.policies:
@@ -458,11 +469,10 @@ class PerSource:
         self.current = source
 
     def planned_depth(self, limit: int) -> int:
-        plan = getattr(self.policies[self.current], "planned_depth", None)
-        return plan(limit) if plan is not None else limit
+        return self.policies[self.current].planned_depth(limit)
 
-    def keep_drafting(self, *args, **kwargs) -> bool:
-        return self.policies[self.current].keep_drafting(*args, **kwargs)
+    def keep_drafting(self, depth: int, q, last=None, drawn=None, confidence=None) -> bool:
+        return self.policies[self.current].keep_drafting(depth, q, last, drawn, confidence)
 
     def update(self, feedback: Feedback) -> None:
         self.policies[self.current].update(feedback)

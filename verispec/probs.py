@@ -15,7 +15,6 @@ import torch
 
 from .errors import VerispecError
 
-
 DEFAULT_TEMPERATURE = 0.6  # what ``verispec generate`` and ``verispec.generate`` sample at unless told otherwise
 
 

@@ -8,6 +8,8 @@ import time
 
 import torch
 
+from .backends.costs import target_forward_cost
+from .backends.kernels import calibrate, use_fast_linear
 from .datasets import spec_bench_prompts
 from .decode import generate
 from .metrics import per_candidate_acceptance
@@ -18,24 +20,6 @@ from .treesearch import best_shape, positional_acceptance, tree_spec
 from .verifiers import get_verifier
 
 VERIFIER_FOR = {"iid": "specinfer", "swor": "swor", "topk": "topk"}
-
-
-def target_forward_cost(target, context: list[int], sizes: list[int], repeats: int = 5) -> dict[int, float]:
-    """Median seconds of one target forward over n tree tokens after ``context``, for each n in ``sizes``; the sizes
-    take turns within each round, so that a slow spell of the machine falls on all of them alike."""
-    state = target.new_state()
-    target.prefill(state, context[:-1])
-    shapes = {n: Tree.complete(max(1, n - 1), 1) if n > 1 else Tree.root_only() for n in sizes}
-    times: dict[int, list[float]] = {n: [] for n in sizes}
-    for _ in range(repeats):
-        for n, tree in shapes.items():
-            tokens = torch.tensor(context[-1:] * tree.size)
-            pos = state.committed + torch.tensor(tree.depths)
-            t = time.perf_counter()
-            target.forward(state, tokens, pos, tree.ancestors_mask())
-            times[n].append(time.perf_counter() - t)
-            target.commit(state, [])
-    return {n: statistics.median(ts) for n, ts in times.items()}
 
 
 def draft_cost_model(drafter, context: list[int], sampling: Sampling, children: str, repeats: int = 3):
@@ -65,9 +49,7 @@ def tune_tree(target, drafter, *, temperature: float = 0.0, children: str = "iid
     ids = [target.encode_prompt(t) for t in texts]
     sizes = sorted({1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, max_nodes + 1})
     kernel = None
-    if calibrate_kernels and hasattr(target, "hf") and next(target.hf.parameters()).dtype == torch.float32:
-        from .backends.kernels import calibrate, use_fast_linear  # noqa: PLC0415
-
+    if calibrate_kernels and target.backend == "hf" and next(target.hf.parameters()).dtype == torch.float32:
         log("choosing the linear kernel per row count ...")
         kernel = calibrate(target)
         use_fast_linear(target.hf, tuple(kernel["plan"]))
@@ -104,7 +86,7 @@ def tune_tree(target, drafter, *, temperature: float = 0.0, children: str = "iid
         f"{best.depth}: {best.accepted:.2f} tokens per step, predicted {best.tokens_per_cost / (1 / fwd[1]):.2f}x "
         f"plain decoding (best chain: {chain.nodes} tokens, {chain.tokens_per_cost / (1 / fwd[1]):.2f}x)")
     return {
-        "target": target.name, "draft": getattr(drafter, "name", "?"), "temperature": temperature, "children": children,
+        "target": target.name, "draft": drafter.name, "temperature": temperature, "children": children,
         "conditional_acceptance": conditional, "positional_acceptance": p,
         "target_forward_s": {str(k): v for k, v in fwd.items()}, "draft_s_per_depth": a, "draft_s_per_node": b,
         "best": {"tree": tree_spec(best.tree), "nodes": best.nodes, "depth": best.depth, "accepted": best.accepted,

@@ -18,6 +18,8 @@ from typing import Callable
 
 import torch
 
+from ..backends.hf import ForwardOutput
+from ..decode import generate_steps
 from ..drafters.base import Draft, Drafter, _draw_children, _Growing
 from ..probs import Sampling
 from ..rng import enumerate_outcomes
@@ -233,16 +235,12 @@ class TableTarget:
         return TableTarget.State()
 
     def prefill_output(self, state, tokens, inputs_embeds=None, features=(-1,)):
-        from ..backends.hf import ForwardOutput  # noqa: PLC0415
-
         state.tokens += list(tokens)
         if not tokens:
             return None
         return ForwardOutput(self.p(tuple(state.tokens)).log()[None], torch.zeros(len(tokens), 0))
 
     def forward(self, state, tokens, positions, attend, features=(-1,)):
-        from ..backends.hf import ForwardOutput  # noqa: PLC0415
-
         base, rows = len(state.pending), []
         for i in range(int(tokens.shape[0])):
             seen = [j for j in range(base + i) if bool(attend[i, j])]
@@ -263,8 +261,6 @@ def loop_law(verifier: VerifierSpec, p: Table, q: Table, tree: Tree, vocab: int,
     """Exact law of the first ``length`` tokens the real decoding loop (``generate_steps``) emits after
     ``context`` on table models, with a fresh policy from ``policy_factory`` (decisions of a learning policy
     depend on earlier steps, and the enumeration follows them). ``drafter`` replaces the table draft of ``q``."""
-    from ..decode import generate_steps  # noqa: PLC0415
-
     target, drafter = TableTarget(p, vocab), drafter if drafter is not None else TableDrafter(q)
 
     def run(rng):

@@ -10,7 +10,7 @@ estimate's total variation from ``p`` is compared with a noise bound of ``z`` st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -18,6 +18,8 @@ from ..drafters.base import Draft
 from ..rng import enumerate_outcomes
 from ..tree import Tree
 from ..verifiers.base import VerifierSpec
+from .optimum import alpha_star_iid
+from .real import real_pairs
 
 
 @dataclass(frozen=True)
@@ -79,10 +81,6 @@ def monte_carlo_report(target, drafter, specs: list[VerifierSpec], pairs: int, k
                        temperature: float, seed: int = 0, progress=None) -> list[dict]:
     """``monte_carlo_node`` for each verifier on ``pairs`` real (p, q) pairs of ``target`` and ``drafter`` (a model
     draft); one row per (pair, verifier) with the i.i.d. optimum beside it. ``progress()`` is called per row."""
-    from dataclasses import asdict  # noqa: PLC0415
-
-    from .optimum import alpha_star_iid  # noqa: PLC0415
-    from .real import real_pairs  # noqa: PLC0415
 
     rows = []
     for i, (p, q) in enumerate(real_pairs(target, drafter, 1, pairs, temperature, seed)[:pairs]):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..verifiers.ordered import priority_order, stage_law
 from ..verifiers.reserve import best_plan, plan_masses
 
 
@@ -37,8 +38,6 @@ def ordered_acceptance_k2(p: torch.Tensor, q: torch.Tensor, chunk: int = 256, sl
     Exact with ``slack = 0``; with ``slack > 0`` the least likely first tokens holding at most ``slack`` of the
     stage-2 mass are skipped, which makes the result a lower bound within ``slack`` (for full vocabularies).
     """
-    from ..verifiers.ordered import priority_order, stage_law  # noqa: PLC0415
-
     p, q = p.double(), q.double()
     order = priority_order(p, q)
     P, qs = p[order], q[order]

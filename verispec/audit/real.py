@@ -5,7 +5,11 @@ from __future__ import annotations
 import torch
 
 from ..datasets import spec_bench_prompts
+from ..decode import generate
+from ..drafters import NoDrafter
 from ..probs import Sampling, logits_to_probs
+from ..tree import Tree
+from ..verifiers import get_verifier
 
 
 def real_pairs(target, drafter, n_prompts: int, positions: int, temperature: float, seed: int = 0):
@@ -14,11 +18,6 @@ def real_pairs(target, drafter, n_prompts: int, positions: int, temperature: flo
     The target samples its own response (plain decoding), then one forward of each model over prompt +
     response gives both distributions at every response position. ``drafter`` must hold a ``model``.
     """
-    from ..decode import generate  # noqa: PLC0415
-    from ..drafters import NoDrafter  # noqa: PLC0415
-    from ..tree import Tree  # noqa: PLC0415
-    from ..verifiers import get_verifier  # noqa: PLC0415
-
     sampling = Sampling(temperature)
     pairs = []
     for i, (_, prompt) in enumerate(spec_bench_prompts(n_prompts)):

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..tree import Tree
+from ..verifiers import get_verifier
 from ..verifiers.base import VerifierSpec
 from .law import node_acceptance, random_tables, target_law, tv_and_kl, verifier_law
 from .optimum import alpha_star_iid
@@ -105,8 +106,6 @@ def never_lose_rows(specs: list[VerifierSpec], cases: int = 100, seed: int = 0) 
     """Per exact rule over i.i.d. children, on random small (p, q) with k = 2 and 3 candidates (exact acceptance by
     enumeration): nodes where it accepts less than ``specinfer``, nodes where k candidates accept less than k - 1,
     and its mean share of the i.i.d. optimum ``alpha*_iid``."""
-    from ..verifiers import get_verifier  # noqa: PLC0415
-
     base = get_verifier("specinfer")
     rows = []
     cache: dict[tuple, float] = {}

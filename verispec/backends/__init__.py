@@ -1,19 +1,20 @@
-"""Target engines behind one small interface (``Target``): what the decoding loop needs from a model.
+"""Target engines behind one small interface (``base.Target``): what the decoding loop needs from a model.
 
 ``hf`` is the Hugging Face adapter (unmodified ``transformers`` models driven by 4-D masks and explicit positions),
-``loading`` finds and loads models (built-in aliases, GGUF files, folders, hub ids), ``kernels`` holds the optional
-CPU linear-layer plan.
+``lean`` its lean forward for Llama-architecture models, ``llama`` llama.cpp (an optional extra), ``kv`` the KV
+caches, ``loading`` finds and loads models (built-in aliases, GGUF files, folders, hub ids), ``kernels`` holds the
+optional CPU linear-layer plan, ``costs`` the measured cost of a forward by its size.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Protocol
-
-import torch
 
 from ..errors import VerispecError
-from .hf import CausalLM, ForwardOutput, KVState, quantized_copy
+from .base import ForwardOutput, Target
+from .hf import CausalLM, quantized_copy
+from .kv import KVState
+from .llama import load_llama
 from .loading import BUILTIN_MODELS, DEFAULT_TARGET
 from .loading import load as _load_hf
 
@@ -38,39 +39,8 @@ def load(spec: str = DEFAULT_TARGET, dtype: str = "float32", backend: str = "hf"
     if backend == "hf":
         return _load_hf(spec, dtype=dtype, kernel=kernel)
     if backend == "llama":
-        from .llama import load_llama  # noqa: PLC0415
-
         return load_llama(spec, threads=threads)
     raise VerispecError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
-
-
-class Target(Protocol):
-    """A target model as the decoding loop uses it.
-
-    A *state* holds one sequence's cache: ``committed`` entries (the text so far) and *pending* ones (tree nodes of
-    the last forward). ``forward`` runs tokens at given positions on top of a state, each token seeing the committed
-    entries and the pending ones ``attend`` allows, and returns per-token logits (and hidden states of the requested
-    ``features`` layers, where the engine has them); ``commit`` keeps the listed pending entries, in order, and drops
-    the rest."""
-
-    name: str
-    vocab_size: int
-    eos_token_ids: frozenset[int]
-    max_context: int
-
-    def new_state(self): ...
-
-    def prefill_output(self, state, tokens: list[int], inputs_embeds=None,
-                       features: tuple[int, ...] = (-1,)) -> ForwardOutput | None: ...
-
-    def forward(self, state, tokens: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor,
-                features: tuple[int, ...] = (-1,)) -> ForwardOutput: ...
-
-    def commit(self, state, keep: list[int]) -> None: ...
-
-    def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
 
 
 __all__ = ["BACKENDS", "BUILTIN_MODELS", "DEFAULT_TARGET", "CausalLM", "ForwardOutput", "KVState", "Target",

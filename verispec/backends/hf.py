@@ -2,41 +2,21 @@
 
 The adapter works on unmodified ``transformers`` models: a tree forward passes a 4-D attention mask
 and explicit position ids, and the KV cache is a plain ``DynamicCache`` whose entries are compacted
-after verification (keep the committed prefix and the accepted root-to-leaf path, drop the rest).
-
-Cache bookkeeping (``KVState``): ``committed`` entries belong to the committed text; ``forward``
-appends ``pending`` entries (tree nodes); ``commit(state, keep)`` turns the pending entries listed in
-``keep`` into committed ones, in that order, and drops the other pending entries.
+after verification (keep the committed prefix and the accepted root-to-leaf path, drop the rest; ``kv``).
 """
 
 from __future__ import annotations
 
 import copy
 import os
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ..errors import VerispecError
-
-@dataclass
-class KVState:
-    """One sequence's KV cache and its bookkeeping (see the module docstring)."""
-
-    cache: object
-    committed: int = 0
-    pending_positions: list[int] = field(default_factory=list)
-
-    @property
-    def pending(self) -> int:
-        return len(self.pending_positions)
-
-
-@dataclass(frozen=True)
-class ForwardOutput:
-    logits: torch.Tensor  # [n, V] float32
-    hidden: torch.Tensor  # [n, k H] hidden states of the k requested layers (default: the last, after the final norm)
+from . import lean as lean_forward
+from .base import ForwardOutput, decode, encode_prompt
+from .kv import KVState, new_cache
 
 
 class CausalLM:
@@ -46,9 +26,9 @@ class CausalLM:
     the model's modules and changes nothing in them. ``VERISPEC_STOCK_FORWARD=1`` keeps the ``transformers`` forward
     everywhere."""
 
-    def __init__(self, hf_model, tokenizer=None, name: str = "model", lean: bool = True):
-        from . import lean as lean_forward  # noqa: PLC0415
+    backend = "hf"
 
+    def __init__(self, hf_model, tokenizer=None, name: str = "model", lean: bool = True):
         self.hf = hf_model.eval()
         self.tokenizer = tokenizer
         self.name = name
@@ -79,19 +59,17 @@ class CausalLM:
     # ---------- text ----------
     def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
         """Token ids for a user prompt, through the chat template when the tokenizer has one."""
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise VerispecError("the prompt is empty")
-        if self.tokenizer is None:
-            raise VerispecError(f"model {self.name!r} has no tokenizer; pass token ids instead")
-        if chat and getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-            )
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        return list(self.tokenizer(prompt)["input_ids"])
+        return encode_prompt(self.tokenizer, prompt, chat, self.name)
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        return decode(self.tokenizer, ids)
+
+    @property
+    def forward_id(self) -> str:
+        """What a forward computes with: the model, its kernel plan, the forward implementation and torch's threads."""
+        plan = next((getattr(m, "_verispec_plan", None) for m in self.hf.modules() if type(m) is nn.Linear), None)
+        return f"hf|{self.name}|{torch.get_num_threads()}|{plan}|{torch.__version__}" + \
+            ("|lean" if self._lean is not None else "")
 
     # ---------- KV cache ----------
     def new_state(self) -> KVState:
@@ -222,77 +200,6 @@ def quantized_copy(model: "CausalLM") -> "CausalLM":
     out = CausalLM(hf, model.tokenizer, name=f"{model.name}[int8]")
     out.vocab_size, out._dtype = model.vocab_size, model._dtype
     return out
-
-
-class KVBuffer:
-    """Keys and values along axis -2 in buffers with spare room: appending copies only the new entries, keeping a
-    prefix copies nothing. The layer of ``new_cache``'s cache and of the lean forward's (``backends/lean.py``)."""
-
-    _kbuf = _vbuf = None
-    _len = 0
-
-    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append the new entries; returns all keys and values so far (views of the buffers)."""
-        n = key_states.shape[-2]
-        need = self._len + n
-        if self._kbuf is None or need > self._kbuf.shape[-2]:
-            cap = max(need + 64, 2 * (0 if self._kbuf is None else self._kbuf.shape[-2]))
-            kbuf = key_states.new_empty(*key_states.shape[:-2], cap, key_states.shape[-1])
-            vbuf = value_states.new_empty(*value_states.shape[:-2], cap, value_states.shape[-1])
-            if self._len:
-                kbuf[..., : self._len, :] = self._kbuf[..., : self._len, :]
-                vbuf[..., : self._len, :] = self._vbuf[..., : self._len, :]
-            self._kbuf, self._vbuf = kbuf, vbuf
-        self._kbuf[..., self._len:need, :] = key_states
-        self._vbuf[..., self._len:need, :] = value_states
-        self._set_length(need)
-        return self.keys, self.values
-
-    def _set_length(self, n: int) -> None:
-        self._len = n
-        self.keys, self.values = self._kbuf[..., :n, :], self._vbuf[..., :n, :]
-
-    def keep(self, idx: torch.Tensor | int) -> None:
-        """Keep the entries ``idx`` (an int n: the first n) in this order."""
-        if self._kbuf is None:
-            return
-        if isinstance(idx, int):
-            self._set_length(min(idx, self._len))
-            return
-        with torch.inference_mode(self._kbuf.is_inference()):  # buffers made by a forward under inference mode
-            k, v = self.keys.index_select(-2, idx), self.values.index_select(-2, idx)
-            self._kbuf[..., : len(idx), :] = k
-            self._vbuf[..., : len(idx), :] = v
-            self._set_length(len(idx))
-
-
-class _BufferLayer(KVBuffer):
-    """Mixed into ``DynamicLayer`` (which concatenates, copying the whole cache at every forward): its entries live
-    in a ``KVBuffer``."""
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-            self._kbuf = self._vbuf = None
-            self._len = 0
-        return self.append(key_states, value_states)
-
-
-def new_cache():
-    """An empty KV cache of buffered layers (no config: every layer keeps every entry; sliding windows are applied
-    by the masks ``CausalLM.forward`` builds)."""
-    from transformers import DynamicCache  # noqa: PLC0415
-    from transformers.cache_utils import DynamicLayer  # noqa: PLC0415
-
-    global _BUFFERED
-    if _BUFFERED is None:
-        _BUFFERED = type("BufferedLayer", (_BufferLayer, DynamicLayer), {})
-    cache = DynamicCache()
-    cache.layer_class_to_replicate = _BUFFERED
-    return cache
-
-
-_BUFFERED = None
 
 
 def _keep_prefix(state: KVState, n: int) -> None:

@@ -19,16 +19,16 @@ other devices or dtypes, or when ``VERISPEC_STOCK_LINEAR=1``.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import os
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
+
+from .. import cache
+from ..tree import Tree
 
 MAX_ROWS = 16
 # Before calibration: one row as two equal columns, 2-8 rows as they are, 9-16 rows padded to 16 columns.
@@ -91,13 +91,10 @@ def fast_linear(module: nn.Module, plan: tuple[int, ...] | None = None):
         undo()
 
 
-def _plan_path(model) -> Path:
-    from .loading import cache_root  # noqa: PLC0415
-
+def _plan_key(model) -> str:
     shapes = sorted({tuple(m.weight.shape) for m in model.hf.modules() if type(m) is nn.Linear})
-    key = f"{platform.processor() or platform.machine()}|{_cpu_name()}|{os.cpu_count()}|{torch.get_num_threads()}|" \
-          f"{torch.__version__}|{shapes}"
-    return cache_root() / "kernels" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    return cache.key(platform.processor() or platform.machine(), _cpu_name(), os.cpu_count(), torch.get_num_threads(),
+                     torch.__version__, shapes)
 
 
 def _cpu_name() -> str:
@@ -111,9 +108,9 @@ def _cpu_name() -> str:
 def plan_for(model) -> tuple[int, ...] | None:
     """The plan ``calibrate`` saved for this CPU and these weight shapes, or None."""
     try:
-        plan = tuple(json.loads(_plan_path(model).read_text())["plan"])
+        plan = tuple((cache.read("kernels", _plan_key(model)) or {})["plan"])
         return plan if len(plan) == MAX_ROWS + 1 else None
-    except (OSError, ValueError, KeyError, TypeError):
+    except (KeyError, TypeError):
         return None
 
 
@@ -121,8 +118,6 @@ def plan_for(model) -> tuple[int, ...] | None:
 def calibrate(model, repeats: int = 5, save: bool = True) -> dict:
     """Time whole forwards of ``model`` (a ``CausalLM``) over 1..``MAX_ROWS`` tree tokens with the stock kernel and
     with ``W @ x^T`` at each allowed width; returns ``{"plan", "ms": {rows: {width: ms}}}`` and saves the plan."""
-    from ..tree import Tree  # noqa: PLC0415
-
     state = model.new_state()
     model.prefill(state, list(range(1, 65)))
     widths = sorted({0, *range(1, 9), 12, 16})
@@ -148,7 +143,5 @@ def calibrate(model, repeats: int = 5, save: bool = True) -> dict:
         plan.append(min(ms[rows], key=ms[rows].get))
     out = {"plan": plan, "ms": ms, "cpu": _cpu_name(), "threads": torch.get_num_threads()}
     if save:
-        path = _plan_path(model)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out))
+        cache.write("kernels", _plan_key(model), out)
     return out

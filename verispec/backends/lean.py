@@ -25,8 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from . import kernels
-from .hf import KVBuffer
-
+from .kv import KVBuffer
 
 MODEL_TYPES = ("llama", "qwen2")  # the same decoder; Qwen2 adds biases to q, k and v
 

@@ -28,13 +28,19 @@ to flip near-ties. The llama.cpp peers in the benchmark run with flash attention
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
+import signal
+import subprocess
+import sys
 from dataclasses import dataclass, field
 
 import torch
 
+from .. import cache
 from ..errors import VerispecError
-from .hf import ForwardOutput
+from .base import ForwardOutput, decode, encode_prompt
+from .loading import gguf_file, tokenizer_for
 
 MAX_PATHS = 64  # sequence ids available to one tree (llama.cpp's n_seq_max)
 TRASH = MAX_PATHS + 1  # cells of rejected nodes: kept (tagged here, never attended) rather than freed, see commit
@@ -42,16 +48,14 @@ _LOG_SINK = None
 
 
 def available() -> bool:
-    import importlib.util  # noqa: PLC0415
-
     return importlib.util.find_spec("llama_cpp") is not None
 
 
 def _lib():
     global _LOG_SINK
     if not available():
-        raise VerispecError("the llama backend needs llama-cpp-python: pip install 'verispec[llama]' (it compiles "
-                            "llama.cpp from source, about 15 minutes on 2 cores)")
+        raise VerispecError(f"the llama backend needs llama-cpp-python: {INSTALL_HINT}; about 15 minutes on "
+                            "2 cores")
     import llama_cpp  # noqa: PLC0415
 
     if _LOG_SINK is None:
@@ -59,6 +63,78 @@ def _lib():
         llama_cpp.llama_log_set(_LOG_SINK, None)
         llama_cpp.llama_backend_init()
     return llama_cpp
+
+
+INSTALL_HINT = "bash scripts/install_llama.sh (it builds llama.cpp for the instructions this CPU runs and self-tests it)"
+# A short batch decode in a child process: prompt batches are where a llama.cpp build with instructions the CPU
+# refuses dies ("Illegal instruction" with AMX on some virtual Xeons, while a 2-token prompt works), so this decodes
+# 96 tokens in one batch, then a 4-token batch on two sequences, as a tree step does.
+_PROBE = r"""
+import sys, llama_cpp
+sink = llama_cpp.llama_log_callback(lambda *a: None)  # kept alive: llama.cpp calls it later
+llama_cpp.llama_log_set(sink, None)
+llama_cpp.llama_backend_init()
+model = llama_cpp.llama_model_load_from_file(sys.argv[1].encode(), llama_cpp.llama_model_default_params())
+cp = llama_cpp.llama_context_default_params()
+cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max, cp.kv_unified, cp.flash_attn_type = 512, 128, 128, 2, True, 1
+cp.n_threads = cp.n_threads_batch = 1
+ctx = llama_cpp.llama_init_from_model(model, cp)
+if not model or not ctx:
+    sys.exit(3)
+batch = llama_cpp.llama_batch_init(128, 0, 2)
+for rows, seqs in ((list(range(96)), [[0]] * 96), ([96, 97, 96, 97], [[0], [0], [1], [1]])):
+    for r, pos in enumerate(rows):
+        batch.token[r], batch.pos[r], batch.logits[r] = 10 + pos % 50, pos, True
+        batch.n_seq_id[r] = 1
+        batch.seq_id[r][0] = seqs[r][0]
+    batch.n_tokens = len(rows)
+    if len(seqs) == 4:
+        llama_cpp.llama_memory_seq_cp(llama_cpp.llama_get_memory(ctx), 0, 1, -1, -1)
+    if llama_cpp.llama_decode(ctx, batch) != 0:
+        sys.exit(4)
+"""
+
+
+def _engine_key(path: str) -> str:
+    """What the check's verdict depends on: the compiled library, this CPU and the model file."""
+    import llama_cpp  # noqa: PLC0415 - optional extra
+
+    lib = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
+    libs = sorted(os.path.join(lib, f) for f in os.listdir(lib)) if os.path.isdir(lib) else [llama_cpp.__file__]
+    parts = [f"{f}:{os.stat(f).st_size}:{os.stat(f).st_mtime_ns}" for f in libs]
+    try:
+        with open("/proc/cpuinfo") as fh:
+            parts.append(next((line for line in fh if line.startswith("flags")), ""))
+    except OSError:
+        pass
+    st = os.stat(path)
+    parts.append(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}")
+    return cache.key(*parts)
+
+
+def check_engine(path: str, use_cache: bool = True, timeout: float = 120.0) -> None:
+    """Refuse, with one sentence naming the fix, a llama.cpp build that dies on this CPU, before it can die in the
+    middle of a run: a short batch decode of ``path`` in a child process, once per (library, CPU, model) -- the
+    verdict is kept in the on-disk cache (``llama-check/``)."""
+    entry = _engine_key(path)
+    if use_cache and cache.read("llama-check", entry):
+        return
+    try:
+        run = subprocess.run([sys.executable, "-c", _PROBE, path], capture_output=True, text=True, timeout=timeout)
+        code = run.returncode
+    except subprocess.TimeoutExpired:
+        raise VerispecError(f"llama.cpp did not finish a 96-token decode of {os.path.basename(path)} within "
+                            f"{timeout:.0f} s; reinstall the extra with {INSTALL_HINT}") from None
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+        what = "an illegal instruction" if -code == signal.SIGILL else name
+        raise VerispecError(f"this build of llama.cpp dies with {what} ({name}) on this CPU in a batch decode; "
+                            f"reinstall the extra with {INSTALL_HINT}")
+    if code != 0:
+        tail = (run.stderr.strip().splitlines() or [f"exit status {code}"])[-1]
+        raise VerispecError(f"llama.cpp failed a short batch decode of {os.path.basename(path)} ({tail}); "
+                            f"reinstall the extra with {INSTALL_HINT}")
+    cache.write("llama-check", entry, {"model": os.path.abspath(path), "ok": True})
 
 
 @dataclass
@@ -82,11 +158,14 @@ class LlamaState:
 class LlamaCppTarget:
     """A GGUF model run by llama.cpp, with the ``Target`` interface."""
 
+    backend = "llama"
+
     def __init__(self, path: str, tokenizer=None, name: str = "llama", threads: int | None = None,
                  n_ctx: int = 8192, n_batch: int = 2048):
         L = _lib()
         if not os.path.isfile(path):
             raise VerispecError(f"GGUF file not found: {path}")
+        check_engine(path)
         self._L = L
         self.name = name
         self.path = path
@@ -124,12 +203,14 @@ class LlamaCppTarget:
 
     # ---------- text ----------
     def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
-        from .hf import CausalLM  # noqa: PLC0415
-
-        return CausalLM.encode_prompt(self, prompt, chat)  # the same rules, with this model's tokenizer
+        return encode_prompt(self.tokenizer, prompt, chat, self.name)
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        return decode(self.tokenizer, ids)
+
+    @property
+    def forward_id(self) -> str:
+        return f"llama|{self.path}|{self.threads}"
 
     # ---------- cache ----------
     def new_state(self) -> LlamaState:
@@ -296,15 +377,7 @@ class LlamaCppTarget:
 
 def load_llama(spec: str, threads: int | None = None) -> LlamaCppTarget:
     """A llama.cpp target from a built-in alias or a .gguf file, with the model's Hugging Face tokenizer."""
-    from .loading import BUILTIN_MODELS, tokenizer_for  # noqa: PLC0415
-
-    if spec in BUILTIN_MODELS:
-        folder, name = BUILTIN_MODELS[spec]()
-        path = os.path.join(folder, name)
-    elif spec.endswith(".gguf"):
-        path = spec
-    else:
+    path = gguf_file(spec)
+    if path is None:
         raise VerispecError(f"the llama backend runs GGUF files (a built-in alias or a .gguf path), not {spec!r}")
-    if not os.path.isfile(path):
-        raise VerispecError(f"GGUF file not found: {path}")
     return LlamaCppTarget(path, tokenizer_for(spec), name=spec, threads=threads)

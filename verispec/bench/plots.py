@@ -79,7 +79,7 @@ def width(res: Results | str, path: Path, rows: list[Row] | list[ShadowRow]) -> 
 
 def categories(res: Results, path: Path) -> Path | None:
     rows = [r for r in summarize(res, by_category=True) if r.category != "all" and r.method != "ar"
-            and not math.isnan(r.speedup_ar)]
+            and not math.isnan(r.value("speedup_ar"))]
     cats = list(dict.fromkeys(r.category for r in rows))
     if len(cats) < 2:
         return None
@@ -88,7 +88,7 @@ def categories(res: Results, path: Path) -> Path | None:
         series = list(dict.fromkeys(_label(r) for r in rows if r.T == t))
         w = 0.8 / max(len(series), 1)
         for j, s in enumerate(series):
-            vals = {r.category: r.speedup_ar for r in rows if r.T == t and _label(r) == s}
+            vals = {r.category: r.value("speedup_ar") for r in rows if r.T == t and _label(r) == s}
             a.bar([i + j * w for i in range(len(cats))], [vals.get(c, 0) for c in cats], width=w, label=s)
         a.axhline(1.0, color="k", lw=0.8)
         a.set_xticks([i + 0.4 - w / 2 for i in range(len(cats))], cats, rotation=30, ha="right", fontsize=8)

@@ -19,9 +19,12 @@ import json
 import os
 import platform
 import subprocess
+import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+
+import torch
 
 from ..decode import StepRecord
 from ..errors import VerispecError
@@ -86,8 +89,6 @@ def git_revision() -> str:
 
 
 def machine() -> dict:
-    import torch  # noqa: PLC0415
-
     out = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": "cpu"}
     try:
@@ -171,8 +172,6 @@ class LoadMeter:
 
     @staticmethod
     def _read():
-        import time  # noqa: PLC0415
-
         t = os.times()
         try:
             with open("/proc/stat") as f:

@@ -29,13 +29,15 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
 from ..errors import VerispecError
-from ..methods import Method, resolve_method
+from ..methods import resolve
 from ..metrics import mean_accepted_length, per_candidate_acceptance
 from ..tree import Tree
+from .peers import BASELINES, PEERS
 from .records import NO_DRAFT, Results, cell_id, contended
 from .stats import fmt, ratio_of_rates, ratio_of_sums
 
 NAN = float("nan")
+_COLUMNS = {b.column for b in BASELINES}
 
 
 @dataclass
@@ -51,17 +53,13 @@ class Row:
     steps: int
     mean_accepted_length: float
     drafted_per_step: float
-    speedup_ar: float = NAN
-    vs_hf_generate: float = NAN
-    vs_hf_assisted: float = NAN
-    vs_best_hf_assisted: float = NAN  # against Hugging Face assisted generation with its fastest draft in the run
+    vs: dict = field(default_factory=dict)  # Baseline.column -> this row's speed over it (``peers.BASELINES``)
     draft_ms: float = NAN  # per step
     target_ms: float = NAN
     verify_ms: float = NAN
     draft_cost: float = NAN
     correct: str = "-"
     per_candidate: list[float] = field(default_factory=list)
-    vs_llama_cpp: float = NAN
     outside_share: float = NAN  # of a step, the time outside the target forward
     nll: float = NAN  # mean NLL per token of the text under the target (records with --distortion)
     tv: float = NAN  # mean exact TV of a lossy rule's law from the target's, over the positions it tested
@@ -73,12 +71,16 @@ class Row:
 
     @property
     def tree(self) -> str:
-        return _method(self.method).shape
+        return _tree_spec(self.method)
+
+    def value(self, metric: str) -> float:
+        """A metric by name: a field, or a ratio against a baseline (``vs``; NaN where it did not run)."""
+        return self.vs.get(metric, NAN) if metric in _COLUMNS else getattr(self, metric)
 
     def show(self, metric: str, spec: str = ".2f", suffix: str = "") -> str:
         """``estimate [low, high]`` of a metric."""
         low, high = self.ci.get(metric, (NAN, NAN))
-        return fmt(getattr(self, metric), low, high, spec, suffix)
+        return fmt(self.value(metric), low, high, spec, suffix)
 
 
 def _mean(xs) -> float:
@@ -167,18 +169,15 @@ def summarize(res: Results, by_category: bool = False) -> list[Row]:
         scored = [r["correct"] for r in prompts if r.get("correct") is not None]
         if scored:
             row.correct = f"{sum(scored)}/{len(scored)}"
-        for attr, base_method, base_draft in (("speedup_ar", "ar", NO_DRAFT), ("vs_hf_generate", "hf-generate", NO_DRAFT),
-                                              ("vs_hf_assisted", "hf-assisted", d),
-                                              ("vs_llama_cpp", "llama-cpp", NO_DRAFT)):
-            base = groups.get((t, base_draft, base_method, cat))
+        for b in BASELINES:
+            if b.best_draft:
+                runs = [g for (t2, _, m2, c2), g in groups.items() if (t2, m2, c2) == (t, b.method, cat)]
+                base = max(runs, key=_rate) if runs else None
+            else:
+                base = groups.get((t, d if b.same_draft else NO_DRAFT, b.method, cat))
             if base:
                 est, low, high = _ratio(prompts, base)
-                setattr(row, attr, est)
-                row.ci[attr] = (low, high)
-        assisted = [g for (t2, _, m2, c2), g in groups.items() if (t2, m2, c2) == (t, "hf-assisted", cat)]
-        if assisted:
-            est, low, high = _ratio(prompts, max(assisted, key=_rate))
-            row.vs_best_hf_assisted, row.ci["vs_best_hf_assisted"] = est, (low, high)
+                row.vs[b.column], row.ci[b.column] = est, (low, high)
         rows.append(row)
     order = {name: i for i, name in enumerate(res.header.get("config", {}).get("methods", []))}
     drafts = {name: i for i, name in enumerate([NO_DRAFT, *res.header.get("config", {}).get("drafts", [])])}
@@ -208,7 +207,7 @@ class ShadowRow:
     @property
     def tree(self) -> str:
         """The driver's tree (every shadow verifies the driver's drafts)."""
-        return _method(self.method).shape
+        return _tree_spec(self.method)
 
     def show(self, metric: str, spec: str = ".2f", suffix: str = "") -> str:
         """``estimate [low, high]`` of ``mean_accepted_length`` or ``diff``."""
@@ -286,21 +285,25 @@ def markdown(header: list[str], body: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _kept(baselines, rows) -> list:
+    """The baseline columns a table shows: all but optional ones no row has."""
+    return [b for b in baselines if not b.optional or any(b.column in r.vs for r in rows)]
+
+
 def table_summary(rows: list[Row]) -> str:
     k = min(max((len(r.per_candidate) for r in rows), default=0), 4)
-    head = ["T", "draft", "method", "prompts", "tokens", "tokens/s", "vs ar", "vs HF generate", "vs HF assisted",
-            "vs llama.cpp", "accepted length", "drafted/step", "draft ms", "target ms", "verify ms", "outside share",
-            "draft cost", *[f"cand. {i}" for i in range(1, k + 1)], "correct", "NLL/token", "TV (decoded)"]
-    optional = {"vs llama.cpp": "vs_llama_cpp", "vs HF assisted": "vs_hf_assisted", "NLL/token": "nll",
-                "TV (decoded)": "tv"}
+    vs = _kept([b for b in BASELINES if not b.best_draft], rows)
+    head = ["T", "draft", "method", "prompts", "tokens", "tokens/s", *[b.label for b in vs], "accepted length",
+            "drafted/step", "draft ms", "target ms", "verify ms", "outside share", "draft cost",
+            *[f"cand. {i}" for i in range(1, k + 1)], "correct", "NLL/token", "TV (decoded)"]
+    optional = {"NLL/token": "nll", "TV (decoded)": "tv"}
     keep = [h for h in head if h not in optional or any(getattr(r, optional[h]) == getattr(r, optional[h])
                                                        for r in rows)]
     body = []
     for r in rows:
         pc = [_f(x, ".3f") for x in (r.per_candidate + [NAN] * k)[:k]]
         cells = [f"{r.T:g}", r.draft, r.method, str(r.prompts), str(r.tokens), r.show("tokens_per_s", ".1f"),
-                 r.show("speedup_ar", ".2f", "x"), r.show("vs_hf_generate", ".2f", "x"),
-                 r.show("vs_hf_assisted", ".2f", "x"), r.show("vs_llama_cpp", ".2f", "x"),
+                 *[r.show(b.column, ".2f", "x") for b in vs],
                  r.show("mean_accepted_length"), _f(r.drafted_per_step, ".1f"), _f(r.draft_ms, ".1f"),
                  _f(r.target_ms, ".1f"), _f(r.verify_ms, ".1f"), _f(100 * r.outside_share, ".0f", "%"),
                  _f(r.draft_cost, ".2f"), *pc, r.correct, _f(r.nll, ".3f"), _f(r.tv, ".4f")]
@@ -310,12 +313,14 @@ def table_summary(rows: list[Row]) -> str:
 
 def rows_csv(rows: list[Row]) -> str:
     buf = io.StringIO()
-    names = [k for k in asdict(rows[0]) if k != "ci"] if rows else []
+    names = [k for k in asdict(rows[0]) if k not in ("ci", "vs")] if rows else []
+    names[names.index("drafted_per_step") + 1:names.index("drafted_per_step") + 1] = [b.column for b in BASELINES]
     cis = sorted({m for r in rows for m in r.ci})
     w = csv.DictWriter(buf, fieldnames=names + [f"{m}_{e}" for m in cis for e in ("low", "high")], lineterminator="\n")
     w.writeheader()
     for r in rows:
-        d = {k: v for k, v in asdict(r).items() if k != "ci"}
+        d = {k: v for k, v in asdict(r).items() if k not in ("ci", "vs")}
+        d.update({b.column: r.vs.get(b.column, NAN) for b in BASELINES})
         d["per_candidate"] = ";".join(f"{x:.4f}" for x in r.per_candidate)
         for m in cis:
             d[f"{m}_low"], d[f"{m}_high"] = r.ci.get(m, (NAN, NAN))
@@ -345,19 +350,21 @@ def table_verifiers_by_category(rows: list[Row]) -> str:
     return markdown(head, body)
 
 
-def _method(name: str) -> Method:
-    """The method a record names; one an older version registered and this one does not still reports, as a method
-    whose tree was chosen when it ran."""
+def _tree_spec(method: str) -> str:
+    """The tree a record's method drafts (``Tree.parse`` syntax): ``none`` for plain decoding and peers, ``auto`` for
+    a tree chosen per draft and for a method an older version registered and this one does not (its tree was chosen
+    when it ran)."""
+    if method in PEERS:
+        return "none"
     try:
-        return resolve_method(name)
+        return resolve(method).tree
     except VerispecError:
-        return Method(name, None, "?", "auto", "not registered in this version of verispec")
+        return "auto"
 
 
 def _shaped(r: Row) -> bool:
     """Rows of methods with a fixed tree (not plain decoding, a peer, or a tree chosen per draft)."""
-    m = _method(r.method)
-    return m.peer is None and m.shape not in ("none", "auto")
+    return r.tree not in ("none", "auto")
 
 
 def table_trees(rows: list[Row] | list[ShadowRow]) -> str:
@@ -371,7 +378,7 @@ def table_trees(rows: list[Row] | list[ShadowRow]) -> str:
     head = ["T", "draft", "tree", "nodes", *[f"{v} L" for v in verifiers]]
     head += [f"{v} - {ref}" for v, ref in paired] if paired else (
         [f"{v} tok/s" for v in verifiers] + [f"{v} / {verifiers[0]}" for v in verifiers[1:]])
-    nodes = {r.tree: resolve_method(f"chain@{r.tree}").tree().size - 1 for r in rows}
+    nodes = {r.tree: Tree.parse(r.tree).size - 1 for r in rows}
     drafts = list(dict.fromkeys(r.draft for r in rows))
     keys = sorted(dict.fromkeys((r.T, r.draft, r.tree) for r in rows), key=lambda k: (k[0], drafts.index(k[1]),
                                                                                          nodes[k[2]]))
@@ -395,7 +402,7 @@ def width_series(rows: list[Row] | list[ShadowRow]) -> dict[tuple, list[tuple[in
     for r in rows:
         if not _shaped(r) or r.category != "all":
             continue
-        tree = resolve_method(r.method).tree()
+        tree = resolve(r.method).tree_for()
         if not isinstance(tree, Tree):  # a dynamic tree has no fixed width
             continue
         widths = {len(c) for c in tree.children if c}
@@ -426,23 +433,22 @@ def table_width(rows: list[Row] | list[ShadowRow]) -> str:
 def table_drafts(rows: list[Row]) -> str:
     """Draft study: accepted length, draft cost relative to the target and speedup for each draft."""
     body = [[f"{r.T:g}", r.draft, r.method, _f(r.mean_accepted_length), _f(r.drafted_per_step, ".1f"),
-             _f(r.draft_cost, ".2f"), _f(r.tokens_per_s, ".1f"), _f(r.speedup_ar, ".2f", "x"),
-             _f(r.vs_hf_assisted, ".2f", "x")]
+             _f(r.draft_cost, ".2f"), _f(r.tokens_per_s, ".1f"), _f(r.value("speedup_ar"), ".2f", "x"),
+             _f(r.value("vs_hf_assisted"), ".2f", "x")]
             for r in rows if r.category == "all" and r.draft != NO_DRAFT and r.method != "hf-assisted"]
     return markdown(["T", "draft", "method", "accepted length", "drafted/step", "draft cost (x target forward)",
                      "tokens/s", "speedup vs ar", "vs HF assisted (same draft)"], body)
 
 
 def table_peers(rows: list[Row]) -> str:
-    """Speedup against the target's plain decoding and the peers (Hugging Face ``generate``; assisted generation
-    with the draft that made it fastest in the run; llama.cpp where it ran), each with its 95 % interval."""
-    llama = any(r.vs_llama_cpp == r.vs_llama_cpp for r in rows)
+    """Speedup against the target's plain decoding and the peers (``peers.BASELINES``: Hugging Face ``generate``;
+    assisted generation with the draft that made it fastest in the run; llama.cpp where it ran), each with its 95 %
+    interval."""
+    vs = _kept([b for b in BASELINES if not b.same_draft], [r for r in rows if r.category == "all"])
     body = [[f"{r.T:g}", r.draft, r.method, r.show("tokens_per_s", ".1f"), r.show("mean_accepted_length"),
-             r.show("speedup_ar", ".2f", "x"), r.show("vs_hf_generate", ".2f", "x"),
-             r.show("vs_best_hf_assisted", ".2f", "x"), *([r.show("vs_llama_cpp", ".2f", "x")] if llama else [])]
+             *[r.show(b.column, ".2f", "x") for b in vs]]
             for r in rows if r.category == "all"]
-    return markdown(["T", "draft", "method", "tokens/s", "accepted length", "vs ar", "vs HF generate",
-                     "vs HF assisted (its best draft)", *(["vs llama.cpp"] if llama else [])], body)
+    return markdown(["T", "draft", "method", "tokens/s", "accepted length", *[b.label for b in vs]], body)
 
 
 def table_categories(rows: list[Row]) -> str:
@@ -451,7 +457,8 @@ def table_categories(rows: list[Row]) -> str:
     cols = list(dict.fromkeys((r.draft, r.method) for r in rows))
     cells = {(r.T, r.category, r.draft, r.method): r for r in rows}
     head = ["T", "category", *[m if d == NO_DRAFT else f"{m} ({d})" for d, m in cols]]
-    body = [[f"{t:g}", c, *[_f(getattr(cells.get((t, c, d, m)), "speedup_ar", NAN), ".2f", "x") for d, m in cols]]
+    body = [[f"{t:g}", c, *[_f(cells[(t, c, d, m)].value("speedup_ar") if (t, c, d, m) in cells else NAN, ".2f", "x")
+                            for d, m in cols]]
             for t, c in dict.fromkeys((r.T, r.category) for r in rows)]
     return markdown(head, body)
 

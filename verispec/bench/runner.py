@@ -8,6 +8,7 @@ independent and a resumed run gives the same records as an uninterrupted one (ti
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import sys
@@ -16,15 +17,33 @@ import zlib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from ..backends import DEFAULT_TARGET
-from ..datasets import Problem, load_prompts
-from ..errors import VerispecError
-from ..methods import Method, resolve_method
-from .records import (
-    NO_DRAFT, LoadMeter, cell_id, finished_cells, git_revision, machine, read_records, step_record,
-)
+import torch
+from tqdm import tqdm
 
-HF_LOOKUP_TOKENS = 10  # Hugging Face prompt lookup's default number of proposed tokens
+from ..audit.distortion import target_nll
+from ..audit.run import audit
+from ..backends import DEFAULT_TARGET, load
+from ..datasets import Problem, load_prompts
+from ..decode import generate
+from ..drafters import NoDrafter, build_drafter
+from ..errors import VerispecError
+from ..methods import Plan, resolve
+from ..verifiers import get_verifier
+from ..verifiers.chain import chain_laws, position_law
+from ..version import __version__
+from .peers import PEERS, Peer, PeerRun
+from .records import (
+    NO_DRAFT,
+    LoadMeter,
+    cell_id,
+    finished_cells,
+    git_revision,
+    machine,
+    read_records,
+    step_record,
+)
+from .shadow import Shadow, check_shadows
+from .tasks import score
 
 
 @dataclass
@@ -53,7 +72,7 @@ class BenchConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def validate(self) -> list[Method]:
+    def validate(self) -> list[Plan | Peer]:
         if not self.methods:
             raise VerispecError("no methods given")
         if not self.drafts:
@@ -64,18 +83,15 @@ class BenchConfig:
             raise VerispecError("limit must be >= 1")
         if self.shadow_seeds < 1:
             raise VerispecError("shadow_seeds must be >= 1")
-        if self.shadow:
-            from ..verifiers import get_verifier  # noqa: PLC0415
-
-            for name in self.shadow:
-                get_verifier(name)  # an unknown shadow is an error before any model loads
+        for name in self.shadow:
+            get_verifier(name)  # an unknown shadow is an error before any model loads
         if self.max_new_tokens < 1:
             raise VerispecError("max_new_tokens must be >= 1")
         if not self.seeds:
             raise VerispecError("no seeds given")
         if self.audit_cases < 0:
             raise VerispecError("audit_cases must be >= 0")
-        methods = [resolve_method(m) for m in self.methods]
+        methods = [PEERS[m] if m in PEERS else resolve(m) for m in self.methods]
         if len({m.name for m in methods}) != len(methods):
             raise VerispecError("a method is listed twice")
         return methods
@@ -117,7 +133,7 @@ class Cell:
     seed: int
     problem: Problem
     draft: str
-    method: Method
+    method: Plan | Peer  # a verispec method, or a peer (``bench.peers``)
 
     @property
     def key(self) -> dict:
@@ -125,52 +141,37 @@ class Cell:
                 "method": self.method.name}
 
 
-def supports_assisted(draft: str) -> bool:
-    """Hugging Face assisted generation takes a draft model (``int8``, ``model:...``) or prompt lookup (``ngram``)."""
-    kind = draft.partition(":")[0]
-    return kind in ("int8", "model", "ngram")
-
-
-def plan(config: BenchConfig, methods: list[Method], problems: list[Problem]) -> tuple[list[Cell], list[str]]:
+def plan(config: BenchConfig, methods: list[Plan | Peer], problems: list[Problem]) -> tuple[list[Cell], list[str]]:
     """All cells, interleaved so that machine load hits the methods alike: per temperature, seed and prompt,
     every method (with every draft it uses) in turn. Returns (cells, notes about combinations left out)."""
     cells, notes = [], []
-    hf_peer = {"generate", "assisted"}
-    if config.backend != "hf":
-        methods = [m for m in methods if m.peer not in hf_peer]
-        notes.append("the Hugging Face peers run the Hugging Face model only; left out with the llama backend")
-    if any(m.peer in ("llama-cpp", "llama-cpp-lookup") for m in methods):
-        from .peers import gguf_path, llama_available  # noqa: PLC0415
-
-        why = None if llama_available() else "llama-cpp-python is not installed (pip install 'verispec[llama]')"
-        if why is None and gguf_path(config.target) is None:
-            why = f"the target {config.target!r} is not a GGUF file"
-        if why:
-            methods = [m for m in methods if m.peer not in ("llama-cpp", "llama-cpp-lookup")]
-            notes.append(f"the llama.cpp peers are left out: {why}")
+    kept = []
     for m in methods:
-        for d in config.drafts:
-            if m.peer == "assisted" and not supports_assisted(d):
-                notes.append(f"{m.name} with draft {d}: Hugging Face assisted generation cannot use it; left out")
+        why = m.missing(config) if isinstance(m, Peer) else None
+        if why:
+            notes.append(f"the peer {m.name} is left out: {why}")
+            continue
+        kept.append(m)
+        if isinstance(m, Peer):
+            for d in config.drafts if m.drafts else []:
+                if not m.takes_draft(d):
+                    notes.append(f"{m.name} with draft {d}: it cannot use this draft; left out")
     for t in config.temperatures:
         for seed in config.seeds:
             for prob in problems:
-                for m in methods:
-                    if not m.uses_draft:
+                for m in kept:
+                    if not m.drafts:
                         cells.append(Cell(t, seed, prob, NO_DRAFT, m))
                         continue
                     for d in config.drafts:
-                        if m.peer == "assisted" and not supports_assisted(d):
+                        if isinstance(m, Peer) and not m.takes_draft(d):
                             continue
                         cells.append(Cell(t, seed, prob, d, m))
     return cells, notes
 
 
 def header(config: BenchConfig, command: str | None = None) -> dict:
-    import torch  # noqa: PLC0415
-    import transformers  # noqa: PLC0415
-
-    from .. import __version__  # noqa: PLC0415
+    import transformers  # noqa: PLC0415 - a slow import (seconds), needed only for the version it reports
 
     return {
         "type": "header", "config": config.to_dict(),
@@ -201,8 +202,6 @@ class Runner:
     """Runs cells on one target; drafters are built once per draft spec and reused."""
 
     def __init__(self, config: BenchConfig, target=None, log=print):
-        from ..backends import load  # noqa: PLC0415
-
         self.config = config
         self.log = log
         self._notes: set[str] = set()
@@ -213,8 +212,6 @@ class Runner:
         self._states: dict[tuple, tuple] = {}  # carried policy and verifier state per (method, draft, T, seed)
 
     def drafter(self, spec: str):
-        from ..drafters import NoDrafter, build_drafter  # noqa: PLC0415
-
         if spec == NO_DRAFT:
             return NoDrafter()
         if spec not in self._drafters:
@@ -230,30 +227,28 @@ class Runner:
         """One short run of each (method kind, draft) pair first: first forwards allocate and are slow."""
         seen = set()
         for c in cells:
-            kind = (c.method.peer, c.draft)
+            kind = (c.method.name if isinstance(c.method, Peer) else None, c.draft)
             if kind in seen:
                 continue
             seen.add(kind)
             self.run(Cell(c.temperature, c.seed, c.problem, c.draft, c.method), max_new_tokens=4, warm=True)
 
     def _build(self, cell: Cell, warm: bool):
-        """(verifier spec, policy, verifier state) for a cell: fresh, or carried across the method's prompts."""
+        """The cell's ``Recipe``: fresh, or carried across the method's prompts (its policy and learning state)."""
         key = (cell.method.name, cell.draft, cell.temperature, cell.seed)
         drafter = self.drafter(cell.draft)
         if warm or not self.config.carry_state:
-            return cell.method.build(drafter, self.target)
+            return cell.method.build(self.target, drafter)
         if key not in self._states:
-            self._states[key] = cell.method.build(drafter, self.target)
+            self._states[key] = cell.method.build(self.target, drafter)
         return self._states[key]
 
     def run(self, cell: Cell, max_new_tokens: int | None = None, warm: bool = False) -> tuple[list[dict], dict]:
         """Run one cell; returns (step records, prompt record)."""
-        from .tasks import score  # noqa: PLC0415
-
         target, m, ids = self.target, cell.method, self.prompt_ids(cell.problem)
         budget = max_new_tokens or self.config.max_new_tokens
         meter = LoadMeter()
-        if m.peer is not None:
+        if isinstance(m, Peer):
             steps, out_ids, wall, prefill, tree_nodes = self._run_peer(cell, ids, budget)
         else:
             steps, out_ids, wall, prefill, tree_nodes = self._run_verispec(cell, ids, budget, warm)
@@ -265,41 +260,21 @@ class Runner:
                   "wall_s": wall, "prefill_s": prefill, "steps": len(steps),
                   "stop": "eos" if out_ids and out_ids[-1] in target.eos_token_ids else "max_new_tokens",
                   "correct": correct, "token_ids": out_ids, "text": text, "load": load}
-        if self.config.distortion and cell.temperature > 0 and m.peer in (None, "generate", "assisted") and out_ids:
-            from ..audit.distortion import target_nll  # noqa: PLC0415
-
+        if self.config.distortion and cell.temperature > 0 and (not isinstance(m, Peer) or m.scores_text) and out_ids:
             prompt["nll"] = target_nll(target, ids, out_ids, cell.temperature)
         return steps, prompt
 
     def _run_peer(self, cell: Cell, ids: list[int], budget: int):
-        from .peers import hf_generate, llama_generate  # noqa: PLC0415
-
-        m, key = cell.method, cell.key
-        if m.peer in ("llama-cpp", "llama-cpp-lookup"):
-            res = llama_generate(self.config.target, ids, budget, cell.temperature, seed=cell.seed,
-                                 lookup=HF_LOOKUP_TOKENS if m.peer == "llama-cpp-lookup" else None)
-        else:
-            kwargs = {}
-            if m.peer == "assisted":
-                drafter = self.drafter(cell.draft)
-                if hasattr(drafter, "model"):
-                    kwargs["assistant"] = drafter.model
-                else:
-                    kwargs["prompt_lookup"] = HF_LOOKUP_TOKENS
-            res = hf_generate(self.target, ids, budget, cell.temperature, seed=cell.seed, **kwargs)
-        steps = [{"type": "step", "cell": key, "i": i, "drafted": d, "accepted_length": a + 1}
+        res = cell.method.run(PeerRun(self.target, self.config.target, self.drafter(cell.draft), ids, budget,
+                                      cell.temperature, cell.seed))
+        steps = [{"type": "step", "cell": cell.key, "i": i, "drafted": d, "accepted_length": a + 1}
                  for i, (d, a) in enumerate(zip(res.drafted, res.accepted))]
         return steps, res.token_ids, res.wall_s, None, 0
 
     def _run_verispec(self, cell: Cell, ids: list[int], budget: int, warm: bool):
-        from ..decode import generate  # noqa: PLC0415
-        from .shadow import Shadow, check_shadows  # noqa: PLC0415
-
-        m = cell.method
-        spec, policy, state = self._build(cell, warm)
+        run = self._build(cell, warm)
+        spec, tree, children = run.verifier, run.tree, run.children
         drafter = self.drafter(cell.draft)
-        tree = m.tree(drafter)
-        children = spec.children or "iid"
         shadow = tvs = None
         driver = spec
         if self.config.shadow and not warm and tree.size > 1:
@@ -314,8 +289,9 @@ class Runner:
                 driver = shadow.spec()
         if self.config.distortion and spec.position_rule is not None and not warm:
             driver, tvs = _recording(driver)
-        res = generate(self.target, drafter, driver, ids, tree=tree, max_new_tokens=budget,
-                       temperature=cell.temperature, policy=policy, verifier_state=state, seed=cell.seed)
+        res = generate(self.target, drafter, driver, ids, tree=tree, children=children, max_new_tokens=budget,
+                       temperature=cell.temperature, policy=run.policy, verifier_state=run.verifier_state,
+                       seed=cell.seed)
         # the verifier (and so each wrapper) ran on the steps that drafted something; a step with nothing drafted is
         # a draw from the target, which every shadow would have matched with accepted length 1 and no distortion
         verified = sum(1 for s in res.steps if s.drafted)
@@ -337,10 +313,6 @@ class Runner:
 def _recording(spec):
     """``spec`` recording, at each step, the exact total variation of its law from the target's at every position
     it tested (with its learning state as it is then): the distortion of the run itself. Returns (spec, tvs)."""
-    import dataclasses  # noqa: PLC0415
-
-    from ..verifiers.chain import chain_laws, position_law  # noqa: PLC0415
-
     tvs: list[list[float]] = []
     rule = spec.position_rule
 
@@ -362,8 +334,6 @@ def run_bench(config: BenchConfig, out: str | Path, *, resume: bool = False, ove
               target=None, progress: bool = True, warm_up: bool = True, log=print, command: str | None = None) -> Path:
     """Run (or resume) the benchmark described by ``config`` into the JSONL file ``out``; ``command`` is what the
     header records as the command that made it (default: this process's command line)."""
-    from tqdm import tqdm  # noqa: PLC0415
-
     methods = config.validate()
     problems = [p for spec in config.datasets for p in load_prompts(spec, config.limit)]
     if not problems:
@@ -406,11 +376,8 @@ def run_bench(config: BenchConfig, out: str | Path, *, resume: bool = False, ove
                 bar.set_postfix_str(f"T={cell.temperature:g} {cell.method.name} {acc[0] / acc[1]:.1f} tok/s")
                 bar.update(1)
         bar.close()
-    verifiers = sorted({m.verifier for m in methods if m.verifier and m.shape != "none"} - audited)
+    verifiers = sorted({m.verifier.name for m in methods if isinstance(m, Plan) and m.drafts} - audited)
     if config.audit_cases and verifiers:
-        from ..audit.run import audit  # noqa: PLC0415
-        from ..verifiers import get_verifier  # noqa: PLC0415
-
         with out.open("a", encoding="utf-8") as f:
             for name in tqdm(verifiers, desc="audit", disable=not progress, file=sys.stderr):
                 (row,) = audit([get_verifier(name)], cases=config.audit_cases)

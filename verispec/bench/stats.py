@@ -14,6 +14,8 @@ import math
 import random
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 NAN = float("nan")
 
 # two-sided 95 % Student-t quantiles by degrees of freedom (then the normal's 1.96)
@@ -74,8 +76,6 @@ def fmt(est: float, low: float, high: float, spec: str = ".2f", suffix: str = ""
 
 
 def _draws(n_groups: int, n: int, seed: int):
-    import numpy as np  # noqa: PLC0415
-
     return np.random.default_rng(seed).integers(0, n_groups, size=(n, n_groups))
 
 
@@ -83,8 +83,6 @@ def ratio_of_sums(num: Sequence[float], den: Sequence[float], n: int = 2000,
                   seed: int = 0) -> tuple[float, float, float]:
     """``sum(num) / sum(den)`` over per-prompt pairs, with a 95 % percentile bootstrap over prompts (vectorised
     ``bootstrap`` for this statistic)."""
-    import numpy as np  # noqa: PLC0415
-
     a, b = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
     est = a.sum() / b.sum() if b.sum() else NAN
     if len(a) < 2 or est != est:
@@ -102,8 +100,6 @@ def ratio_of_rates(a_num: Sequence[float], a_den: Sequence[float], b_num: Sequen
                    n: int = 2000, seed: int = 0) -> tuple[float, float, float]:
     """``(sum a_num / sum a_den) / (sum b_num / sum b_den)`` over paired prompts (tokens/s of one method over
     another's), with a 95 % paired percentile bootstrap over prompts."""
-    import numpy as np  # noqa: PLC0415
-
     an, ad, bn, bd = (np.asarray(x, dtype=float) for x in (a_num, a_den, b_num, b_den))
     est = (an.sum() / ad.sum()) / (bn.sum() / bd.sum()) if ad.sum() and bd.sum() and bn.sum() else NAN
     if len(an) < 2 or est != est:

@@ -3,9 +3,9 @@ prompt lookup and a model draft switched per step, or none; built from spec stri
 
 from .base import CHILD_MODES, Draft, Drafter, NoDrafter
 from .factory import DRAFT_HELP, DraftSpec, build_drafter, parse_layers, sidecar
+from .hybrid import HybridDrafter
 from .model import ModelDrafter, layer_skip_drafter
 from .ngram import NgramDrafter
-from .switch import SwitchDrafter
 
 __all__ = ["CHILD_MODES", "DRAFT_HELP", "Draft", "DraftSpec", "Drafter", "ModelDrafter", "NgramDrafter", "NoDrafter",
-           "SwitchDrafter", "build_drafter", "layer_skip_drafter", "parse_layers", "sidecar"]
+           "HybridDrafter", "build_drafter", "layer_skip_drafter", "parse_layers", "sidecar"]

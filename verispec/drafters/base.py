@@ -16,6 +16,7 @@ and ``_node_logits(draft_so_far, nodes)`` (logits after the given drafted nodes)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -46,6 +47,20 @@ class Draft:
         return self.tree.size - 1
 
 
+@dataclass(frozen=True)
+class DraftControl:
+    """What a drafter may ask while it drafts: the policy's ``keep_drafting`` and the two capabilities that decide how
+    it is asked (``policies.Policy``). The loop builds one per step; a drafter never sees the policy."""
+
+    keep_drafting: Callable[..., bool]
+    reads_laws: bool = True  # False: the call never reads the laws, so a greedy draft skips their softmax
+    uses_confidence: bool = False  # True: asked before the laws, with the drafter's confidence only
+
+    @classmethod
+    def of(cls, policy) -> "DraftControl":
+        return cls(policy.keep_drafting, policy.reads_laws, policy.uses_confidence)
+
+
 @dataclass
 class _Growing:
     """A draft under construction (node lists, appended breadth-first)."""
@@ -70,6 +85,9 @@ class Drafter:
     """Base class: grows a draft tree following a template shape; subclasses provide logits."""
 
     name = "drafter"
+    drafts = True  # False: proposes nothing ever (``NoDrafter``, plain decoding)
+    sources: dict[str, "Drafter"] | None = None  # a drafter with several draft sources (``HybridDrafter``), by name
+    depth_cost = 0.1  # drafting cost per depth against a plain target step, where nothing measured it
     vocab_size: int | None = None
     uses_target_hidden = False  # True: the loop calls ``observe`` with the target's hidden states
     feature_layers: tuple[int, ...] = (-1,)  # which of the target's hidden states ``observe`` receives
@@ -85,7 +103,7 @@ class Drafter:
         """Start a new sequence (drop any cached state)."""
 
     def source(self, context: list[int]) -> str | None:
-        """Which of its draft sources proposes after ``context`` (a drafter with several, ``SwitchDrafter``), or None
+        """Which of its draft sources proposes after ``context`` (a drafter with several, ``HybridDrafter``), or None
         (one source). The loop asks before planning the step, so a policy can keep its statistics per source."""
         return None
 
@@ -119,13 +137,14 @@ class Drafter:
         sampling: Sampling,
         children: str,
         rng: Randomness,
-        policy=None,
+        control: DraftControl | None = None,
     ) -> Draft:
-        """Draft a tree shaped like (a subtree of) ``shape`` after ``context``; ``context[-1]`` is the root."""
+        """Draft a tree shaped like (a subtree of) ``shape`` after ``context``; ``context[-1]`` is the root.
+        ``control`` (None: draft the whole shape) decides, before each depth, whether to go on."""
         if children not in CHILD_MODES:
-            raise VerispecError(f"unknown child sampling {children!r}; choose from {', '.join(CHILD_MODES)}")
+            raise VerispecError(f"unknown child mode {children!r}; choose from {', '.join(CHILD_MODES)}")
         if isinstance(shape, DynamicTree):
-            return self._propose_dynamic(context, shape, sampling, children, policy)
+            return self._propose_dynamic(context, shape, sampling, children)
         g = _Growing(parents=[-1], tokens=[context[-1]], template=[0], q_rows={}, child_prob=[1.0])
         frontier = [0]
         logits = None
@@ -140,23 +159,23 @@ class Drafter:
             alive = logits.amax(-1) != float("-inf")  # a row with no finite entry: that node gets no children
             if not bool(alive.any()):
                 break
-            gate = policy is not None and getattr(policy, "uses_confidence", False)
-            if gate and not policy.keep_drafting(depth, None, confidence=self.confidence(frontier, logits)):
+            gate = control is not None and control.uses_confidence
+            if gate and not control.keep_drafting(depth, None, confidence=self.confidence(frontier, logits)):
                 break  # decided before any vocabulary-sized work on the laws
             if not bool(alive.all()):
                 logits = torch.where(alive[:, None], logits, torch.zeros_like(logits))
             laws = logits_to_probs(logits, sampling)  # [F, V]
-            reads = policy is None or getattr(policy, "reads_laws", True)
+            reads = control is None or control.reads_laws
             # greedy: the temperature-1 laws, for policies that judge confidence (and Feedback); a softmax over the
             # vocabulary per depth, skipped for those that never look
             soft = (logits_to_probs(logits, Sampling(1.0)) if reads else None) if sampling.greedy else laws
-            if policy is not None and not gate:
+            if control is not None and not gate:
                 drawn = last = None
                 if reads and depth > 0:
                     rows = g.soft_rows if sampling.greedy else g.q_rows
                     drawn = torch.stack([rows[g.parents[n]] for n in frontier])
                     last = drawn.gather(1, torch.tensor([[g.tokens[n]] for n in frontier]))[:, 0]
-                if not policy.keep_drafting(depth, soft if reads else None, last, drawn):
+                if not control.keep_drafting(depth, soft if reads else None, last, drawn):
                     break
             new = []
             for row, node in enumerate(frontier):
@@ -181,16 +200,12 @@ class Drafter:
             frontier = expandable
         return _finish(g, children, vocab, dtype)
 
-    def _propose_dynamic(self, context: list[int], shape: DynamicTree, sampling: Sampling, children: str,
-                         policy=None) -> Draft:
-        """EAGLE-2's dynamic tree (see ``DynamicTree``): grow by draft path probability, then keep the best nodes."""
-        from ..policies import Fixed  # noqa: PLC0415
-
+    def _propose_dynamic(self, context: list[int], shape: DynamicTree, sampling: Sampling, children: str) -> Draft:
+        """EAGLE-2's dynamic tree (see ``DynamicTree``): grow by draft path probability, then keep the best nodes
+        (it sets its own depth: the loop checks that the policy is ``fixed``)."""
         if children != "topk" and not sampling.greedy:
             raise VerispecError(f"a dynamic tree drafts top-k children; use --children topk (got {children!r}): "
                                 "pruning sampled children by their own probability would bias their law")
-        if policy is not None and not isinstance(policy, Fixed):
-            raise VerispecError("a dynamic tree chooses its own depth; use it with the fixed draft-length policy")
         g = _Growing(parents=[-1], tokens=[context[-1]], template=[0], q_rows={}, child_prob=[1.0])
         root = self._root_logits(context)
         if root is None:
@@ -286,6 +301,7 @@ class NoDrafter(Drafter):
     """Drafts nothing: every step is one target forward on the root, i.e. plain autoregressive decoding."""
 
     name = "none"
+    drafts = False
 
     def _root_logits(self, context):
         return None

@@ -11,8 +11,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..backends import load, quantized_copy
+from ..eagle import head as heads
 from ..errors import VerispecError
 from .base import Drafter, NoDrafter
+from .eagle import EagleDrafter
+from .hybrid import HybridDrafter
 from .model import ModelDrafter, layer_skip_drafter
 from .ngram import NgramDrafter
 
@@ -78,9 +82,7 @@ def parse_layers(text: str, spec: str = "") -> list[int]:
 
 def shipped_head_path(target) -> Path | None:
     """The head shipped for ``target`` (by its alias), or None."""
-    from ..eagle import head  # noqa: PLC0415  (read at call time: tests point HEADS_DIR elsewhere)
-
-    path = head.HEADS_DIR / f"{target.name}.pt"
+    path = heads.HEADS_DIR / f"{target.name}.pt"  # read at call time: tests point HEADS_DIR elsewhere
     return path if path.is_file() else None
 
 
@@ -99,16 +101,14 @@ def build_drafter(spec: str | DraftSpec, target, dtype: str = "float32") -> Draf
     """A drafter for ``target`` from a ``--draft`` string (see ``DRAFT_HELP``)."""
     spec = spec if isinstance(spec, DraftSpec) else DraftSpec.parse(spec)
     kind, arg = spec.kind, spec.arg
-    hf = hasattr(target, "hf")  # the Hugging Face backend: a head, an int8 copy and layer skipping need its model
+    hf = target.backend == "hf"  # a head, an int8 copy and layer skipping need the Hugging Face model
     if kind == "auto":
         return build_drafter("hybrid" if hf and shipped_head_path(target) is not None else "ngram", target, dtype)
     if kind == "hybrid":
-        from .switch import SwitchDrafter  # noqa: PLC0415
-
         if not arg and not (hf and shipped_head_path(target) is not None):
             raise VerispecError("draft 'hybrid' pairs prompt lookup with the head shipped for the target, and none "
                                 "ships for this one; name the model draft: hybrid:DRAFT (e.g. hybrid:int8)")
-        return SwitchDrafter(build_drafter(arg or "eagle", target, dtype), NgramDrafter(target.vocab_size))
+        return HybridDrafter(build_drafter(arg or "eagle", target, dtype), NgramDrafter(target.vocab_size))
     if not hf and kind in ("eagle", "int8", "layerskip"):
         raise VerispecError(f"draft {kind!r} needs the Hugging Face backend (its model's weights and features); with "
                             "the llama backend use 'ngram' or 'model:SPEC'")
@@ -121,22 +121,15 @@ def build_drafter(spec: str | DraftSpec, target, dtype: str = "float32") -> Draf
     if kind == "ngram":
         return NgramDrafter(target.vocab_size, max_n=int(arg) if arg else 3)
     if kind == "int8":
-        from ..backends.hf import quantized_copy  # noqa: PLC0415
-
         return ModelDrafter(quantized_copy(target), name="int8")
     if kind == "eagle":
-        from ..eagle import EagleHead, shipped_head  # noqa: PLC0415
-        from .eagle import EagleDrafter  # noqa: PLC0415
-
-        path = Path(arg) if arg else shipped_head(target.name)
-        drafter = EagleDrafter(EagleHead.load(path, target), name=str(spec))
+        path = Path(arg) if arg else heads.shipped_head(target.name)
+        drafter = EagleDrafter(heads.EagleHead.load(path, target), name=str(spec))
         info = sidecar(path)
         drafter.default_tree = info.get("default_tree")
         drafter.step_costs = tuple(info["step_costs"]) if info.get("step_costs") else None
         return drafter
-    from ..backends import load  # noqa: PLC0415
-
-    backend = "hf" if hf else "llama"  # a draft model runs on the target's engine
-    drafter = ModelDrafter(load(arg, dtype=dtype, backend=backend, threads=getattr(target, "threads", None)))
+    # a draft model runs on the target's engine, with as many threads
+    drafter = ModelDrafter(load(arg, dtype=dtype, backend=target.backend, threads=None if hf else target.threads))
     drafter.check_compatible(target)
     return drafter

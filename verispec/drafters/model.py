@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import VerispecError
 from ..backends import CausalLM
+from ..errors import VerispecError
 from .base import Draft, Drafter, _Growing
 
 

@@ -15,6 +15,7 @@ from .base import Drafter, _Growing
 class NgramDrafter(Drafter):
     name = "ngram"
     free_root = True
+    depth_cost = 0.01  # a lookup in the context, no model forward
 
     def __init__(self, vocab_size: int, max_n: int = 3, min_n: int = 1):
         if not 1 <= min_n <= max_n:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..backends import CausalLM
 from ..errors import VerispecError
 
 FORMAT = 2  # format 1 (last-layer features only) still loads
@@ -76,8 +77,6 @@ class EagleHead(nn.Module):
                  feature_layers: tuple[int, ...] = (-1,)):
         super().__init__()
         from transformers import AutoModelForCausalLM  # noqa: PLC0415
-
-        from ..backends import CausalLM  # noqa: PLC0415
 
         layers = tuple(int(i) for i in feature_layers)
         n_layers = target.num_layers

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from ..errors import VerispecError
 from .corpus import CorpusConfig, Record, read_corpus, write_corpus
@@ -333,8 +334,6 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
 
     ``until`` ("corpus" or "features") stops after that stage. ``store_layers`` computes features for more layers
     than the head reads (a superset of ``feature_layers``), so that heads reading other subsets reuse them."""
-    from tqdm import tqdm  # noqa: PLC0415
-
     config.validate()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -42,6 +42,7 @@ import torch
 
 from .base import NodeOutcome, register_node_rule
 from .multi import accept
+from .reserve import horizons, plan_masses, subtree_weights
 
 
 def priority_order(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -138,8 +139,6 @@ def guaranteed(s: _Sorted, m: int) -> float:
 def best_prefix(p: torch.Tensor, q: torch.Tensor, k: int, limit: int | None = None) -> tuple[int, _Sorted]:
     """How many of the first drawn candidates to priority-test (1 = none: ``specinfer``; at most ``limit``), and the
     sorted laws."""
-    from .reserve import horizons, plan_masses  # noqa: PLC0415
-
     s = _Sorted(p, q)
     key = (p.double().numpy().tobytes(), q.double().numpy().tobytes(), k, limit) if p.numel() <= 64 else None
     if key is not None and key in _MEMO:  # the audit replays a node's rule once per enumerated outcome
@@ -160,8 +159,6 @@ _MEMO: dict = {}
 
 
 def _ordered_rule(draft, node, p, rng):
-    from .reserve import subtree_weights  # noqa: PLC0415
-
     kids = draft.tree.children[node]
     q = draft.q[node].to(p.dtype)
     weights = subtree_weights(draft.tree, node)

@@ -19,9 +19,16 @@ from pathlib import Path
 
 import torch
 
-from .corpus import Record
-from .head import EagleHead
-from .train import features, head_loss, new_counts, summarize_counts
+from .. import cache
+from ..datasets import SPEC_BENCH_GROUPS, spec_bench_prompts
+from ..decode import generate
+from ..drafters import NoDrafter
+from ..drafters.eagle import EagleDrafter
+from ..eagle.corpus import Record, read_corpus
+from ..eagle.head import EagleHead
+from ..eagle.train import TrainConfig, _labels, _split, depth_outputs, features, head_loss, new_counts, summarize_counts
+from ..tree import Tree
+from ..verifiers import get_verifier
 
 FIXED_PROMPT = "Explain why the sky is blue in a short paragraph."  # a shipped head records its acceptance here
 FIXED_TOKENS = 64
@@ -40,11 +47,6 @@ def spec_bench_answers(target, per_group: int = 2, max_new_tokens: int = 96, cac
                        progress=None) -> list[Record]:
     """The target's greedy answers to the last ``per_group`` Spec-Bench questions of each category, as records
     (prompt + answer, the answer as the span); cached in ``cache`` (JSONL) when given."""
-    from ..datasets import SPEC_BENCH_GROUPS, spec_bench_prompts  # noqa: PLC0415
-    from ..decode import generate  # noqa: PLC0415
-    from ..drafters import NoDrafter  # noqa: PLC0415
-    from ..tree import Tree  # noqa: PLC0415
-    from ..verifiers import get_verifier  # noqa: PLC0415
 
     key = {"target": target.name, "per_group": per_group, "max_new_tokens": max_new_tokens}
     path = Path(cache) if cache else None
@@ -79,10 +81,6 @@ def in_loop_check(target, head: EagleHead, prompts: list[str | list[int]], depth
     Returns ``{"in_loop": [...], "teacher_forced": [...], "positions": [...], "mismatches": int}``: per depth, the
     rate of acceptance among the steps that reached it, and the number of (step, depth) decisions where the two
     disagree."""
-    from ..decode import generate  # noqa: PLC0415
-    from ..drafters.eagle import EagleDrafter  # noqa: PLC0415
-    from ..tree import Tree  # noqa: PLC0415
-    from ..verifiers import get_verifier  # noqa: PLC0415
 
     loop = [[0, 0] for _ in range(depths)]  # [reached, accepted]
     forced = [[0, 0] for _ in range(depths)]
@@ -117,9 +115,7 @@ def in_loop_check(target, head: EagleHead, prompts: list[str | list[int]], depth
 
 def _chain_hits(head: EagleHead, data: dict, depths: int) -> dict[tuple[int, int], bool]:
     """(depth, pair index j) -> whether the head's top-1 at that depth is the target's top-1."""
-    from .train import _labels, depth_outputs  # noqa: PLC0415
 
-    import torch  # noqa: PLC0415
 
     out = {}
     T = len(data["tokens"])
@@ -133,10 +129,6 @@ def _chain_hits(head: EagleHead, data: dict, depths: int) -> dict[tuple[int, int
 
 def fixed_prompt_acceptance(target, head: EagleHead) -> float:
     """Mean accepted length per step, greedy, chain of 5, on ``FIXED_PROMPT`` (deterministic)."""
-    from ..decode import generate  # noqa: PLC0415
-    from ..drafters.eagle import EagleDrafter  # noqa: PLC0415
-    from ..tree import Tree  # noqa: PLC0415
-    from ..verifiers import get_verifier  # noqa: PLC0415
 
     out = generate(target, EagleDrafter(head), get_verifier("chain"), FIXED_PROMPT, tree=Tree.chain(5),
                    max_new_tokens=FIXED_TOKENS, temperature=0.0)
@@ -148,15 +140,9 @@ def agreement_report(target, head: EagleHead, depths: int = 4, per_group: int = 
                      progress=None) -> dict:
     """``teacher_forced`` on held-out Spec-Bench answers (and, given a train-draft run folder, on its held-out
     rounds), plus, with ``check`` > 0, ``in_loop_check`` on that many held-out questions."""
-    from ..datasets import SPEC_BENCH_GROUPS, spec_bench_prompts  # noqa: PLC0415
-    from .corpus import read_corpus  # noqa: PLC0415
-    from .train import TrainConfig, _split  # noqa: PLC0415
-
     tick = progress or (lambda n=1: None)
-    from ..backends.loading import cache_root  # noqa: PLC0415
-
-    cache = cache_root() / "answers" / f"{target.name}-{per_group}x{max_new_tokens}.jsonl"
-    answers = spec_bench_answers(target, per_group, max_new_tokens, cache=cache, progress=tick)
+    kept = cache.path("answers", f"{target.name}-{per_group}x{max_new_tokens}.jsonl")
+    answers = spec_bench_answers(target, per_group, max_new_tokens, cache=kept, progress=tick)
     out = {"head": head.meta.get("target", "?"), "feature_layers": list(head.feature_layers), "depths": depths,
            "sets": {}}
     by_group: dict[str, list[Record]] = {}

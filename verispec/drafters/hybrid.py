@@ -18,7 +18,7 @@ from .base import Draft, Drafter
 from .ngram import NgramDrafter
 
 
-class SwitchDrafter(Drafter):
+class HybridDrafter(Drafter):
     def __init__(self, model: Drafter, lookup: NgramDrafter, min_match: int = 2, name: str | None = None):
         if not 1 <= min_match <= lookup.max_n:
             raise ValueError(f"min_match must lie in 1..{lookup.max_n} (the lookup's longest n-gram), got {min_match}")
@@ -46,8 +46,8 @@ class SwitchDrafter(Drafter):
             self.source(context)
         return self._chosen[1]
 
-    def propose(self, context, shape, sampling, children, rng, policy=None) -> Draft:
-        return self._current(context).propose(context, shape, sampling, children, rng, policy)
+    def propose(self, context, shape, sampling, children, rng, control=None) -> Draft:
+        return self._current(context).propose(context, shape, sampling, children, rng, control)
 
     def observe(self, hidden) -> None:
         self.model.observe(hidden)  # every step, whichever source drafted: the model's features stay complete

@@ -1,11 +1,11 @@
-"""Prompt lookup and a model draft switched per step (``SwitchDrafter``), with a policy per source (``PerSource``)."""
+"""Prompt lookup and a model draft switched per step (``HybridDrafter``), with a policy per source (``PerSource``)."""
 
 import pytest
 import torch
 from conftest import tiny_model
 
 from verispec import Tree, generate, get_verifier
-from verispec.drafters import DraftSpec, ModelDrafter, NgramDrafter, NoDrafter, SwitchDrafter, build_drafter
+from verispec.drafters import DraftSpec, HybridDrafter, ModelDrafter, NgramDrafter, NoDrafter, build_drafter
 from verispec.errors import VerispecError
 from verispec.policies import AutoDepth, PerSource
 
@@ -13,7 +13,7 @@ PROMPT = [5, 17, 33, 8, 9, 41, 5, 17, 33, 8]  # repeats itself: prompt lookup ha
 
 
 def switch(target, min_match=2):
-    return SwitchDrafter(ModelDrafter(tiny_model("llama", seed=1, layers=2), name="small"),
+    return HybridDrafter(ModelDrafter(tiny_model("llama", seed=1, layers=2), name="small"),
                          NgramDrafter(target.vocab_size), min_match=min_match)
 
 
@@ -61,7 +61,7 @@ def test_switching_with_a_policy_per_source_keeps_the_output_law_exact():
     p, q = random_tables(3, 7, concentration=0.7)
     used = set()
 
-    class Spy(SwitchDrafter):
+    class Spy(HybridDrafter):
         def source(self, context):
             used.add(super().source(context))
             return self._chosen[1].name
@@ -88,15 +88,15 @@ def test_hybrid_draft_specs(target):
     with pytest.raises(VerispecError, match="no.*ships|none ships"):
         build_drafter("hybrid", target)  # the tiny model ships no head: the model draft must be named
     sw = build_drafter("hybrid:layerskip:2", target)
-    assert isinstance(sw, SwitchDrafter) and set(sw.sources) == {"ngram", sw.model.name}
+    assert isinstance(sw, HybridDrafter) and set(sw.sources) == {"ngram", sw.model.name}
     assert sw.default_tree == "chain:5"
 
 
 def test_the_auto_policy_of_a_switch_weighs_each_source_by_its_own_costs(target):
-    from verispec.backends.costs import auto_policy
+    from verispec.methods import build_policy
 
     sw = build_drafter("hybrid:layerskip:2", target)
-    pol = auto_policy(target, sw)
+    pol = build_policy("auto", target, sw)
     assert isinstance(pol, PerSource) and set(pol.policies) == set(sw.sources)
     lookup, model = pol.policies["ngram"], pol.policies[sw.model.name]
     assert lookup.costs[1] - lookup.costs[0] < model.costs[1] - model.costs[0]  # a lookup depth costs less

@@ -1,0 +1,96 @@
+"""Key/value caches: ``KVBuffer`` (keys and values in buffers with spare room), the ``transformers`` cache whose
+layers are such buffers (``new_cache``), and one sequence's cache bookkeeping (``KVState``).
+
+``committed`` entries belong to the committed text; a forward appends ``pending`` entries (tree nodes); a commit
+turns the pending entries it keeps into committed ones, in order, and drops the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class KVState:
+    """One sequence's KV cache and its bookkeeping (see the module docstring)."""
+
+    cache: object
+    committed: int = 0
+    pending_positions: list[int] = field(default_factory=list)
+
+    @property
+    def pending(self) -> int:
+        return len(self.pending_positions)
+
+
+class KVBuffer:
+    """Keys and values along axis -2 in buffers with spare room: appending copies only the new entries, keeping a
+    prefix copies nothing. The layer of ``new_cache``'s cache and of the lean forward's (``backends/lean.py``)."""
+
+    _kbuf = _vbuf = None
+    _len = 0
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new entries; returns all keys and values so far (views of the buffers)."""
+        n = key_states.shape[-2]
+        need = self._len + n
+        if self._kbuf is None or need > self._kbuf.shape[-2]:
+            cap = max(need + 64, 2 * (0 if self._kbuf is None else self._kbuf.shape[-2]))
+            kbuf = key_states.new_empty(*key_states.shape[:-2], cap, key_states.shape[-1])
+            vbuf = value_states.new_empty(*value_states.shape[:-2], cap, value_states.shape[-1])
+            if self._len:
+                kbuf[..., : self._len, :] = self._kbuf[..., : self._len, :]
+                vbuf[..., : self._len, :] = self._vbuf[..., : self._len, :]
+            self._kbuf, self._vbuf = kbuf, vbuf
+        self._kbuf[..., self._len:need, :] = key_states
+        self._vbuf[..., self._len:need, :] = value_states
+        self._set_length(need)
+        return self.keys, self.values
+
+    def _set_length(self, n: int) -> None:
+        self._len = n
+        self.keys, self.values = self._kbuf[..., :n, :], self._vbuf[..., :n, :]
+
+    def keep(self, idx: torch.Tensor | int) -> None:
+        """Keep the entries ``idx`` (an int n: the first n) in this order."""
+        if self._kbuf is None:
+            return
+        if isinstance(idx, int):
+            self._set_length(min(idx, self._len))
+            return
+        with torch.inference_mode(self._kbuf.is_inference()):  # buffers made by a forward under inference mode
+            k, v = self.keys.index_select(-2, idx), self.values.index_select(-2, idx)
+            self._kbuf[..., : len(idx), :] = k
+            self._vbuf[..., : len(idx), :] = v
+            self._set_length(len(idx))
+
+
+class _BufferLayer(KVBuffer):
+    """Mixed into ``DynamicLayer`` (which concatenates, copying the whole cache at every forward): its entries live
+    in a ``KVBuffer``."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self._kbuf = self._vbuf = None
+            self._len = 0
+        return self.append(key_states, value_states)
+
+
+def new_cache():
+    """An empty KV cache of buffered layers (no config: every layer keeps every entry; sliding windows are applied
+    by the masks ``CausalLM.forward`` builds)."""
+    from transformers import DynamicCache  # noqa: PLC0415
+    from transformers.cache_utils import DynamicLayer  # noqa: PLC0415
+
+    global _BUFFERED
+    if _BUFFERED is None:
+        _BUFFERED = type("BufferedLayer", (_BufferLayer, DynamicLayer), {})
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = _BUFFERED
+    return cache
+
+
+_BUFFERED = None

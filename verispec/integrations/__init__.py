@@ -1,0 +1,1 @@
+"""Doors into verispec from other tools: ``transformers`` (verispec's loop as a ``custom_generate``)."""
