@@ -1,7 +1,7 @@
 """What one llama.cpp decode of k chained tokens costs against one token, with logits for every row (what verification
 needs) and for the last row only (what plain decoding of a prompt chunk asks for), for the built-in GGUF models.
 
-    python scripts/llama_batch_costs.py            # needs llama-cpp-python (verispec[llama]); about a minute
+    python scripts/llama_batch_costs.py            # needs llama-cpp-python (bash scripts/install_llama.sh); about a minute
     -> results/llama_batch_costs.json, read by scripts/make_results.py
 
 Run it on a quiet machine: each figure is the median of 9 decodes after a 120-token context.

@@ -144,7 +144,7 @@ TOPOLOGY_RUNS = {"topologies": (ISO_TREES[:3], "1.0"), "topologies_chains": (ISO
                  "topologies_t06": (ISO_TREES[:2], "0.6"), "topologies_chains_t06": (ISO_TREES[2:], "0.6")}
 RUNS.update({name: shadow_trees_run(trees, (t,)) for name, (trees, t) in TOPOLOGY_RUNS.items()})
 RUNS["width"] = shadow_trees_run([t for t in WIDTH_TREES if t != SHADOW_TREE])  # Table 5 shape, with the shadow run
-LLAMA_RUNS = {"llama_smollm2": lambda: llama_run("smollm2-135m"),  # need llama-cpp-python (verispec[llama])
+LLAMA_RUNS = {"llama_smollm2": lambda: llama_run("smollm2-135m"),  # need llama-cpp-python (bash scripts/install_llama.sh)
               "llama_gemma3": lambda: llama_run("gemma3-270m"),
               # greedy only, after the greedy steps lost their vocabulary-sized detours (argmax, one-hot rows, draws)
               "llama_gemma3_greedy": lambda: llama_run("gemma3-270m", greedy=True),

@@ -1,5 +1,5 @@
-"""The llama.cpp backend (run where llama-cpp-python is installed: pip install -e '.[llama]'; the default install
-and CI skip these with the reason): tree logits equal path-by-path logits, a commit leaves the cache as a fresh
+"""The llama.cpp backend (run where the optional extra is installed: bash scripts/install_llama.sh; the default
+install and CI skip these with the reason): tree logits equal path-by-path logits, a commit leaves the cache as a fresh
 decode would, and greedy speculative decoding reproduces llama.cpp's own greedy text for every tree and draft.
 
     .venv/bin/python -m pytest -q tests/test_llama.py
@@ -10,8 +10,8 @@ import torch
 
 from verispec.backends.llama import available
 
-pytestmark = [pytest.mark.skipif(not available(), reason="llama-cpp-python is not installed (the optional extra "
-                                                           "'verispec[llama]')"), pytest.mark.slow]
+pytestmark = [pytest.mark.skipif(not available(), reason="llama-cpp-python is not installed (the optional "
+                                                           "extra: bash scripts/install_llama.sh)"), pytest.mark.slow]
 
 TOL = 1e-4  # logits; measured differences are 0.0 (the same kernels), the tolerance only allows for other builds
 

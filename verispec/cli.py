@@ -109,7 +109,7 @@ def _add_generate(sub):
     g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="model weights dtype")
     g.add_argument("--backend", default="hf", choices=("hf", "llama"),
                    help="the target's engine: hf (Hugging Face transformers) or llama (llama.cpp on the GGUF file, a "
-                        "quantised target of its own; pip install 'verispec[llama]'). With llama, drafts are ngram or "
+                        "quantised target of its own; bash scripts/install_llama.sh). With llama, drafts are ngram or "
                         "model:SPEC (a GGUF draft run by llama.cpp too)")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON record (text, ids, summary, per-step records)")

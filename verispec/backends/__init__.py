@@ -35,7 +35,7 @@ def default_threads() -> int:
 def load(spec: str = DEFAULT_TARGET, dtype: str = "float32", backend: str = "hf", threads: int | None = None,
          kernel: bool = True):
     """A target by alias, GGUF file, folder or hub id, run by ``backend``: ``hf`` (Hugging Face ``transformers``,
-    the default) or ``llama`` (llama.cpp on a GGUF file; ``pip install 'verispec[llama]'``)."""
+    the default) or ``llama`` (llama.cpp on a GGUF file; ``bash scripts/install_llama.sh``)."""
     if backend == "hf":
         return _load_hf(spec, dtype=dtype, kernel=kernel)
     if backend == "llama":

@@ -114,7 +114,7 @@ BENCH_HELP = {
               "probabilities, no extra forwards): paired comparisons of acceptance",
     "shadow_seeds": "coin seeds per shadow verifier and step",
     "backend": "the target's engine: hf (Hugging Face transformers, float32) or llama (llama.cpp on the GGUF file, "
-               "a quantised target of its own; pip install 'verispec[llama]')",
+               "a quantised target of its own; bash scripts/install_llama.sh)",
     "distortion": "record, for lossy rules, the exact total variation of their law from the target's at every "
                   "position a run tests, and for every cell at T > 0 the NLL of its text under the target",
 }
