@@ -62,7 +62,7 @@ HEAD_INFO = ROOT / "verispec" / "heads" / "smollm2-135m.json"  # the shipped hea
 # for the EAGLE-3-style head trained in issue 12 (docs/findings.md has the commands)
 AGREEMENT = {"shipped head (EAGLE-1)": ROOT / "results" / "agreement_shipped.json",
              "EAGLE-3-style head (not shipped)": ROOT / "results" / "agreement_eagle3.json"}
-VARIANTS = ROOT / "results" / "head_variants.json"  # `python scripts/head_variants.py RUN... --out ...`
+VARIANTS = ROOT / "results" / "head_variants.json"  # `python scripts/experiments/head_variants.py RUN... --out ...`
 
 DYNAMIC = "dyn:4,2,3"  # EAGLE-2 dynamic tree: depth <= 4, top-2 expansion, the 3 most probable nodes kept
 TABLE2_TREE = "3,1"  # 3 candidates, each followed by one more token: small enough to verify cheaply on this CPU
@@ -426,7 +426,7 @@ def llama_section(res: Results, model: str) -> list[str]:
             by_category_table(cats, (("vs_llama_cpp", "vs llama.cpp"), ("speedup_ar", "vs ar"))), ""]
 
 
-BATCH_COSTS = ROOT / "results" / "llama_batch_costs.json"  # python scripts/llama_batch_costs.py
+BATCH_COSTS = ROOT / "results" / "llama_batch_costs.json"  # python scripts/experiments/llama_batch_costs.py
 
 
 def llama_costs_section() -> list[str]:
@@ -442,7 +442,7 @@ def llama_costs_section() -> list[str]:
         body.append([name, "every row", f"{m['one_token_ms']:.1f}", *[f"{x:.2f}x" for x in m["all_logits"][1:]]])
         body.append([name, "last row only", f"{m['one_token_ms']:.1f}", *[f"{x:.2f}x" for x in m["last_logits"][1:]]])
     out = ["## llama.cpp: what a decode of k tokens costs", "",
-           f"`python scripts/llama_batch_costs.py` ({costs['threads']} threads, one decode of k chained tokens after a "
+           f"`python scripts/experiments/llama_batch_costs.py` ({costs['threads']} threads, one decode of k chained tokens after a "
            "120-token context, median of 9, against one token). Verification needs the logits of every row; "
            "llama.cpp then runs its output layer once per row, which on Gemma 3 (a 262k-token vocabulary) is most "
            "of a token's cost. A decode asking for the last row's logits only (what the issue's first table "

@@ -107,8 +107,10 @@ def test_cli_generates_text_from_the_default_model():
     assert r.returncode == 0, r.stderr[-2000:]
     rec = json.loads(r.stdout)
     assert rec["text"].strip() and 1 <= rec["summary"]["tokens"] <= 12
-    assert rec["summary"]["mean_accepted_length"] >= 1.0
     assert len(rec["steps"]) == rec["summary"]["steps"]
+    lengths = [s["accepted_length"] for s in rec["steps"]]
+    assert rec["summary"]["mean_accepted_length"] == pytest.approx(sum(lengths) / len(lengths))
+    assert sum(len(s["emitted"]) for s in rec["steps"]) == rec["summary"]["tokens"] == len(rec["token_ids"])
     again = cli("generate", "--prompt", "Name a fruit.", "--max-new-tokens", "12", "--seed", "3", "--json")
     assert json.loads(again.stdout)["token_ids"] == rec["token_ids"]  # same seed, same output
 

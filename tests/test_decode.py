@@ -32,13 +32,13 @@ def drafters(target):
     }
 
 
-def run(target, drafter, shape, method="greedy", temperature=0.0, children="topk", n=24, seed=0):
-    return generate(target, drafter, get_verifier(method), PROMPT, tree=shape, max_new_tokens=n,
+def run(target, drafter, tree, verifier="greedy", temperature=0.0, children="topk", n=24, seed=0):
+    return generate(target, drafter, get_verifier(verifier), PROMPT, tree=tree, max_new_tokens=n,
                     temperature=temperature, children=children, seed=seed)
 
 
 def test_autoregressive_greedy_equals_hugging_face_generate(target):
-    ours = run(target, NoDrafter(), Tree.root_only(), method="chain", n=20)
+    ours = run(target, NoDrafter(), Tree.root_only(), verifier="chain", n=20)
     ref = target.hf.generate(torch.tensor([PROMPT]), max_new_tokens=20, do_sample=False, eos_token_id=None,
                              pad_token_id=0)[0, len(PROMPT):].tolist()
     assert ours.token_ids == ref
@@ -52,9 +52,9 @@ def test_speculative_greedy_equals_autoregressive_greedy(target, shape_name, chi
     for name, drafter in drafters(target).items():
         shape = SHAPES[shape_name]
         tree_rule = {"iid": "specinfer", "swor": "swor", "topk": "topk"}[children]
-        for method in ("greedy", tree_rule, *(("chain",) if shape.is_chain else ())):
-            out = run(target, drafter, shape, method=method, children=children)
-            assert out.token_ids == reference, (name, method)
+        for verifier in ("greedy", tree_rule, *(("chain",) if shape.is_chain else ())):
+            out = run(target, drafter, shape, verifier=verifier, children=children)
+            assert out.token_ids == reference, (name, verifier)
             assert len(out.token_ids) == 24
 
 
@@ -67,27 +67,27 @@ def test_self_draft_is_accepted_sometimes(target):
 
 @pytest.mark.parametrize("temperature", [0.6, 1.0])
 def test_same_seed_same_output(target, temperature):
-    a = run(target, layer_skip_drafter(target, 2), Tree.chain(3), method="chain", temperature=temperature, children="iid", seed=7)
-    b = run(target, layer_skip_drafter(target, 2), Tree.chain(3), method="chain", temperature=temperature, children="iid", seed=7)
-    c = run(target, layer_skip_drafter(target, 2), Tree.chain(3), method="chain", temperature=temperature, children="iid", seed=8)
+    a = run(target, layer_skip_drafter(target, 2), Tree.chain(3), verifier="chain", temperature=temperature, children="iid", seed=7)
+    b = run(target, layer_skip_drafter(target, 2), Tree.chain(3), verifier="chain", temperature=temperature, children="iid", seed=7)
+    c = run(target, layer_skip_drafter(target, 2), Tree.chain(3), verifier="chain", temperature=temperature, children="iid", seed=8)
     assert a.token_ids == b.token_ids
     assert a.token_ids != c.token_ids
 
 
-@pytest.mark.parametrize("method,children", [("specinfer", "iid"), ("swor", "swor"), ("topk", "topk"),
-                                             ("traversal", "swor"), ("reserve", "iid"), ("ordered", "iid")])
-def test_tree_verifiers_sample_through_the_loop(target, method, children):
+@pytest.mark.parametrize("verifier,children", [("specinfer", "iid"), ("swor", "swor"), ("topk", "topk"),
+                                               ("traversal", "swor"), ("reserve", "iid"), ("ordered", "iid")])
+def test_tree_verifiers_sample_through_the_loop(target, verifier, children):
     """Sampling through the loop with the perfect draft (the full-depth self-draft: q = p) accepts a child at every
     node when children are sampled from q (top-k children: with probability p(children)), and with a draft that
     never agrees (every drafted token is impossible under the target's top-1) accepts nothing."""
-    good = run(target, layer_skip_drafter(target, [0, 1, 2, 3]), Tree.complete(2, 2), method=method,
+    good = run(target, layer_skip_drafter(target, [0, 1, 2, 3]), Tree.complete(2, 2), verifier=verifier,
                temperature=0.8, children=children, n=20, seed=3)
     assert good.num_tokens == 20
     if children == "topk":
         assert good.mean_accepted_length > 1.0
     else:
         assert all(s.accepted_length == 3 for s in good.steps[:-1]), [s.accepted_length for s in good.steps]
-    bad = generate(target, Contrarian(target.vocab_size), get_verifier(method), PROMPT, tree=Tree.complete(2, 2),
+    bad = generate(target, Contrarian(target.vocab_size), get_verifier(verifier), PROMPT, tree=Tree.complete(2, 2),
                    max_new_tokens=12, temperature=0.8, top_k=1, children=children, seed=3)
     assert all(s.accepted_length == 1 for s in bad.steps)
 

@@ -12,6 +12,16 @@ from verispec.drafters.eagle import EagleDrafter
 from verispec.eagle import EagleHead, TrainConfig, evaluate, features, head_loss, train
 
 
+def accounted(out, target, budget: int) -> None:
+    """Every step's record accounts for the text: a step emits its accepted length (the last one may be cut by EOS
+    or the budget), the steps together emit the text, and the run stops exactly at the budget or at EOS."""
+    assert [len(s.emitted) for s in out.steps[:-1]] == [s.accepted_length for s in out.steps[:-1]]
+    assert 1 <= len(out.steps[-1].emitted) <= out.steps[-1].accepted_length
+    assert [t for s in out.steps for t in s.emitted] == out.token_ids
+    stopped_at_eos = out.token_ids[-1] in target.eos_token_ids
+    assert (out.num_tokens == budget or stopped_at_eos) and out.num_tokens <= budget
+    assert out.stop_reason == ("eos" if stopped_at_eos else "max_new_tokens")
+
 def corpus(target, n=6, length=24, seed=0):
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -123,8 +133,11 @@ def test_eagle_greedy_equals_autoregressive_and_sampling_runs(tmp_path):
     for verifier, tree in (("chain", "chain:5"), ("specinfer", "2x3"), ("reserve", "3,1"), ("swor", "2x2")):
         out = generate(target, EagleDrafter(loaded), get_verifier(verifier), prompt, tree=Tree.parse(tree),
                        max_new_tokens=20, temperature=0.8, seed=3)
-        assert out.num_tokens == 20 or out.stop_reason == "eos"
+        accounted(out, target, 20)
         assert all(len(s.accepted_ranks) <= s.draft_depth for s in out.steps)
+        again = generate(target, EagleDrafter(loaded), get_verifier(verifier), prompt, tree=Tree.parse(tree),
+                         max_new_tokens=20, temperature=0.8, seed=3)
+        assert again.token_ids == out.token_ids  # the head's state is reset per sequence: same seed, same text
 
 
 def test_trained_head_drafts_better_than_untrained(tmp_path):
@@ -209,7 +222,7 @@ def test_restricted_vocabulary_head_is_exact_cheaper_and_trains(tmp_path):
         assert out.token_ids == ar.token_ids, tree
     out = generate(target, EagleDrafter(loaded), get_verifier("specinfer"), prompt, tree=Tree.parse("2x2"),
                    max_new_tokens=20, temperature=0.8, seed=1)
-    assert out.num_tokens == 20 or out.stop_reason == "eos"
+    accounted(out, target, 20)
     # the loss is the cross-entropy against the target's law conditioned on the draft vocabulary, and it falls
     data = [features(target, s, top_k=8) for s in corpus(target)]
     before = evaluate(head, data, 2)
@@ -252,7 +265,7 @@ def test_dynamic_tree_is_exact_greedy_prunes_by_path_probability_and_refuses_sam
             assert kids == draft.q[n].topk(len(kids)).indices.tolist()
     out = generate(target, layer_skip_drafter(target, 2), get_verifier("topk"), prompt, tree=shape, max_new_tokens=20,
                    temperature=0.8, seed=2, children="topk")
-    assert out.num_tokens == 20 or out.stop_reason == "eos"
+    accounted(out, target, 20)
     with pytest.raises(VerispecError, match="children topk"):
         generate(target, layer_skip_drafter(target, 2), get_verifier("specinfer"), prompt, tree=shape,
                  max_new_tokens=5, temperature=0.8)

@@ -111,7 +111,7 @@ def test_no_library_module_imports_the_cli():
 
 def test_no_script_or_test_reaches_into_the_cli_for_library_work():
     """Scripts and tests take library pieces from the library (they may still run the CLI as a command)."""
-    for p in [*ROOT.glob("scripts/*.py"), *ROOT.glob("tests/*.py")]:
+    for p in [*ROOT.glob("scripts/**/*.py"), *ROOT.glob("tests/*.py")]:
         reached = {m for m in _imports(p) if m.startswith("verispec.cli.")}
         assert reached <= {"verispec.cli.main", "verispec.cli.build_parser"}, p
 
@@ -157,7 +157,7 @@ def test_readme_example_imports_only_the_public_api():
 def test_readme_example_runs(capsys):
     exec(compile(readme_example(), "README.md", "exec"), {})  # noqa: S102 - our own README
     out = capsys.readouterr().out.strip().splitlines()
-    assert out[0].strip() and float(out[-1].split()[0]) >= 1.0
+    assert out[0].strip() and float(out[-1].split()[0]) > 1.0  # the default draft had some token accepted
 
 
 class Bytes:
@@ -301,18 +301,6 @@ def test_one_default_temperature():
     assert inspect.signature(generate).parameters["temperature"].default == DEFAULT_TEMPERATURE
     args = build_parser().parse_args(["generate", "--prompt", "x"])
     assert args.temperature == DEFAULT_TEMPERATURE
-
-
-def test_deprecated_method_spelling_still_works_with_a_note():
-    from verispec import resolve
-
-    notes = []
-    plan = resolve("specinfer@2x2", info=notes.append)
-    assert plan.verifier.name == "specinfer" and plan.tree == "2x2" and plan.children == "iid"
-    assert "deprecated" in notes[0]
-    plan = resolve(None, verifier="topk", tree="3,1", info=notes.append)
-    assert plan.name == "default" and plan.verifier.name == "topk" and plan.policy == "auto" and plan.children == "topk"
-    assert len(notes) == 1
 
 
 def test_every_command_option_has_help():

@@ -36,7 +36,7 @@ from .decode import TextStream, generate
 from .drafters import CHILD_MODES, DRAFT_HELP, DraftSpec, ModelDrafter, build_drafter
 from .eagle.train import TRAIN_HELP, TrainConfig, train
 from .errors import VerispecError
-from .methods import DEFAULT_TREE, METHODS, METHODS_HELP, check, resolve
+from .methods import DEFAULT_TREE, METHODS, METHODS_HELP, resolve
 from .policies import POLICIES
 from .probs import DEFAULT_TEMPERATURE, Sampling
 from .tree import MAX_NODES
@@ -127,8 +127,7 @@ def cmd_generate(args) -> int:
         raise VerispecError(f"--temperature must be a finite number >= 0, got {args.temperature}")
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     plan = resolve(args.method, verifier=args.verifier, policy=args.policy, tree=args.tree, children=args.children,
-                   info=info)
-    check(plan.verifier, None, plan.children, temperature=sampling.temperature)
+                   temperature=sampling.temperature, info=info)
     draft = DraftSpec.parse(args.draft if plan.drafts else "none")
     _set_threads(args)
     t = time.perf_counter()

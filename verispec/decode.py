@@ -20,11 +20,12 @@ import torch
 from .backends.base import Target
 from .drafters.base import DraftControl, Drafter
 from .errors import VerispecError
-from .methods import check, resolve
+from .methods import resolve
 from .policies import Feedback, Fixed, Policy
 from .probs import DEFAULT_TEMPERATURE, Sampling, greedy_index, logits_to_probs
 from .rng import Randomness, TorchRandomness
 from .tree import DynamicTree, Tree
+from .verifiers import check
 from .verifiers.base import Verdict, VerifierSpec
 
 
@@ -177,11 +178,11 @@ def generate_steps(
         source = drafter.source(context)  # None unless the drafter has several sources
         if source is not None:
             policy.select_source(source)
-        shape = tree
+        planned = tree
         if isinstance(tree, Tree):  # a dynamic tree sets its own depth
             depth = policy.planned_depth(tree.max_depth)
-            shape = tree if depth >= tree.max_depth else tree.truncate(max(depth, 0))
-        draft = drafter.propose(context, shape, sampling, children, rng, DraftControl.of(policy))
+            planned = tree if depth >= tree.max_depth else tree.truncate(max(depth, 0))
+        draft = drafter.propose(context, planned, sampling, children, rng, DraftControl.of(policy))
         t1 = time.perf_counter()
         positions = state.committed + torch.tensor(draft.tree.depths)
         out = target.forward(state, draft.tokens, positions, draft.tree.ancestors_mask(), features=features)

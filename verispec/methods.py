@@ -5,8 +5,9 @@ generate`` does with no options; ``fixed``, ``ar`` and AdaSD's rows are others).
 and any overrides (``--verifier``, ``--policy``, ``--tree``, ``--children``) into a ``Plan``, checked without a model;
 ``Plan.build(target, drafter)`` makes the run's pieces (``Recipe``): the tree (``auto``: the one tuned for the draft,
 else ``DEFAULT_TREE``), the policy (``auto`` weighs depths by this machine's measured step costs) and a fresh
-learning state. The CLI, the transformers door, the benchmark and ``decode.generate`` all go through here, and
-``check`` is the one place where a verifier, a tree, a child mode, a policy and a temperature are found compatible.
+learning state. The CLI, the transformers door, the benchmark and ``decode.generate`` all go through here
+(``verifiers.check`` is the one place where a verifier, a tree, a child mode, a policy and a temperature are found
+compatible).
 
 A method name may also be a registered verifier (``specinfer``, ``fsd:0.2``: fixed-length drafting of
 ``DEFAULT_TREE``), and any method takes a tree after ``@`` (``specinfer@3x5``, ``fixed@chain:8``).
@@ -21,7 +22,7 @@ from .backends.costs import forward_costs
 from .errors import VerispecError
 from .policies import PerSource, Policy, get_policy
 from .tree import DynamicTree, Tree
-from .verifiers import VERIFIERS, VerifierSpec, get_verifier
+from .verifiers import VERIFIERS, VerifierSpec, check, get_verifier
 
 DEFAULT_TREE = "chain:5"  # the tree of a draft with no tuned tree (and of a verifier named as a method)
 DEFAULT_VERIFIER = "chain"
@@ -65,24 +66,6 @@ METHODS_HELP = (
     "a named method (" + ", ".join(METHODS) + "), or a verifier name (fixed-length chain of 5), "
     "optionally with a draft tree after '@': specinfer@3x5, reserve@3,1,1, fixed@chain:8"
 )
-
-
-def check(verifier: VerifierSpec, tree: Tree | DynamicTree | None, children: str, policy: str | None = None,
-          temperature: float | None = None) -> None:
-    """The one compatibility check of a run's pieces (``None``: not known yet); one message per mistake."""
-    if temperature is not None and verifier.greedy_only and temperature > 0:
-        raise VerispecError(f"verifier {verifier.name!r} is for temperature 0 only; got temperature {temperature}")
-    drafting = tree is not None and tree.size > 1
-    if drafting and verifier.children is not None and children != verifier.children:
-        raise VerispecError(f"verifier {verifier.name!r} needs --children {verifier.children}, got {children}")
-    if drafting and verifier.chain_only and not tree.is_chain:
-        raise VerispecError(f"verifier {verifier.name!r} only verifies chains, not {tree.describe()}")
-    if isinstance(tree, DynamicTree):
-        if policy is not None and policy != "fixed":
-            raise VerispecError("a dynamic tree chooses its own depth; use it with the fixed draft-length policy")
-        if children != "topk" and temperature is not None and temperature > 0:
-            raise VerispecError(f"a dynamic tree drafts top-k children; use --children topk (got {children!r}): "
-                                "pruning sampled children by their own probability would bias their law")
 
 
 @dataclass
@@ -135,9 +118,10 @@ class Plan:
 
 def resolve(method: str | None = None, *, verifier: str | VerifierSpec | None = None,
             policy: str | Policy | None = None, tree: str | Tree | DynamicTree | None = None,
-            children: str | None = None, info=None) -> Plan:
+            children: str | None = None, temperature: float | None = None, info=None) -> Plan:
     """The plan for ``method`` (default ``DEFAULT_METHOD``; ``NAME[@TREE]``, see ``METHODS_HELP``) with the given
-    overrides, checked. ``info`` receives notes (the deprecated ``--method VERIFIER`` spelling)."""
+    overrides, checked (against ``temperature`` too, when it is known). ``info`` receives notes (the deprecated
+    ``--method VERIFIER`` spelling)."""
     name = method or DEFAULT_METHOD
     base, at, shape = name.partition("@")
     if base not in METHODS and base.partition(":")[0] in VERIFIERS:
@@ -163,7 +147,7 @@ def resolve(method: str | None = None, *, verifier: str | VerifierSpec | None = 
     if isinstance(chosen_policy, str):
         get_policy(chosen_policy)  # fails early on a bad policy
     child = children or spec.children or "iid"
-    check(spec, parsed, child, chosen_policy if isinstance(chosen_policy, str) else chosen_policy.name)
+    check(spec, parsed, child, chosen_policy if isinstance(chosen_policy, str) else chosen_policy.name, temperature)
     return Plan(name, spec, chosen_policy, chosen_tree, child)
 
 

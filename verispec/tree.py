@@ -14,7 +14,7 @@ Shapes:
 
 A ``DynamicTree`` (``Tree.parse("dyn:6,4,24")``) is not a shape but a rule the drafter follows (EAGLE-2):
 expand the K most probable frontier nodes at each depth with their K most probable children, then keep
-the N most probable drafted nodes overall. Both are a ``TreeShape``: what ``Tree.parse`` returns and what drafters
+the N most probable drafted nodes overall. Either is what ``Tree.parse`` returns and what drafters
 and the loop take (``size``, ``max_depth``, ``is_chain``, ``describe``).
 
 ``Tree.parse`` refuses, before building anything, a tree of more than ``MAX_NODES`` drafted nodes.
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Union
 
 import torch
 
@@ -99,7 +98,7 @@ class Tree:
         return cls(tuple(parents))
 
     @classmethod
-    def parse(cls, text: str) -> "TreeShape":
+    def parse(cls, text: str) -> "Tree | DynamicTree":
         """CLI form: ``chain:G``, ``BxD`` (complete), ``b1,b2,...`` (per-depth), ``paths:0;1;0.0``, ``dyn:D,K,N``, or
         ``none`` (the root alone: no draft)."""
         s = str(text).strip().lower()
@@ -254,4 +253,3 @@ class DynamicTree:
         return f"dynamic tree (depth {self.depth}, top-{self.k} expansion, {self.nodes} nodes kept)"
 
 
-TreeShape = Union[Tree, DynamicTree]

@@ -1,7 +1,7 @@
 """Exact output law of one speculative step, computed by enumeration (float64).
 
 Setting: small synthetic target and draft tables ``p(. | prefix)``, ``q(. | prefix)`` (prefix-dependent),
-a tree shape and a child-sampling mode. One step drafts a tree with the real drafter code
+a tree shape and a child mode. One step drafts a tree with the real drafter code
 (``TableDrafter`` feeds the shared tree-growing routine), asks the target for ``p`` at every node and
 runs the verifier. ``enumerate_outcomes`` walks every draw and every accept/reject outcome, so the
 result is the exact law of the emitted tokens, not an estimate.

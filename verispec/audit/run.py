@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..drafters.base import CHILD_MODES
 from ..tree import Tree
 from ..verifiers import get_verifier
 from ..verifiers.base import VerifierSpec
@@ -20,7 +21,7 @@ TREE_SHAPES = [  # depth <= 3, branching <= 3
     Tree.from_paths([(0,), (1,), (2,), (0, 0), (0, 1)]), Tree.from_branching([1, 1, 2]),
 ]
 CHAIN_SHAPES = [Tree.chain(1), Tree.chain(2), Tree.chain(3)]
-MODES = ("iid", "swor", "topk")
+
 
 
 @dataclass(frozen=True)
@@ -44,17 +45,17 @@ def audit_case(spec: VerifierSpec, index: int, seed: int = 0):
     shapes = CHAIN_SHAPES if spec.chain_only else TREE_SHAPES
     tree = shapes[index % len(shapes)]
     vocab = rnd.choice([3, 4, 5, 6] if tree.size <= 4 else [3, 4])
-    mode = spec.children or MODES[index % len(MODES)]
+    children = spec.children or CHILD_MODES[index % len(CHILD_MODES)]
     p, q = random_tables(vocab, seed * 7919 + index, concentration=rnd.choice([0.3, 0.7, 1.5]),
                          sparsity=rnd.choice([0.0, 0.0, 0.3]))
     if spec.greedy_only:
         dense = p
         p = lambda prefix: torch.nn.functional.one_hot(dense(prefix).argmax(), vocab).double()  # noqa: E731
     ctx = (0,)
-    law = verifier_law(spec, p, q, tree, vocab, children=mode, context=ctx)
+    law = verifier_law(spec, p, q, tree, vocab, children=children, context=ctx)
     tv, kl = tv_and_kl(target_law(p, ctx, tree.max_depth + 1, vocab), law)
     k = len(tree.children[0])
-    acc = node_acceptance(spec, p(ctx), q(ctx), k, mode) if not spec.greedy_only else float("nan")
+    acc = node_acceptance(spec, p(ctx), q(ctx), k, children) if not spec.greedy_only else float("nan")
     star = alpha_star_iid(p(ctx), q(ctx), k) if spec.children == "iid" else float("nan")
     return tv, kl, acc, star
 

@@ -93,11 +93,11 @@ def fast_linear(module: nn.Module, plan: tuple[int, ...] | None = None):
 
 def _plan_key(model) -> str:
     shapes = sorted({tuple(m.weight.shape) for m in model.hf.modules() if type(m) is nn.Linear})
-    return cache.key(platform.processor() or platform.machine(), _cpu_name(), os.cpu_count(), torch.get_num_threads(),
+    return cache.key(platform.processor() or platform.machine(), cpu_name(), os.cpu_count(), torch.get_num_threads(),
                      torch.__version__, shapes)
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
@@ -141,7 +141,7 @@ def calibrate(model, repeats: int = 5, save: bool = True) -> dict:
                     model.commit(state, [])
             ms[rows][w] = 1000 * statistics.median(times)
         plan.append(min(ms[rows], key=ms[rows].get))
-    out = {"plan": plan, "ms": ms, "cpu": _cpu_name(), "threads": torch.get_num_threads()}
+    out = {"plan": plan, "ms": ms, "cpu": cpu_name(), "threads": torch.get_num_threads()}
     if save:
         cache.write("kernels", _plan_key(model), out)
     return out

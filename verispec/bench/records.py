@@ -15,10 +15,12 @@ A cell counts as done once its prompt record is written; the steps of an unfinis
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
 import subprocess
+import sys
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, fields
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ..decode import StepRecord
+from ..backends.kernels import cpu_name
 from ..errors import VerispecError
 
 NO_DRAFT = "-"  # the draft field of methods that use none (plain decoding, Hugging Face generate)
@@ -89,13 +92,39 @@ def git_revision() -> str:
 
 
 def machine() -> dict:
+    """What a run's speeds depend on: the CPU, its threads and memory, and (where the extra is installed) how
+    llama.cpp was built -- its version, the instruction sets it was compiled for, and the options
+    ``scripts/install_llama.sh`` recorded."""
     out = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-           "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": "cpu"}
+           "cpu": cpu_name(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": "cpu"}
     try:
         with open("/proc/meminfo") as f:
             out["memory_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
     except (OSError, ValueError, IndexError):
         pass
+    llama = llama_build()
+    if llama:
+        out["llama_cpp"] = llama
+    return out
+
+
+def llama_build() -> dict | None:
+    """llama-cpp-python's version, llama.cpp's system info (the instruction sets compiled in) and the build options
+    the install script recorded; None without the extra. Read without loading the library into this process."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    code = "import llama_cpp; print(llama_cpp.__version__); print(llama_cpp.llama_print_system_info().decode())"
+    try:
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = run.stdout.strip().splitlines()
+    out = {"version": lines[0] if lines else "?", "system_info": " ".join(lines[1:]).strip()}
+    stamp = Path(sys.prefix) / "verispec-llama-build.json"
+    try:
+        out["cmake_args"] = json.loads(stamp.read_text())["cmake_args"]
+    except (OSError, ValueError, KeyError):
+        out["cmake_args"] = None  # not installed by scripts/install_llama.sh
     return out
 
 

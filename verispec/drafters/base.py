@@ -67,7 +67,7 @@ class _Growing:
 
     parents: list[int]
     tokens: list[int]
-    template: list[int]  # node of the shape tree each node stands for
+    tree_node: list[int]  # the node of the tree being drafted (``propose``'s ``tree``) each drafted node stands for
     q_rows: dict[int, torch.Tensor]
     child_prob: list[float]
     soft_rows: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -82,7 +82,8 @@ class _Growing:
 
 
 class Drafter:
-    """Base class: grows a draft tree following a template shape; subclasses provide logits."""
+    """Base class: grows a draft following a tree (a subtree of it, as the policy decides); subclasses provide
+    logits."""
 
     name = "drafter"
     drafts = True  # False: proposes nothing ever (``NoDrafter``, plain decoding)
@@ -133,27 +134,27 @@ class Drafter:
     def propose(
         self,
         context: list[int],
-        shape: Tree,
+        tree: Tree,
         sampling: Sampling,
         children: str,
         rng: Randomness,
         control: DraftControl | None = None,
     ) -> Draft:
-        """Draft a tree shaped like (a subtree of) ``shape`` after ``context``; ``context[-1]`` is the root.
-        ``control`` (None: draft the whole shape) decides, before each depth, whether to go on."""
+        """Draft a tree shaped like (a subtree of) ``tree`` after ``context``; ``context[-1]`` is the root.
+        ``control`` (None: draft the whole tree) decides, before each depth, whether to go on."""
         if children not in CHILD_MODES:
             raise VerispecError(f"unknown child mode {children!r}; choose from {', '.join(CHILD_MODES)}")
-        if isinstance(shape, DynamicTree):
-            return self._propose_dynamic(context, shape, sampling, children)
-        g = _Growing(parents=[-1], tokens=[context[-1]], template=[0], q_rows={}, child_prob=[1.0])
+        if isinstance(tree, DynamicTree):
+            return self._propose_dynamic(context, tree, sampling, children)
+        g = _Growing(parents=[-1], tokens=[context[-1]], tree_node=[0], q_rows={}, child_prob=[1.0])
         frontier = [0]
         logits = None
-        if shape.size > 1:
+        if tree.size > 1:
             root = self._root_logits(context)
             logits = None if root is None else root[None]
-        vocab = 0 if logits is None else logits.shape[-1]
+        vocab = 0 if logits is None else logits.size(-1)
         dtype = torch.float64 if logits is not None and logits.dtype == torch.float64 else torch.float32
-        for depth in range(shape.max_depth):
+        for depth in range(tree.max_depth):
             if logits is None:
                 break
             alive = logits.amax(-1) != float("-inf")  # a row with no finite entry: that node gets no children
@@ -179,7 +180,7 @@ class Drafter:
                     break
             new = []
             for row, node in enumerate(frontier):
-                k = len(shape.children[g.template[node]])
+                k = len(tree.children[g.tree_node[node]])
                 if k == 0 or not bool(alive[row]):
                     continue
                 q = laws[row]
@@ -190,29 +191,29 @@ class Drafter:
                 for rank, (x, cp) in enumerate(zip(xs, probs)):
                     g.parents.append(node)
                     g.tokens.append(x)
-                    g.template.append(shape.children[g.template[node]][rank])
+                    g.tree_node.append(tree.children[g.tree_node[node]][rank])
                     g.child_prob.append(cp)
                     new.append(len(g.parents) - 1)
-            expandable = [n for n in new if shape.children[g.template[n]]]
-            if not expandable or depth + 1 >= shape.max_depth:
+            expandable = [n for n in new if tree.children[g.tree_node[n]]]
+            if not expandable or depth + 1 >= tree.max_depth:
                 break
             logits = self._node_logits(g, expandable)
             frontier = expandable
         return _finish(g, children, vocab, dtype)
 
-    def _propose_dynamic(self, context: list[int], shape: DynamicTree, sampling: Sampling, children: str) -> Draft:
+    def _propose_dynamic(self, context: list[int], tree: DynamicTree, sampling: Sampling, children: str) -> Draft:
         """EAGLE-2's dynamic tree (see ``DynamicTree``): grow by draft path probability, then keep the best nodes
         (it sets its own depth: the loop checks that the policy is ``fixed``)."""
         if children != "topk" and not sampling.greedy:
             raise VerispecError(f"a dynamic tree drafts top-k children; use --children topk (got {children!r}): "
                                 "pruning sampled children by their own probability would bias their law")
-        g = _Growing(parents=[-1], tokens=[context[-1]], template=[0], q_rows={}, child_prob=[1.0])
+        g = _Growing(parents=[-1], tokens=[context[-1]], tree_node=[0], q_rows={}, child_prob=[1.0])
         root = self._root_logits(context)
         if root is None:
             return _finish(g, "topk", 0, torch.float32)
         logp = [0.0]  # draft log path probability of each node
         frontier, logits = [0], root[None]
-        for depth in range(shape.depth):
+        for depth in range(tree.depth):
             alive = torch.isfinite(logits).any(-1)
             logits = torch.where(alive[:, None], logits, torch.zeros_like(logits))
             laws = logits_to_probs(logits, sampling)
@@ -224,30 +225,30 @@ class Drafter:
                 g.q_rows[node] = laws[row]
                 if sampling.greedy:
                     g.soft_rows[node] = conf[row]
-                xs, _ = _draw_children(laws[row], logits[row], shape.k, "topk", None)
+                xs, _ = _draw_children(laws[row], logits[row], tree.k, "topk", None)
                 lp = torch.log(conf[row, xs]).tolist()
                 for x, l in zip(xs, lp):
                     g.parents.append(node)
                     g.tokens.append(x)
-                    g.template.append(0)
+                    g.tree_node.append(0)
                     g.child_prob.append(1.0)
                     logp.append(logp[node] + l)
                     new.append(len(g.parents) - 1)
-            if not new or depth + 1 >= shape.depth:
+            if not new or depth + 1 >= tree.depth:
                 break
-            frontier = sorted(new, key=lambda n: (-logp[n], n))[: shape.k]
+            frontier = sorted(new, key=lambda n: (-logp[n], n))[: tree.k]
             logits = self._node_logits(g, frontier)
         # keep the best nodes; a child's path probability never exceeds its parent's, and ties go to the lower
         # (earlier) index, so every kept node's parent is kept too
-        kept = [0] + sorted(sorted(range(1, len(g.parents)), key=lambda n: (-logp[n], n))[: shape.nodes])
+        kept = [0] + sorted(sorted(range(1, len(g.parents)), key=lambda n: (-logp[n], n))[: tree.nodes])
         new_id = {old: new for new, old in enumerate(kept)}
         pruned = _Growing(parents=[-1] + [new_id[g.parents[n]] for n in kept[1:]], tokens=[g.tokens[n] for n in kept],
-                          template=[0] * len(kept), q_rows={}, child_prob=[1.0] * len(kept))
+                          tree_node=[0] * len(kept), q_rows={}, child_prob=[1.0] * len(kept))
         has_children = {g.parents[n] for n in kept[1:]}
         pruned.q_rows = {new_id[n]: g.q_rows[n] for n in kept if n in has_children}
         pruned.soft_rows = {new_id[n]: g.soft_rows[n] for n in kept if n in has_children and n in g.soft_rows}
         self._renumber(kept)
-        return _finish(pruned, "topk", root.shape[-1], torch.float64 if root.dtype == torch.float64 else torch.float32)
+        return _finish(pruned, "topk", root.size(-1), torch.float64 if root.dtype == torch.float64 else torch.float32)
 
     def _renumber(self, kept: list[int]) -> None:
         """A dynamic tree kept the grown nodes ``kept`` (new node i was node ``kept[i]``); drafters that track
@@ -275,12 +276,12 @@ def _finish(g: _Growing, children: str, vocab: int, dtype: torch.dtype) -> Draft
     )
 
 
-def _draw_children(q: torch.Tensor, logits: torch.Tensor, k: int, mode: str, rng: Randomness):
-    """Draw up to k children of one node; return (tokens, conditional probabilities)."""
-    if mode == "iid":
+def _draw_children(q: torch.Tensor, logits: torch.Tensor, k: int, children: str, rng: Randomness):
+    """Draw up to k children of one node in child mode ``children``; return (tokens, conditional probabilities)."""
+    if children == "iid":
         xs = rng.categorical(q.expand(k, -1)).tolist()
         return xs, [float(q[x]) for x in xs]
-    if mode == "swor":
+    if children == "swor":
         xs, probs, left = [], [], q.clone()
         for _ in range(min(k, int((q > 0).sum()))):
             law = left / left.sum()

@@ -46,8 +46,8 @@ class HybridDrafter(Drafter):
             self.source(context)
         return self._chosen[1]
 
-    def propose(self, context, shape, sampling, children, rng, control=None) -> Draft:
-        return self._current(context).propose(context, shape, sampling, children, rng, control)
+    def propose(self, context, tree, sampling, children, rng, control=None) -> Draft:
+        return self._current(context).propose(context, tree, sampling, children, rng, control)
 
     def observe(self, hidden) -> None:
         self.model.observe(hidden)  # every step, whichever source drafted: the model's features stay complete

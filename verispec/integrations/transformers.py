@@ -24,8 +24,9 @@ from ..backends import CausalLM, load
 from ..decode import generate_steps
 from ..drafters import DraftSpec, NoDrafter, build_drafter
 from ..errors import VerispecError
-from ..methods import check, resolve
+from ..methods import resolve
 from ..probs import Sampling
+from ..verifiers import check
 
 _WRAPPED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # HF model -> the CausalLM verispec made for it
 

@@ -27,6 +27,7 @@ import torch
 from ..drafters.base import Draft
 from ..errors import VerispecError
 from ..rng import Randomness
+from ..tree import DynamicTree, Tree
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class VerifierSpec:
     note: str  # one line: what it is, or why it is not exact
     chain_only: bool = False
     greedy_only: bool = False  # only meaningful at temperature 0
-    children: str | None = None  # the child-sampling mode it needs (None: any)
+    children: str | None = None  # the child mode it needs (None: any)
     node_rule: "NodeRule | None" = None  # set for verifiers that are a walk of per-node rules (the audit recurses)
     # Learning verifiers (AdaSD): ``new_state()`` makes what they learn; ``fn(draft, p, rng, state)`` only
     # reads it and returns ``Verdict.feedback``; the decoding loop then calls ``state.update(feedback)``.
@@ -58,13 +59,30 @@ class VerifierSpec:
     with_param: Callable[[float], "VerifierSpec"] | None = None
 
     def __call__(self, draft: Draft, p: torch.Tensor, rng: Randomness, state=None) -> Verdict:
-        if self.chain_only and not draft.tree.is_chain:
-            raise VerispecError(f"verifier {self.name!r} only verifies chains; use a tree verifier for {draft.tree.describe()}")
-        if self.children is not None and draft.tree.size > 1 and draft.children != self.children:
-            raise VerispecError(f"verifier {self.name!r} needs children drawn {self.children!r}, got {draft.children!r}")
+        check(self, draft.tree, draft.children)  # the loop checked its plan once; a direct call is checked here
         if self.new_state is not None:
             return self.fn(draft, p, rng, state if state is not None else self.new_state())
         return self.fn(draft, p, rng)
+
+
+def check(verifier: VerifierSpec, tree: Tree | DynamicTree | None, children: str, policy: str | None = None,
+          temperature: float | None = None) -> None:
+    """The one compatibility check of a run's pieces (``None``: not known yet), one message per mistake: the CLI and
+    every entry point find their plan compatible with it (``methods.resolve``), the loop before it starts, and a
+    verifier called directly on a draft."""
+    if temperature is not None and verifier.greedy_only and temperature > 0:
+        raise VerispecError(f"verifier {verifier.name!r} is for temperature 0 only; got temperature {temperature}")
+    drafting = tree is not None and tree.size > 1
+    if drafting and verifier.children is not None and children != verifier.children:
+        raise VerispecError(f"verifier {verifier.name!r} needs --children {verifier.children}, got {children}")
+    if drafting and verifier.chain_only and not tree.is_chain:
+        raise VerispecError(f"verifier {verifier.name!r} only verifies chains, not {tree.describe()}")
+    if isinstance(tree, DynamicTree):
+        if policy is not None and policy != "fixed":
+            raise VerispecError("a dynamic tree chooses its own depth; use it with the fixed draft-length policy")
+        if children != "topk" and temperature is not None and temperature > 0:
+            raise VerispecError(f"a dynamic tree drafts top-k children; use --children topk (got {children!r}): "
+                                "pruning sampled children by their own probability would bias their law")
 
 
 VERIFIERS: dict[str, VerifierSpec] = {}

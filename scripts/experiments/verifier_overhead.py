@@ -3,7 +3,7 @@
 Drafts a tree with a layer-skip draft of the default target, runs the target forward over it (timed),
 then times every tree verifier on the same probabilities (median of repeats). Sampling only (T > 0).
 
-    python scripts/verifier_overhead.py --tree 3x5 --temperature 1.0 --repeats 20
+    python scripts/experiments/verifier_overhead.py --tree 3x5 --temperature 1.0 --repeats 20
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Collect the validation curves of several `verispec train-draft` runs into one JSON file, for the head comparison
 in docs/results.md (`python scripts/make_results.py --render` draws it).
 
-    python scripts/head_variants.py runs/e3 runs/e1 --out results/head_variants.json
+    python scripts/experiments/head_variants.py runs/e3 runs/e1 --out results/head_variants.json
 
 Each run contributes its training options (config.json) and, for every checkpoint of its last training from
 scratch, the number of training sequences seen so far and the held-out agreement per depth (``val_top1_k``) and

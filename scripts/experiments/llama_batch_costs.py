@@ -1,7 +1,7 @@
 """What one llama.cpp decode of k chained tokens costs against one token, with logits for every row (what verification
 needs) and for the last row only (what plain decoding of a prompt chunk asks for), for the built-in GGUF models.
 
-    python scripts/llama_batch_costs.py            # needs llama-cpp-python (bash scripts/install_llama.sh); about a minute
+    python scripts/experiments/llama_batch_costs.py            # needs llama-cpp-python (bash scripts/install_llama.sh); about a minute
     -> results/llama_batch_costs.json, read by scripts/make_results.py
 
 Run it on a quiet machine: each figure is the median of 9 decodes after a 120-token context.
@@ -19,7 +19,7 @@ import torch
 
 from verispec.backends import load
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
 MODELS = ("smollm2-135m", "gemma3-270m")
 

@@ -8,7 +8,7 @@ enumeration audit in the tests): ``specinfer`` and ``reserve`` (one pass over th
 * real (p, q) pairs: target and draft distributions of the default model along its own sampled
   responses to Spec-Bench prompts (one forward of each model over prompt + response).
 
-    python scripts/reserve_gap.py --prompts 6 --positions 20 --temperatures 0.6 1.0
+    python scripts/experiments/reserve_gap.py --prompts 6 --positions 20 --temperatures 0.6 1.0
 """
 
 from __future__ import annotations

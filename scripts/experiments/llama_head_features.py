@@ -2,7 +2,7 @@
 greedy next tokens (SmolLM2 Q4_1), fed llama.cpp's own final hidden states (embeddings, no pooling) against the
 float32 Hugging Face model's, on the llama.cpp greedy Spec-Bench answers recorded in results/llama_smollm2.jsonl.
 
-    python scripts/llama_head_features.py      # needs llama-cpp-python (bash scripts/install_llama.sh); about a minute
+    python scripts/experiments/llama_head_features.py      # needs llama-cpp-python (bash scripts/install_llama.sh); about a minute
 """
 import json
 

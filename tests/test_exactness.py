@@ -1,64 +1,118 @@
-"""The exhaustive audit: every exact verifier passes, every known-biased rule is flagged; the exact rules of this
-project never accept less than specinfer at a node, and never less with an extra candidate."""
+"""Exactness by enumeration, the one suite: every rule that claims exactness has the target's output law (its exact
+law computed by enumerating every random outcome in float64, ``verispec.audit``), every known-biased rule and
+negative control is flagged, and the laws' side facts hold (reductions to chain sampling, acceptance closed forms,
+never accepting less than specinfer). The full audit (200 random cases per rule) and the end-to-end enumerations
+are marked slow; CI runs them too. The decoding loop's own law (policies, hybrid drafts, batches) is enumerated by
+``audit.law.loop_law`` in the tests of those pieces."""
 
+import dataclasses
 import functools
 import itertools
 
 import pytest
 import torch
 
+from verispec.audit import random_tables, step_law, target_law, tv_and_kl, verifier_law
 from verispec.audit.controls import NEGATIVE_CONTROLS
-from verispec.audit.law import node_acceptance, random_tables, step_law
-from verispec.audit.optimum import alpha_star_iid, sequential_acceptance
-from verispec.audit.run import audit
+from verispec.audit.law import node_acceptance
+from verispec.audit.montecarlo import monte_carlo_node
+from verispec.audit.optimum import alpha_star_iid, ordered_acceptance_k2, sequential_acceptance
+from verispec.audit.run import audit, never_lose_rows
 from verispec.tree import Tree
 from verispec.verifiers import VERIFIERS, get_verifier
+from verispec.verifiers.base import Verdict, VerifierSpec, first_child_law
 from verispec.verifiers.resispec import resispec_residual, water_fill
 
-CASES = 200  # random (p, q, tree) cases for each rule that claims exactness
+FULL_CASES = 200  # random (p, q, tree) cases for each rule that claims exactness (slow)
+QUICK_CASES = 20  # the same audit, fewer cases: what `pytest -m "not slow"` checks
 FLAG_CASES = 40  # a biased rule needs one case to show it; fewer keep the suite quick (adasd is slow to enumerate)
-SLOW = {"traversal", "ctl-traversal-no-residual"}  # end-to-end enumeration: audited on fewer cases below
-EXACT = [name for name, spec in VERIFIERS.items() if spec.exact and name not in SLOW]
-
-
-AUDIT_ROWS = pytest.mark.xdist_group("audit-rows")  # asks pytest-xdist to keep the tests reading ``rows`` together
+END_TO_END = {"traversal", "ctl-traversal-no-residual"}  # whole-tree enumeration: audited on fewer cases below
+EXACT = [name for name, spec in VERIFIERS.items() if spec.exact and name not in END_TO_END]
+BIASED = ["resispec", "adasd", "fsd", "typical", "bild", "mix", "budget", *(c for c in NEGATIVE_CONTROLS
+                                                                            if c not in END_TO_END)]
 
 
 @functools.cache  # once per process: a pytest-xdist worker may tear module fixtures down between two of its tests
-def _audit_rows():
-    specs = [s for s in list(VERIFIERS.values()) + list(NEGATIVE_CONTROLS.values()) if s.name not in SLOW]
+def audit_rows(cases: int) -> dict:
+    specs = [s for s in list(VERIFIERS.values()) + list(NEGATIVE_CONTROLS.values()) if s.name not in END_TO_END]
     exact = [s for s in specs if s.name in EXACT]
     biased = [s for s in specs if s.name not in EXACT]
-    return {r.verifier: r for r in audit(exact, cases=CASES, seed=1) + audit(biased, cases=FLAG_CASES, seed=1)}
+    return {r.verifier: r for r in audit(exact, cases=cases, seed=1) + audit(biased, cases=FLAG_CASES, seed=1)}
 
 
-@pytest.fixture
-def rows():
-    return _audit_rows()
+AUDIT_ROWS = pytest.mark.xdist_group("audit-rows")  # asks pytest-xdist to keep the tests reading the rows together
 
 
 @AUDIT_ROWS
+@pytest.mark.parametrize("cases", [QUICK_CASES, pytest.param(FULL_CASES, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", EXACT)
-def test_every_exact_verifier_matches_the_target_law(rows, name):
-    row = rows[name]
-    assert row.cases == CASES
+def test_every_exact_verifier_matches_the_target_law(name, cases):
+    row = audit_rows(cases)[name]
+    assert row.cases == cases
     assert row.max_tv < 1e-12 and abs(row.max_kl) < 1e-12
     assert row.verdict == "exact"
 
 
 @AUDIT_ROWS
-@pytest.mark.parametrize("name", ["resispec", "adasd", "fsd", "typical", "bild", "mix", "budget",
-                                  *(c for c in NEGATIVE_CONTROLS if c not in SLOW)])
-def test_known_biased_rules_are_flagged(rows, name):
-    assert rows[name].max_tv > 1e-3
-    assert rows[name].verdict == "biased (as labelled)"
+@pytest.mark.parametrize("name", BIASED)
+def test_known_biased_rules_are_flagged(name):
+    row = audit_rows(QUICK_CASES)[name]
+    assert row.max_tv > 1e-3
+    assert row.verdict == "biased (as labelled)"
 
 
 @AUDIT_ROWS
-def test_reserve_and_ordered_accept_more_than_specinfer(rows):
+def test_reserve_and_ordered_accept_more_than_specinfer():
+    rows = audit_rows(QUICK_CASES)
     mss, res, ordd, star = (rows["specinfer"].mean_acceptance, rows["reserve"].mean_acceptance,
                             rows["ordered"].mean_acceptance, rows["specinfer"].mean_alpha_star)
     assert mss < res <= star + 1e-12 and mss < ordd <= star + 1e-12
+
+
+def _chain_without_residual(draft, p, rng):
+    """Negative control: after a rejection draw from p itself instead of norm((p - q)_+)."""
+    g = draft.num_drafted
+    x = draft.tokens[1:]
+    for i in range(g):
+        law = first_child_law(draft, i)
+        if not bool(rng.bernoulli(torch.clamp(p[i, x[i]] / law[x[i]], max=1.0))):
+            return Verdict(tuple(range(1, i + 1)), int(rng.categorical(p[i])), (1,) * (i + 1))
+    return Verdict(tuple(range(1, g + 1)), int(rng.categorical(p[g])), (1,) * g)
+
+
+def test_the_law_exposes_a_verifier_that_skips_the_residual():
+    broken = VerifierSpec("no-residual", _chain_without_residual, exact=False, note="negative control")
+    p, q = random_tables(4, 0)
+    law = verifier_law(broken, p, q, Tree.chain(2), 4)
+    tv, _ = tv_and_kl(target_law(p, (0,), 3, 4), law)
+    assert tv > 1e-3
+    exact = verifier_law(get_verifier("chain"), p, q, Tree.chain(2), 4)
+    assert tv_and_kl(target_law(p, (0,), 3, 4), exact)[0] < 1e-12  # the same case, the real rule
+
+
+TREE_RULES = {"specinfer": "iid", "swor": "swor", "topk": "topk", "reserve": "iid", "ordered": "iid"}
+
+
+@pytest.mark.parametrize("name", [*TREE_RULES, "block"])
+def test_on_a_chain_every_exact_tree_verifier_is_chain_sampling(name):
+    p, q = random_tables(4, 7)
+    for g in (1, 2):
+        children = TREE_RULES.get(name, "iid")
+        a = step_law(get_verifier(name), p, q, Tree.chain(g), children=children)
+        b = step_law(get_verifier("chain"), p, q, Tree.chain(g), children=children)
+        if name == "block":  # block keeps more tokens jointly: same law, at least as long a step
+            assert sum(w * len(s) for s, w in a.items()) >= sum(w * len(s) for s, w in b.items()) - 1e-14
+            continue
+        assert a.keys() == b.keys()
+        assert max(abs(a[k] - b[k]) for k in a) < 1e-14
+
+
+def test_swor_always_accepts_when_the_draft_support_fits():
+    # supp(p) within supp(q), |supp(q)| <= k: a child is always accepted (docs/algorithms.md, "Tree rules over one draft")
+    p_ = torch.tensor([0.5, 0.5, 0.0], dtype=torch.float64)
+    q_ = torch.tensor([0.9, 0.1, 0.0], dtype=torch.float64)
+    law = step_law(get_verifier("swor"), lambda s: p_, lambda s: q_, Tree.complete(2, 1), children="swor")
+    assert sum(w for seq, w in law.items() if len(seq) == 1) == pytest.approx(0.0, abs=1e-15)
 
 
 def test_published_counterexample_is_biased_for_resispec():
@@ -113,8 +167,6 @@ def test_closed_form_acceptance_matches_enumeration():
 
 
 def test_ordered_k2_takes_the_better_of_priority_testing_and_specinfer():
-    from verispec.audit.optimum import ordered_acceptance_k2
-
     for seed in range(10):
         p, q = random_tables(5, 80 + seed, concentration=0.6, sparsity=0.2 if seed % 2 else 0.0)
         p, q = p(()), q(())
@@ -122,6 +174,7 @@ def test_ordered_k2_takes_the_better_of_priority_testing_and_specinfer():
         assert best == pytest.approx(node_acceptance(get_verifier("ordered"), p, q, 2), abs=1e-12)
 
 
+@pytest.mark.slow
 def test_traversal_is_exact_and_flagged_without_its_residual_update():
     rows = {r.verifier: r for r in audit([VERIFIERS["traversal"]], cases=18, seed=2)
             + audit([NEGATIVE_CONTROLS["ctl-traversal-no-residual"]], cases=6, seed=2)}
@@ -141,7 +194,6 @@ def test_reserve_and_ordered_never_accept_less_than_specinfer_or_than_with_fewer
     """Random small (p, q), k = 2 and 3 i.i.d. candidates, acceptance by enumeration (p close to q in a fifth of the
     cases, where priority testing loses most); also between alpha*_iid and specinfer, the published failures:
     p = (.4329, .2194, .3477), q = (.4239, .218, .3581) for ordered, p = (0, 1, 0), q = (.02, .96, .02) for reserve."""
-    from verispec.audit.run import never_lose_rows
 
     for row in never_lose_rows([get_verifier("reserve"), get_verifier("ordered")], cases=60, seed=3):
         assert row["below_specinfer"] == 0 and row["below_fewer_candidates"] == 0, row
@@ -158,8 +210,6 @@ def test_reserve_and_ordered_never_accept_less_than_specinfer_or_than_with_fewer
 def test_reserve_weighs_deeper_subtrees_and_keeps_its_accepted_length_on_uneven_trees():
     """On trees whose later children are shallower, accepting later costs length: with subtree weights ``reserve``
     keeps at least specinfer's expected accepted length (end-to-end enumeration, so the rule sees the tree)."""
-    import dataclasses
-
     shapes = [Tree.from_paths([(0,), (1,), (2,), (0, 0), (0, 1)]), Tree.from_paths([(0,), (1,), (0, 0), (0, 0, 0)])]
     e2e = {n: dataclasses.replace(get_verifier(n), node_rule=None) for n in ("reserve", "specinfer")}
     for i in range(6):
@@ -169,9 +219,8 @@ def test_reserve_weighs_deeper_subtrees_and_keeps_its_accepted_length_on_uneven_
         assert length["reserve"] >= length["specinfer"] - 1e-9, (i, length)
 
 
+@pytest.mark.slow
 def test_monte_carlo_passes_exact_rules_and_flags_resispec():
-    from verispec.audit.montecarlo import monte_carlo_node
-
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(400, generator=gen) * 3
     p = torch.softmax(logits, 0).double()

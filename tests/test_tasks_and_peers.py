@@ -7,7 +7,6 @@ from verispec import Tree, generate, get_verifier
 from verispec.bench.peers import hf_generate
 from verispec.bench.tasks import gsm8k, gsm8k_correct, humaneval, humaneval_passes, score, truncate_completion
 from verispec.drafters import NoDrafter
-from verispec.methods import METHODS, resolve
 
 
 @pytest.mark.parametrize("output,gold,ok", [
@@ -85,18 +84,3 @@ def test_hf_peer_sampling_is_seeded(target):
     a = hf_generate(target, PROMPT, 12, 0.8, seed=4)
     b = hf_generate(target, PROMPT, 12, 0.8, seed=4)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 12 and a.wall_s > 0
-
-
-def test_methods_registry():
-    assert resolve("adasd").verifier.name == "adasd" and resolve("adasd").policy == "adasd-entropy"
-    assert resolve("adasd-gen-only").verifier.name == "chain"
-    assert resolve("adasd-verify-only").policy == "fixed" and resolve("adasd-verify-only").tree_for().max_depth == 5
-    assert resolve("adasd-hybrid").policy == "hf"
-    assert resolve("default").policy == "auto" and resolve("default").tree == "auto"
-    for m in METHODS.values():
-        run = resolve(m.name).build()
-        assert (run.verifier_state is not None) == (run.verifier.new_state is not None)
-        assert run.policy.name == m.policy  # the policy the row names is the one it builds
-        assert (run.tree.size == 1) == (m.tree == "none")  # a drafting method drafts something
-    with pytest.raises(Exception, match="unknown method"):
-        resolve("nope")
