@@ -157,11 +157,13 @@ def path(name: str) -> Path:
     return ROOT / "results" / f"{name}.jsonl"
 
 
-def run(name: str) -> None:
+def run(name: str, fresh: bool = False) -> None:
+    """One run into results/NAME.jsonl: continued where it stopped, or measured anew with ``fresh`` (the old
+    records are replaced as the run starts, after its header names the clean revision it runs at)."""
     runs = {**HEAD_RUNS, **LLAMA_RUNS}
     argv = ["bench", *(runs[name]() if name in runs else RUNS[name]), "--out",
-            str(path(name).relative_to(ROOT)), "--resume"]
-    if not path(name).exists():
+            str(path(name).relative_to(ROOT)), "--overwrite" if fresh else "--resume"]
+    if not path(name).exists() and not fresh:
         argv.remove("--resume")
     saved = dict(os.environ)
     os.environ.update(ENV.get(name, {}))
@@ -582,10 +584,12 @@ def main() -> None:
                     choices=[*RUNS, *HEAD_RUNS, *LLAMA_RUNS],
                     help="runs to do (the head runs need the shipped draft head, the llama ones llama-cpp-python; "
                          "default: all that can run)")
+    ap.add_argument("--fresh", action="store_true",
+                    help="measure the runs anew, replacing their records (default: continue each where it stopped)")
     args = ap.parse_args()
     if not args.render:
         for name in args.runs:
-            run(name)
+            run(name, fresh=args.fresh)
     (ROOT / "docs" / "results.md").write_text(render() + "\n", encoding="utf-8")
     print("wrote docs/results.md")
 
