@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -32,13 +33,14 @@ from verispec.bench.report import (
     table_verifiers_by_category,
     table_width,
 )
+from verispec.bench.runner import BenchConfig, static_notes
 from verispec.bench.stats import fmt
 
 TABLE1_VERIFIERS = ["specinfer", "resispec", "swor", "reserve", "topk"]
 ISO_TREES = ["30x1", "5x2", "2x4", "6,1,1,1,1", "3,1,1,1,1,1,1,1,1,1"]  # 30 drafted nodes each
 WIDTH_TREES = ["1x3", "2x3", "3x3", "4x3"]  # N candidates per node, depth 3 (3x3 is the shadow run's tree)
 
-# plain decoding with the stock linear kernel and with verispec's (see verispec.models.use_tall_skinny_linear)
+# plain decoding with the stock linear kernel and with verispec's (see verispec.backends.kernels)
 KERNEL = ["--methods", "hf-generate", "ar", "--drafts", "none", "--datasets", "spec-bench", "--limit", "1",
           "--temperatures", "0", "--max-new-tokens", "48"]
 
@@ -56,12 +58,18 @@ RUNS = {
 }
 
 
-TUNED = ROOT / "results" / "tune_eagle.json"  # `verispec tune-tree --draft eagle --out results/tune_eagle.json`
+TUNED = ROOT / "results" / "tune_eagle.json"
+TUNE_COMMAND = "verispec tune-tree --draft eagle --children topk --temperature 0 --prompts 6 --out results/tune_eagle.json"
 HEAD_INFO = ROOT / "verispec" / "heads" / "smollm2-135m.json"  # the shipped head's sidecar
 # `verispec eval-draft --draft eagle:HEAD --corpus runs/e3 --per-group 5 --check 3 --json` for the shipped head and
-# for the EAGLE-3-style head trained in issue 12 (docs/findings.md has the commands)
+# for the EAGLE-3-style head trained in issue 12 (docs/archive/findings.md has the commands)
 AGREEMENT = {"shipped head (EAGLE-1)": ROOT / "results" / "agreement_shipped.json",
              "EAGLE-3-style head (not shipped)": ROOT / "results" / "agreement_eagle3.json"}
+AGREEMENT_COMMANDS = {  # as run (docs/archive/findings.md, "Head variants")
+    "shipped head (EAGLE-1)": "verispec eval-draft --draft eagle:verispec/heads/smollm2-135m.pt --corpus runs/e3 "
+                              "--per-group 5 --check 3 --json > results/agreement_shipped.json",
+    "EAGLE-3-style head (not shipped)": "verispec eval-draft --draft eagle:runs/final/head.pt --corpus runs/e3 "
+                                        "--per-group 5 --json > results/agreement_eagle3.json"}
 VARIANTS = ROOT / "results" / "head_variants.json"  # `python scripts/experiments/head_variants.py RUN... --out ...`
 
 DYNAMIC = "dyn:4,2,3"  # EAGLE-2 dynamic tree: depth <= 4, top-2 expansion, the 3 most probable nodes kept
@@ -175,6 +183,30 @@ def run(name: str, fresh: bool = False) -> None:
         os.environ.update(saved)
 
 
+def provenance(path: Path, command: str, data: dict | None = None) -> str:
+    """Where a JSON report came from: the command that makes it, and the revision it was measured at -- recorded in
+    the report itself by newer commands, else the commit that last changed the file (measured at or before it)."""
+    if data and data.get("git"):
+        return f"`{data.get('command') or command}` at git {data['git']}"
+    rel = str(path.relative_to(ROOT))
+    rev = subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%H", "--", rel], capture_output=True,
+                         text=True).stdout.strip()
+    return f"`{command}`; the revision it was measured at was not recorded ({rel} committed at {rev or 'no commit'})"
+
+
+def run_lines(res: Results) -> list[str]:
+    """A run's command, machine and revision, then the cells it left out."""
+    return [f"Run: {res.describe()}", "", left_out(res)]
+
+
+def left_out(res: Results) -> str:
+    """The run's cells left out by design, in one sentence (or that none were)."""
+    notes = res.header.get("notes")
+    if notes is None:
+        notes = static_notes(BenchConfig.from_dict(res.header.get("config", {})))
+    return "Left out: " + "; ".join(notes) + "." if notes else "No cell of this run was left out."
+
+
 def fig(p: Path | None) -> str:
     return f"![{p.stem}](figures/{p.name})" if p else "(no data)"
 
@@ -192,8 +224,8 @@ def by_category_table(rows, metrics=(("vs_hf_generate", "vs HF generate"), ("spe
 def speed_section(res: Results, figs: Path) -> list[str]:
     rows = summarize(res)
     cats = summarize(res, by_category=True)
-    return ["## Speed of the defaults against plain decoding, Hugging Face and llama.cpp", "", f"Run: {res.describe()}",
-            "", "`default` is what `verispec generate` does with no options (draft `auto`; exact chain verification; the "
+    return ["## Speed of the defaults against plain decoding, Hugging Face and llama.cpp", "", *run_lines(res),
+            "", res.llama_build(), "", "`default` is what `verispec generate` does with no options (draft `auto`; exact chain verification; the "
             "draft length chosen per step by the `auto` policy), here also with the prompt-lookup draft `ngram`. "
             "`auto` is `hybrid`: prompt lookup on steps where the text repeats itself, the shipped head elsewhere "
             "(`chain:5`, the `auto` policy per source). `ar` is plain decoding in verispec's loop, `hf-generate` "
@@ -232,7 +264,7 @@ def hybrid_section(res: Results, figs: Path) -> list[str]:
     rows = summarize(res)
     cats = summarize(res, by_category=True)
     return ["## A hybrid draft: prompt lookup where the text repeats itself, the head elsewhere", "",
-            f"Run: {res.describe()}", "",
+            *run_lines(res), "",
             "Every row runs `default` (the `auto` policy, exact chain verification) with a different draft: `eagle` "
             "(the shipped head, its tuned `chain:1`), `ngram` (prompt lookup, `chain:5`) and `hybrid` (`chain:5`): "
             "each step drafts by prompt lookup when the context's last 2 or more tokens occurred before, by the "
@@ -246,7 +278,7 @@ def hybrid_section(res: Results, figs: Path) -> list[str]:
 def gate_section(res: Results) -> list[str]:
     rows = summarize(res)
     cats = summarize(res, by_category=True)
-    return ["## The auto policy's confidence gate (prompt-lookup draft)", "", f"Run: {res.describe()}", "",
+    return ["## The auto policy's confidence gate (prompt-lookup draft)", "", *run_lines(res), "",
             "The gate drafts each further token only while the draft's confidence in it, calibrated online against "
             "acceptance, makes one more depth pay at the measured step costs (`verispec/policies.py`, `AutoDepth`); "
             "without it the `auto` policy plans a depth before each step from per-depth acceptance. "
@@ -308,7 +340,8 @@ def head_section(figs: Path) -> list[str]:
                 cells = [f"{x:.3f}" for x in st["agreement"]] + ["-"] * (depths - len(st["agreement"]))
                 chain = [f"{x:.3f}" for x in st["chain_acceptance"]] + ["-"] * (depths - len(st["chain_acceptance"]))
                 lines.append(f"| {who} | {name} | {st['sequences']} | " + " | ".join(cells + chain) + " |")
-        out += ["## The draft head: agreement with the target", "",
+        made = "; ".join(f"{who}: " + provenance(AGREEMENT[who], AGREEMENT_COMMANDS[who], rep) for who, rep in reports.items())
+        out += ["## The draft head: agreement with the target", "", f"Made by {made}.", "",
                 "Top-1 agreement of the head with the target per drafted depth, on response tokens only, the head fed "
                 "its own predicted features from depth 2 on exactly as in the decoding loop (`verispec eval-draft`). "
                 "Spec-Bench: the target's own greedy answers to the last questions of each category (never in any "
@@ -336,8 +369,8 @@ def head_section(figs: Path) -> list[str]:
     if TUNED.exists():
         tune = json.loads(TUNED.read_text())
         fwd = tune["target_forward_s"]
-        out += [f"Step costs measured by `verispec tune-tree` (T = {tune['temperature']:g}): the target's forward "
-                "over n tree tokens, and the head's cost per drafted depth.", "",
+        out += [f"Step costs measured by {provenance(TUNED, TUNE_COMMAND, tune)} (T = {tune['temperature']:g}): the "
+                "target's forward over n tree tokens, and the head's cost per drafted depth.", "",
                 "| tokens | " + " | ".join(fwd) + " | head per depth |", "|" + "---|" * (len(fwd) + 2),
                 "| ms | " + " | ".join(f"{1000 * v:.1f}" for v in fwd.values())
                 + f" | {1000 * tune['draft_s_per_depth']:.1f} |", "",
@@ -370,7 +403,7 @@ def shadow_section(res: Results) -> list[str]:
     rows = shadow_summary(res)
     cats = [r for r in shadow_summary(res, by_category=True)]
     return ["## Verifiers on the same steps: shadow verification (ResiSpec Table 1 and Figure 1 shapes)", "",
-            f"Run: {res.describe()}", "",
+            *run_lines(res), "",
             f"One exact verifier (`specinfer`, tree `{SHADOW_TREE}`, children i.i.d.) drives the text; at every step "
             "each shadow verifier is run on the very same draft and target probabilities with coins of its own "
             "(no extra model forwards). Exact shadows see the states they would visit on their own (every exact "
@@ -415,7 +448,7 @@ def trees_section(figs: Path) -> list[str]:
 def llama_section(res: Results, model: str) -> list[str]:
     rows = summarize(res)
     cats = summarize(res, by_category=True)
-    return [f"## The llama.cpp backend: {model}", "", f"Run: {res.describe()}", "",
+    return [f"## The llama.cpp backend: {model}", "", *run_lines(res), "", res.llama_build(), "",
             "verispec's loop on llama.cpp's logits (`--backend llama`; the GGUF model is the target, exactness is "
             "relative to it) against llama.cpp's plain decoding (`llama-cpp`)"
             + (" and llama-cpp-python's prompt-lookup speculative decoding (`llama-cpp-lookup`, its default of 10 "
@@ -444,7 +477,8 @@ def llama_costs_section() -> list[str]:
         body.append([name, "every row", f"{m['one_token_ms']:.1f}", *[f"{x:.2f}x" for x in m["all_logits"][1:]]])
         body.append([name, "last row only", f"{m['one_token_ms']:.1f}", *[f"{x:.2f}x" for x in m["last_logits"][1:]]])
     out = ["## llama.cpp: what a decode of k tokens costs", "",
-           f"`python scripts/experiments/llama_batch_costs.py` ({costs['threads']} threads, one decode of k chained tokens after a "
+           f"{provenance(BATCH_COSTS, 'python scripts/experiments/llama_batch_costs.py', costs)} ({costs['threads']} "
+           "threads, one decode of k chained tokens after a "
            "120-token context, median of 9, against one token). Verification needs the logits of every row; "
            "llama.cpp then runs its output layer once per row, which on Gemma 3 (a 262k-token vocabulary) is most "
            "of a token's cost. A decode asking for the last row's logits only (what the issue's first table "
@@ -464,8 +498,12 @@ def llama_costs_section() -> list[str]:
         proj.append([name, f"{a:.2f}", f"{per_depth:.3f}", f"{t['best']['tree']}",
                      f"{t['best']['predicted_speedup']:.2f}x", f"chain:{best}", f"{tokens / (1 + best * per_depth):.2f}x"])
     if proj:
-        out += ["From `verispec tune-tree --backend llama --target MODEL --draft ngram --children topk --prompts 6 "
-                "--out results/tune_llama_MODEL.json`: the draft's first-candidate acceptance `a` on held-out "
+        made = "; ".join(provenance(ROOT / "results" / f"tune_llama_{n.split('-')[0]}.json",
+                                    f"verispec tune-tree --backend llama --target {n} --draft ngram --children topk "
+                                    f"--prompts 6 --out results/tune_llama_{n.split('-')[0]}.json",
+                                    json.loads((ROOT / "results" / f"tune_llama_{n.split('-')[0]}.json").read_text()))
+                         for n in costs["models"] if (ROOT / "results" / f"tune_llama_{n.split('-')[0]}.json").exists())
+        out += [f"From {made}: the draft's first-candidate acceptance `a` on held-out "
                 "Spec-Bench questions (greedy), its cost per drafted depth relative to one target token, the tree "
                 "the tuner picks at the measured costs and its predicted speedup over plain decoding; then the "
                 "projection for a target whose decode is bound by memory bandwidth, where a forward over up to 16 "
@@ -482,8 +520,9 @@ def render() -> str:
     figs.mkdir(parents=True, exist_ok=True)
     out = ["# Measured results", "",
            "Generated by `python scripts/make_results.py` from the records in `results/*.jsonl` (one record per "
-           "decoding step and per prompt; see `verispec/bench.py`). Every number below is derived from those "
-           "records by `verispec/report.py`; `verispec report results/NAME.jsonl` prints the full tables. "
+           "decoding step and per prompt; see `verispec/bench/records.py`). Every number below is derived from those "
+           "records by `verispec/bench/report.py`; `verispec report results/NAME.jsonl` prints the full tables. "
+           "Each run names its command, machine and full revision (`+dirty`: it ran with uncommitted changes). "
            "Speeds are ratios measured within one run: every method runs on the same prompts in one process, "
            "interleaved prompt by prompt. tokens/s counts wall time including prefill (the draft's own prefill of "
            "the prompt counts as drafting time). Default target SmolLM2-135M-Instruct (fp32).", ""]
@@ -525,7 +564,7 @@ def render() -> str:
     if path("table2").exists():
         res = Results.load(path("table2"))
         rows = summarize(res)
-        out += ["## ResiSpec Table 2 shape: the verifiers as add-ons on the eagle draft", "", f"Run: {res.describe()}",
+        out += ["## ResiSpec Table 2 shape: the verifiers as add-ons on the eagle draft", "", *run_lines(res),
                 "", "Draft `eagle` with the tree chosen by `verispec tune-tree` (children i.i.d. for `specinfer`, "
                 "`resispec` and `reserve`, without replacement for `swor`, the top-k for `topk`), and `topk` on "
                 f"the EAGLE-2 dynamic tree `{DYNAMIC}`. `resispec` is the published rule and is **not exact**.", "",
@@ -534,7 +573,7 @@ def render() -> str:
 
     res = Results.load(path("peers"))
     rows, cats = summarize(res), summarize(res, by_category=True)
-    out += ["## Speedup against plain decoding and the Hugging Face peers", "", f"Run: {res.describe()}", "",
+    out += ["## Speedup against plain decoding and the Hugging Face peers", "", *run_lines(res), "",
             "This run and the ones below it predate verispec's linear kernel (see above): all their methods ran "
             "with the stock kernel, so their ratios hold among themselves.", "",
             "`ar` is the target's plain decoding in verispec's loop, `hf-generate` Hugging Face `generate`, "
@@ -545,7 +584,7 @@ def render() -> str:
 
     res = Results.load(path("drafts"))
     rows = summarize(res)
-    out += ["## Draft study: the training-free drafts on the default target", "", f"Run: {res.describe()}", "",
+    out += ["## Draft study: the training-free drafts on the default target", "", *run_lines(res), "",
             "Each draft with a fixed chain of 5 and the exact `chain` verifier. Draft cost: drafting time per "
             "drafted token (one draft forward per depth) over the target's time per forward in `ar`, leaving out "
             "each prompt's first step (it includes the draft's own prefill of the prompt).", "",
@@ -553,7 +592,7 @@ def render() -> str:
 
     res = Results.load(path("table1"))
     rows, cats = summarize(res), summarize(res, by_category=True)
-    out += ["## ResiSpec Table 1 shape: verifiers on a complete 3 x 5 tree", "", f"Run: {res.describe()}", "",
+    out += ["## ResiSpec Table 1 shape: verifiers on a complete 3 x 5 tree", "", *run_lines(res), "",
             "Draft `int8`, 363 drafted nodes per step, children i.i.d. (`swor`: without replacement, `topk`: the "
             "top 3). L = mean accepted length per step (accepted drafted tokens + 1). `resispec` is the published "
             "rule and is **not exact** (see the audit below): its extra acceptance is bias, not speed for free.", "",

@@ -29,6 +29,7 @@ from .bench import QUICK, BenchConfig, Results, run_bench
 from .bench.agreement import agreement_report, format_agreement
 from .bench.peers import PEERS
 from .bench.plots import plot_all
+from .bench.records import git_revision
 from .bench.report import report, rows_csv, summarize
 from .bench.runner import BENCH_HELP
 from .datasets import DATASETS_HELP
@@ -508,6 +509,7 @@ def cmd_eval_draft(args) -> int:
                               progress=None if bar is None else (lambda n=1: bar.update(n)))
     if bar is not None:
         bar.close()
+    report.update(command=args.command_line, git=git_revision())  # where the figures came from
     print(json.dumps(report) if args.json else format_agreement(report))
     return 0
 
@@ -552,6 +554,7 @@ def cmd_tune_tree(args) -> int:
     report = tune_tree(target, drafter, temperature=args.temperature, children=args.children, prompts=args.prompts,
                        max_new_tokens=args.max_new_tokens, width=args.width, max_nodes=args.max_nodes,
                        max_depth=args.max_depth, log=lambda m: print(m, file=sys.stderr))
+    report.update(command=args.command_line, git=git_revision())  # where the figures came from
     if out is not None:
         out.write_text(json.dumps(report, indent=1))
     print(report["best"]["tree"])

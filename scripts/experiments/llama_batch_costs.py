@@ -12,12 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from verispec.backends import load
+from verispec.bench.records import git_revision, machine
 
 ROOT = Path(__file__).resolve().parents[2]
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -43,7 +45,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "results" / "llama_batch_costs.json"))
     args = ap.parse_args()
-    out = {"threads": args.threads, "sizes": list(SIZES), "models": {}}
+    out = {"threads": args.threads, "sizes": list(SIZES), "models": {}, "git": git_revision(),
+           "command": " ".join(["python scripts/experiments/llama_batch_costs.py", *sys.argv[1:]]),
+           "machine": machine()}
     for name in MODELS:
         target = load(name, backend="llama", threads=args.threads)
         context = target.encode_prompt("Write a long story about a river and a mill. " * 8)

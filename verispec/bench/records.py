@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from ..decode import StepRecord
 from ..backends.kernels import cpu_name
+from ..decode import StepRecord
 from ..errors import VerispecError
 
 NO_DRAFT = "-"  # the draft field of methods that use none (plain decoding, Hugging Face generate)
@@ -183,9 +183,20 @@ class Results:
         """One line: the command and the machine the results came from."""
         m = self.header.get("machine", {})
         v = self.header.get("versions", {})
-        return (f"`{self.header.get('command', '?')}` -- {m.get('processor', '?')}, {m.get('cpu_count', '?')} cores, "
-                f"{m.get('device', 'cpu')}, torch {v.get('torch', '?')}, transformers {v.get('transformers', '?')}, "
-                f"git {str(self.header.get('git', '?'))[:12]}, {self.header.get('started', '?')}")
+        cpu = f" ({m['cpu']})" if m.get("cpu") else ""
+        return (f"`{self.header.get('command', '?')}` -- {m.get('processor', '?')}{cpu}, {m.get('cpu_count', '?')} "
+                f"cores, {m.get('device', 'cpu')}, torch {v.get('torch', '?')}, transformers "
+                f"{v.get('transformers', '?')}, git {self.header.get('git', '?')}, {self.header.get('started', '?')}")
+
+    def llama_build(self) -> str:
+        """How the run's llama.cpp was built, in one sentence (older runs did not record it)."""
+        b = self.header.get("machine", {}).get("llama_cpp")
+        if not b:
+            return ("llama.cpp build: not recorded (runs before scripts/install_llama.sh: llama-cpp-python built by "
+                    "pip with its default `-march=native` on that session's CPU).")
+        args = f"`CMAKE_ARGS={b['cmake_args']}`" if b.get("cmake_args") else "options not recorded (not installed by " \
+            "scripts/install_llama.sh)"
+        return f"llama.cpp build: llama-cpp-python {b.get('version', '?')}, {args}; system info `{b.get('system_info')}`."
 
 
 CONTENDED = 0.25  # cores' worth of other work during a cell above which the report leaves the cell out

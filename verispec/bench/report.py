@@ -475,6 +475,8 @@ def report(res: Results) -> str:
     rows = summarize(res)
     _, left_out = usable(res)
     parts = [f"Results of {res.describe()}", ""]
+    if res.header.get("notes"):
+        parts += ["Left out: " + "; ".join(res.header["notes"]) + ".", ""]
     if left_out:
         parts += [f"{left_out} of {len(res.prompts)} cells are left out: they ran while other work used more than a "
                   "quarter of a core (their records say so).", ""]

@@ -141,21 +141,24 @@ class Cell:
                 "method": self.method.name}
 
 
+def static_notes(config: BenchConfig) -> list[str]:
+    """The cells a configuration leaves out by design, whatever the machine: a peer given a draft it cannot use."""
+    return [f"{name} with draft {d} (it cannot use this draft)" for name in config.methods if name in PEERS
+            and PEERS[name].drafts for d in config.drafts if not PEERS[name].takes_draft(d)]
+
+
 def plan(config: BenchConfig, methods: list[Plan | Peer], problems: list[Problem]) -> tuple[list[Cell], list[str]]:
     """All cells, interleaved so that machine load hits the methods alike: per temperature, seed and prompt,
-    every method (with every draft it uses) in turn. Returns (cells, notes about combinations left out)."""
+    every method (with every draft it uses) in turn. Returns (cells, notes about the cells left out)."""
     cells, notes = [], []
     kept = []
     for m in methods:
         why = m.missing(config) if isinstance(m, Peer) else None
         if why:
-            notes.append(f"the peer {m.name} is left out: {why}")
+            notes.append(f"the peer {m.name} ({why})")
             continue
         kept.append(m)
-        if isinstance(m, Peer):
-            for d in config.drafts if m.drafts else []:
-                if not m.takes_draft(d):
-                    notes.append(f"{m.name} with draft {d}: it cannot use this draft; left out")
+    notes += static_notes(config)
     for t in config.temperatures:
         for seed in config.seeds:
             for prob in problems:
@@ -170,7 +173,7 @@ def plan(config: BenchConfig, methods: list[Plan | Peer], problems: list[Problem
     return cells, notes
 
 
-def header(config: BenchConfig, command: str | None = None) -> dict:
+def header(config: BenchConfig, command: str | None = None, notes: list[str] | None = None) -> dict:
     import transformers  # noqa: PLC0415 - a slow import (seconds), needed only for the version it reports
 
     return {
@@ -179,6 +182,7 @@ def header(config: BenchConfig, command: str | None = None) -> dict:
                      "python": platform.python_version()},
         "git": git_revision(), "machine": machine(),
         "command": command or " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "notes": list(notes or []),  # the cells left out, and why
     }
 
 
@@ -340,7 +344,7 @@ def run_bench(config: BenchConfig, out: str | Path, *, resume: bool = False, ove
         raise VerispecError("no prompts selected")
     cells, notes = plan(config, methods, problems)
     for n in notes:
-        log(f"note: {n}")
+        log(f"note: left out: {n}")
     out = Path(out)
     if out.exists() and not (resume or overwrite):
         raise VerispecError(f"{out} exists: pass --resume to continue it, or --overwrite to start again")
@@ -351,7 +355,7 @@ def run_bench(config: BenchConfig, out: str | Path, *, resume: bool = False, ove
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     with tmp.open("w", encoding="utf-8") as f:
-        for r in kept or [header(config, command)]:
+        for r in kept or [header(config, command, notes)]:
             f.write(json.dumps(r) + "\n")
     tmp.replace(out)
     if kept:
