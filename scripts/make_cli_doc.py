@@ -35,11 +35,9 @@ self-tests it; the README says why a plain pip install is not enough).
 | `eval-draft` | a head's agreement with its target per drafted depth, and the in-loop check |
 | `tune-tree` | measure this machine and pick the draft tree with the most tokens per second |
 
-Names used throughout: a *draft* (`--draft`, `--drafts`) proposes tokens; a *verifier* (`--verifier`) decides what
-to keep (table in the README); a *policy* (`--policy`) decides how deep to draft; a *tree* (`--tree`) is the shape
-drafted; a *method* (`--method`, `--methods`) names a verifier + policy + tree (`default`, `fixed`, `adasd`, ...) or
-a peer (`hf-generate`, `hf-assisted`, `llama-cpp`, `llama-cpp-lookup`). `--method VERIFIER` is the old spelling of
-`--verifier VERIFIER` and still works, with a note.
+The names the options use (draft, tree, child mode, verifier, policy, method, peer) are defined once in
+[design.md](design.md), "Names". `--method VERIFIER` is the old spelling of `--verifier VERIFIER` and still works,
+with a note.
 """
 
 
