@@ -248,8 +248,10 @@ def tiny_target(monkeypatch):
     import verispec.bench.peers
     import verispec.bench.runner
     import verispec.decode
+    import verispec.engine
 
     monkeypatch.setattr(verispec.decode, "time", FakeTime())
+    monkeypatch.setattr(verispec.engine, "time", FakeTime())
     monkeypatch.setattr(verispec.bench.peers, "time", FakeTime())
     monkeypatch.setattr(verispec.bench.runner, "LoadMeter", QuietMachine)  # the real one reads this machine's load
     target = tiny_model("llama")

@@ -15,7 +15,7 @@ trained draft head), ``hf`` (a ``custom_generate`` for Hugging Face ``generate``
 """
 
 from .backends import DEFAULT_TARGET, CausalLM, Target, load
-from .decode import GenerationResult, StepRecord, TextStream, generate, generate_steps
+from .decode import GenerationResult, StepRecord, TextStream, generate, generate_batch, generate_steps
 from .drafters import DraftSpec, ModelDrafter, NgramDrafter, NoDrafter, build_drafter, layer_skip_drafter
 from .errors import VerispecError
 from .methods import METHODS, Plan, Recipe, build_policy, resolve
@@ -30,5 +30,5 @@ __all__ = [
     "CausalLM", "DEFAULT_TARGET", "DraftSpec", "GenerationResult", "METHODS", "ModelDrafter", "NgramDrafter",
     "NoDrafter", "POLICIES", "Plan", "Policy", "Randomness", "Recipe", "Sampling", "StepRecord", "Target",
     "TextStream", "TorchRandomness", "Tree", "VERIFIERS", "VerispecError", "build_drafter", "build_policy", "generate",
-    "generate_steps", "get_policy", "get_verifier", "layer_skip_drafter", "load", "resolve", "__version__",
+    "generate_batch", "generate_steps", "get_policy", "get_verifier", "layer_skip_drafter", "load", "resolve", "__version__",
 ]

@@ -15,32 +15,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator
 
-import torch
-
 from .backends.base import Target
-from .drafters.base import DraftControl, Drafter
+from .drafters.base import Drafter
+from .engine import Engine, StepRecord, run_all
 from .errors import VerispecError
 from .methods import resolve
-from .policies import Feedback, Fixed, Policy
-from .probs import DEFAULT_TEMPERATURE, Sampling, greedy_index, logits_to_probs
-from .rng import Randomness, TorchRandomness
+from .policies import Policy
+from .probs import DEFAULT_TEMPERATURE, Sampling
+from .rng import Randomness
 from .tree import DynamicTree, Tree
-from .verifiers import check
-from .verifiers.base import Verdict, VerifierSpec
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    drafted: int  # drafted tokens (tree nodes) this step
-    draft_depth: int
-    accepted_length: int  # accepted drafted tokens + 1 (recovered/bonus), before EOS/budget truncation
-    accepted_ranks: tuple[int, ...]  # candidate index accepted at each depth
-    tested: tuple[int, ...]  # candidates tested at each depth reached
-    emitted: tuple[int, ...]  # tokens appended to the output (after EOS/budget truncation)
-    draft_s: float
-    target_s: float
-    verify_s: float
-    source: str | None = None  # which draft source proposed (a drafter with several), else None
+from .verifiers.base import VerifierSpec
 
 
 @dataclass(frozen=True)
@@ -49,10 +33,12 @@ class GenerationResult:
     token_ids: list[int]  # generated tokens (EOS included when it stopped on EOS)
     prompt_ids: list[int]
     steps: list[StepRecord]
-    stop_reason: str  # "eos" or "max_new_tokens"
+    stop_reason: str  # "eos" or "max_new_tokens" ("error" or "cancelled" in a batch, which go on without it)
     prefill_s: float
-    wall_s: float  # whole generation, prefill included
+    wall_s: float  # whole generation, prefill included (in a batch: from submission to the last token)
     config: dict = field(default_factory=dict)
+    error: str | None = None  # why a sequence of a batch failed (the others went on)
+    first_token_s: float | None = None  # from submission to the first token (time to first token)
 
     @property
     def num_tokens(self) -> int:
@@ -85,6 +71,7 @@ class GenerationResult:
     def to_dict(self) -> dict:
         return {
             "text": self.text,
+            "error": self.error,
             "token_ids": self.token_ids,
             "prompt_ids": self.prompt_ids,
             "config": self.config,
@@ -117,23 +104,6 @@ class TextStream:
         return new
 
 
-def _check_args(target, drafter, verifier, prompt_ids, tree, max_new_tokens, sampling, children, policy):
-    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-        raise VerispecError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
-    if not prompt_ids:
-        raise VerispecError("the prompt is empty")
-    if any(not 0 <= t < target.vocab_size for t in prompt_ids):
-        raise VerispecError(f"prompt token ids must lie in [0, {target.vocab_size})")
-    need = len(prompt_ids) + max_new_tokens + tree.max_depth
-    if need > target.max_context:
-        raise VerispecError(
-            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) + draft depth ({tree.max_depth}) "
-            f"exceeds the model's context of {target.max_context} tokens"
-        )
-    check(verifier, tree, children, policy.name, 0.0 if sampling.greedy else sampling.temperature)
-    drafter.check_compatible(target)
-
-
 def generate_steps(
     target: Target,
     drafter: Drafter,
@@ -157,83 +127,17 @@ def generate_steps(
     ``stats``, if given, receives ``prefill_s`` (the target's prefill of the prompt). ``rng`` replaces the
     seeded randomness (the audit passes a scripted one to enumerate every outcome of the whole loop).
     """
-    policy = policy or Fixed()
-    _check_args(target, drafter, verifier, prompt_ids, tree, max_new_tokens, sampling, children, policy)
-    if verifier.new_state is not None and verifier_state is None:
-        verifier_state = verifier.new_state()
-    rng = rng if rng is not None else TorchRandomness(seed)
-    t = time.perf_counter()
-    state = target.new_state()
-    features = drafter.feature_layers
-    pre = target.prefill_output(state, prompt_ids[:-1], features=features)
-    drafter.reset(prompt_ids)
-    if drafter.uses_target_hidden:
-        drafter.observe(pre.hidden if pre is not None else torch.zeros(0, 0))
+    engine = Engine(target)
+    seq = engine.submit(prompt_ids, drafter=drafter, verifier=verifier, tree=tree, sampling=sampling,
+                        max_new_tokens=max_new_tokens, children=children, policy=policy,
+                        verifier_state=verifier_state, seed=seed, rng=rng)
+    engine.step()  # the prefill, and the first step
     if stats is not None:
-        stats["prefill_s"] = time.perf_counter() - t
-    context = list(prompt_ids)
-    produced = 0
-    while True:
-        t0 = time.perf_counter()
-        source = drafter.source(context)  # None unless the drafter has several sources
-        if source is not None:
-            policy.select_source(source)
-        planned = tree
-        if isinstance(tree, Tree):  # a dynamic tree sets its own depth
-            depth = policy.planned_depth(tree.max_depth)
-            planned = tree if depth >= tree.max_depth else tree.truncate(max(depth, 0))
-        draft = drafter.propose(context, planned, sampling, children, rng, DraftControl.of(policy))
-        t1 = time.perf_counter()
-        positions = state.committed + torch.tensor(draft.tree.depths)
-        out = target.forward(state, draft.tokens, positions, draft.tree.ancestors_mask(), features=features)
-        t2 = time.perf_counter()
-        if draft.num_drafted:
-            p = logits_to_probs(out.logits, sampling)  # [N, V]
-            verdict = verifier(draft, p, rng, verifier_state)
-            if verifier_state is not None:
-                verifier_state.update(verdict.feedback)
-        else:  # nothing to verify: a draw from the target, as every verifier returns for a root alone (tested)
-            verdict = Verdict((), _draw_root(out.logits[:1], sampling, rng), ())
-        t3 = time.perf_counter()
-        target.commit(state, [0, *verdict.path])
-        t4 = time.perf_counter()
-        if drafter.uses_target_hidden:  # the target's features of the root and the accepted path (EAGLE)
-            drafter.observe(out.hidden[[0, *verdict.path]])
-        drafter.commit(draft, list(verdict.path))
-        t5 = time.perf_counter()
-        new = [int(draft.tokens[n]) for n in verdict.path] + [verdict.token]
-        emitted, stop = [], False
-        for tok in new:
-            emitted.append(tok)
-            produced += 1
-            if tok in target.eos_token_ids or produced >= max_new_tokens:
-                stop = True
-                break
-        context.extend(new)
-        policy.update(Feedback.from_step(draft, verdict.path))
-        ranks = draft.tree.ranks
-        yield StepRecord(
-            drafted=draft.num_drafted,
-            draft_depth=draft.tree.max_depth,
-            accepted_length=len(verdict.path) + 1,
-            accepted_ranks=tuple(ranks[n] for n in verdict.path),
-            tested=verdict.tested,
-            emitted=tuple(emitted),
-            draft_s=(t1 - t0) + (t5 - t4),
-            target_s=(t2 - t1) + (t4 - t3),
-            verify_s=t3 - t2,
-            source=source,
-        )
-        if stop:
-            return
-
-
-def _draw_root(logits: torch.Tensor, sampling: Sampling, rng: Randomness) -> int:
-    """The token of a step with nothing drafted: ``rng.categorical`` of the target's law, or at temperature 0 the
-    argmax of the logits itself (the greedy law's point mass without building it, and without a draw)."""
-    if sampling.greedy:
-        return int(greedy_index(logits)[0])
-    return int(rng.categorical(logits_to_probs(logits, sampling)[0]))
+        stats["prefill_s"] = seq.prefill_s
+    yield seq.steps[-1]
+    while not seq.done:
+        engine.step()
+        yield seq.steps[-1]
 
 
 def generate(
@@ -289,3 +193,81 @@ def generate(
         text=target.decode(out), token_ids=out, prompt_ids=prompt_ids, steps=steps, stop_reason=stop,
         prefill_s=stats.get("prefill_s", 0.0), wall_s=wall, config=config,
     )
+
+
+def generate_batch(
+    target: Target,
+    drafter: Drafter,
+    verifier: VerifierSpec | str,
+    prompts: list[str | list[int]],
+    *,
+    tree: Tree | DynamicTree | str | None = None,
+    max_new_tokens: int | list[int] = 128,
+    temperature: float | list[float] = DEFAULT_TEMPERATURE,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    children: str | None = None,
+    policy: str | None = None,
+    seed: int | list[int] = 0,
+    chat: bool = True,
+    max_batch: int = 8,
+    row_budget: int | None = None,
+    load_aware: bool = True,
+    on_tokens: Callable[[int, list[int]], None] | None = None,
+) -> list[GenerationResult]:
+    """``generate`` for many prompts at once, through one ``engine.Engine``: up to ``max_batch`` sequences share each
+    target forward, a finished one frees its slot for the next prompt. Each sequence has its own draft state, policy
+    (built from the ``policy`` name: policies learn per sequence) and randomness (``seed``: one per prompt, or a base
+    that the i-th prompt adds i to). ``max_new_tokens`` and ``temperature`` may be given per prompt.
+    ``load_aware``: with ``auto`` policies, depths are chosen for the batch from the measured cost of its forwards
+    (lengths only; the output law is the verifier's either way). A prompt that cannot run (empty, too long) comes back
+    with ``error`` set, and the others run. ``on_tokens(i, tokens)`` streams prompt i's tokens."""
+    if policy is not None and not isinstance(policy, str):
+        raise VerispecError("generate_batch builds one policy per sequence: give the policy by name")
+    n = len(prompts)
+    if not n:
+        return []
+    per = lambda v: list(v) if isinstance(v, (list, tuple)) else [v] * n  # noqa: E731
+    budgets, temperatures = per(max_new_tokens), per(temperature)
+    seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed + i for i in range(n)]
+    if not len(budgets) == len(temperatures) == len(seeds) == n:
+        raise VerispecError(f"max_new_tokens, temperature and seed must be given once or once per prompt ({n})")
+    plan = resolve("fixed", verifier=verifier, tree=tree, policy=policy, children=children)
+    engine = Engine(target, max_batch=max_batch, row_budget=row_budget, load_aware=load_aware, isolate=True)
+    seqs: list = []
+    failed: dict[int, tuple[list[int], str]] = {}  # prompt -> (its ids, why it cannot run)
+    for i, prompt in enumerate(prompts):
+        prompt_ids: list[int] = []
+        try:
+            prompt_ids = target.encode_prompt(prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
+            mine = drafter.fork()
+            run = plan.build(target, mine)
+            seqs.append(engine.submit(prompt_ids, drafter=mine, verifier=run.verifier, tree=run.tree,
+                                      sampling=Sampling(temperatures[i], top_k, top_p), max_new_tokens=budgets[i],
+                                      children=run.children, policy=run.policy, verifier_state=run.verifier_state,
+                                      seed=seeds[i], id=i))
+        except VerispecError as exc:
+            failed[i] = (prompt_ids, str(exc))
+            seqs.append(None)
+
+    def stream(seq):
+        if on_tokens is not None and seq.steps:
+            on_tokens(seq.id, list(seq.steps[-1].emitted))
+
+    run_all(engine, stream)
+    out = []
+    for i, seq in enumerate(seqs):
+        if seq is None:
+            out.append(GenerationResult("", [], failed[i][0], [], "error", 0.0, 0.0, {}, error=failed[i][1]))
+            continue
+        config = {"target": target.name, "draft": seq.drafter.name, "verifier": seq.verifier.name,
+                  "tree": list(seq.tree.parents) if isinstance(seq.tree, Tree) else str(seq.tree),
+                  "children": seq.children, "temperature": temperatures[i], "top_k": top_k, "top_p": top_p,
+                  "max_new_tokens": budgets[i], "seed": seeds[i], "policy": seq.policy.name, "max_batch": max_batch}
+        end = seq.finished if seq.finished is not None else time.perf_counter()
+        out.append(GenerationResult(
+            text=target.decode(seq.token_ids), token_ids=list(seq.token_ids), prompt_ids=seq.prompt_ids,
+            steps=list(seq.steps), stop_reason=seq.stop_reason or "error", prefill_s=seq.prefill_s,
+            wall_s=end - seq.submitted, config=config, error=seq.error,
+            first_token_s=None if seq.first_token is None else seq.first_token - seq.submitted))
+    return out

@@ -25,7 +25,11 @@ class Policy(Protocol):
       that drafts this step (``PerSource`` keeps a policy per source); the default ignores it;
     * ``planned_depth(limit) -> int``: before anything is drafted this step, how many depths to draft at most, up to
       ``limit`` (the tree's depth); 0 means no draft, a plain decoding step. Asked first, so a policy that skips
-      drafting costs the step nothing;
+      drafting costs the step nothing. In a batch, ``best`` is the depth the engine chose for this sequence from
+      ``expected_tokens`` (a policy may still probe deeper); a policy without that model ignores it;
+    * ``expected_tokens(limit) -> [E_0, ..., E_limit]``: the tokens a step drafting d depths is expected to yield on
+      the text at hand (``E_0 = 1``), for a batch to weigh against its costs; None for a policy that plans its own
+      depth (``fixed``, ``hf``, ...);
     * ``keep_drafting(depth, q, last, drawn, confidence) -> bool``: before drafting depth ``depth + 1``. The drafter
       receives it (``drafters.DraftControl``), never the policy itself. ``q [F, V]`` are the draft laws at the
       frontier nodes (the laws the next tokens will be drawn from), ``drawn [F, V]`` the laws the frontier nodes' own
@@ -46,7 +50,9 @@ class Policy(Protocol):
 
     def select_source(self, source: str) -> None: ...
 
-    def planned_depth(self, limit: int) -> int: ...
+    def planned_depth(self, limit: int, best: int | None = None) -> int: ...
+
+    def expected_tokens(self, limit: int) -> list[float] | None: ...
 
     def keep_drafting(self, depth: int, q: torch.Tensor | None, last=None, drawn=None, confidence=None) -> bool: ...
 
@@ -139,8 +145,11 @@ class PolicyBase:
     def select_source(self, source: str) -> None:
         pass
 
-    def planned_depth(self, limit: int) -> int:
+    def planned_depth(self, limit: int, best: int | None = None) -> int:
         return limit
+
+    def expected_tokens(self, limit: int) -> list[float] | None:
+        return None
 
     def keep_drafting(self, depth: int, q, last=None, drawn=None, confidence=None) -> bool:
         return True
@@ -157,7 +166,7 @@ class Fixed(PolicyBase):
     name = "fixed"
     reads_laws = False
 
-    def planned_depth(self, limit: int) -> int:
+    def planned_depth(self, limit: int, best: int | None = None) -> int:
         return limit if self.length is None else min(limit, self.length)
 
     def keep_drafting(self, depth: int, q, last=None, drawn=None, confidence=None) -> bool:
@@ -322,7 +331,7 @@ class AutoDepth(PolicyBase):
     then only decides whether to start drafting at all (a depth of 0 skips the draft's first forward); with
     ``free_root`` (a draft whose first depth costs next to nothing, such as prompt lookup) every step starts and the
     gate alone decides. Probe steps bypass the gate. Measured no faster than the plan alone on the Hugging Face target,
-    faster on llama.cpp with Gemma 3 but not with SmolLM2 (two runs each, docs/findings.md), so it is opt-in.
+    faster on llama.cpp with Gemma 3 but not with SmolLM2 (two runs each, docs/design.md), so it is opt-in.
 
     It decides lengths only, from the draft and past outcomes, so the output law is the verifier's, exactly. Costs
     are fixed numbers rather than live timings, so the same seed gives the same text. When drafting is a loss it
@@ -382,18 +391,24 @@ class AutoDepth(PolicyBase):
         step = self.costs[-1] - self.costs[-2] if len(self.costs) > 1 else 0.12 * self.costs[0]
         return self.costs[-1] + (depth - len(self.costs) + 1) * step
 
-    def best_depth(self, limit: int) -> int:
-        """The depth in 0..limit with the most expected tokens per unit of cost."""
-        best, best_rate, expected, chain = 0, 1.0 / self.cost(0), 1.0, 1.0
+    def expected_tokens(self, limit: int) -> list[float]:
+        """``[1, 1 + a_1, 1 + a_1 + a_1 a_2, ...]``: the tokens a step drafting 0..limit depths is expected to yield."""
+        out, chain = [1.0], 1.0
         for d in range(1, max(limit, 0) + 1):
             chain *= self.acceptance(d)
-            expected += chain
+            out.append(out[-1] + chain)
+        return out
+
+    def best_depth(self, limit: int) -> int:
+        """The depth in 0..limit with the most expected tokens per unit of cost."""
+        best, best_rate = 0, 1.0 / self.cost(0)
+        for d, expected in enumerate(self.expected_tokens(limit)[1:], start=1):
             if expected / self.cost(d) > best_rate + 1e-12:
                 best, best_rate = d, expected / self.cost(d)
         return best
 
-    def planned_depth(self, limit: int) -> int:
-        best = self.best_depth(limit)
+    def planned_depth(self, limit: int, best: int | None = None) -> int:
+        best = self.best_depth(limit) if best is None else min(max(best, 0), limit)
         probe = bool(self.steps and self.steps % self.probe_every == 0 and best < limit)
         self._forced = best + 1 if probe else 0  # a probe drafts this deep whatever the gate says
         self._limit, self._bins, self._reach, self._expected = limit, [], 1.0, 1.0
@@ -468,8 +483,11 @@ class PerSource(PolicyBase):
             raise VerispecError(f"no policy for draft source {source!r}; sources: {', '.join(self.policies)}")
         self.current = source
 
-    def planned_depth(self, limit: int) -> int:
-        return self.policies[self.current].planned_depth(limit)
+    def planned_depth(self, limit: int, best: int | None = None) -> int:
+        return self.policies[self.current].planned_depth(limit, best)
+
+    def expected_tokens(self, limit: int) -> list[float] | None:
+        return self.policies[self.current].expected_tokens(limit)
 
     def keep_drafting(self, depth: int, q, last=None, drawn=None, confidence=None) -> bool:
         return self.policies[self.current].keep_drafting(depth, q, last, drawn, confidence)

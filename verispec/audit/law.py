@@ -18,9 +18,10 @@ from typing import Callable
 
 import torch
 
-from ..backends.hf import ForwardOutput
+from ..backends.base import ForwardOutput
 from ..decode import generate_steps
 from ..drafters.base import Draft, Drafter, _draw_children, _Growing
+from ..engine import Engine, run_all
 from ..probs import Sampling
 from ..rng import enumerate_outcomes
 from ..tree import Tree
@@ -216,6 +217,8 @@ class TableTarget:
     runs on it unchanged, so the whole loop -- drafting, policy, verification, commits -- can be enumerated."""
 
     name = "table"
+    backend = "table"
+    forward_id = "table"
     max_context = 1 << 20
     eos_token_ids: frozenset = frozenset()
 
@@ -249,6 +252,9 @@ class TableTarget:
             rows.append(self.p(state.pending[-1]).log())
         return ForwardOutput(torch.stack(rows), torch.zeros(len(rows), 0))
 
+    def forward_batch(self, states, tokens, positions, attends, features=(-1,)):
+        return [self.forward(s, t, p, a, features) for s, t, p, a in zip(states, tokens, positions, attends)]
+
     def commit(self, state, keep):
         if keep:
             state.tokens = list(state.pending[keep[-1]])
@@ -272,6 +278,29 @@ def loop_law(verifier: VerifierSpec, p: Table, q: Table, tree: Tree, vocab: int,
         return tuple(out)
 
     law: dict[tuple[int, ...], float] = {}
+    for weight, emitted in enumerate_outcomes(run):
+        law[emitted] = law.get(emitted, 0.0) + weight
+    return law
+
+
+def batch_loop_law(verifier: VerifierSpec, p: Table, q: Table, tree: Tree, vocab: int, length: int,
+                   contexts: list[tuple[int, ...]], policy_factory: Callable[[], object], costs=None,
+                   children: str = "iid") -> dict[tuple[tuple[int, ...], ...], float]:
+    """Exact joint law of the first ``length`` tokens of several sequences decoded together by the batched engine
+    (``engine.Engine``: one forward per step over all of them, the load-aware plan choosing each sequence's depth
+    from the others' too when ``costs`` is given), on table models at temperature 1. Every sequence's random calls
+    go to one scripted stream, so every outcome of every sequence is enumerated."""
+    target = TableTarget(p, vocab)
+
+    def run(rng):
+        engine = Engine(target, max_batch=len(contexts), costs=costs, load_aware=costs is not None)
+        seqs = [engine.submit(list(c), drafter=TableDrafter(q), verifier=verifier, tree=tree,
+                              sampling=Sampling(1.0), max_new_tokens=length, children=children,
+                              policy=policy_factory(), rng=rng) for c in contexts]
+        run_all(engine)
+        return tuple(tuple(s.token_ids) for s in seqs)
+
+    law: dict[tuple[tuple[int, ...], ...], float] = {}
     for weight, emitted in enumerate_outcomes(run):
         law[emitted] = law.get(emitted, 0.0) + weight
     return law

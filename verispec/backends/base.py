@@ -24,7 +24,8 @@ class Target(Protocol):
     the last forward). ``forward`` runs tokens at given positions on top of a state, each token seeing the committed
     entries and the pending ones ``attend`` allows, and returns per-token logits (and hidden states of the requested
     ``features`` layers, where the engine has them); ``commit`` keeps the listed pending entries, in order, and drops
-    the rest. ``backend`` says which engine it is (``"hf"`` or ``"llama"``): drafts that need a model's weights or
+    the rest; ``forward_batch`` does the same for several sequences' states in one pass of the model (an engine that
+    cannot refuses more than one with a clear error). ``backend`` says which engine it is (``"hf"`` or ``"llama"``): drafts that need a model's weights or
     features ask it, never the object's attributes. ``forward_id`` names what a forward computes with (model file,
     engine, threads, kernels), the key under which its measured costs are kept."""
 
@@ -46,6 +47,9 @@ class Target(Protocol):
 
     def forward(self, state, tokens: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor,
                 features: tuple[int, ...] = (-1,)) -> ForwardOutput: ...
+
+    def forward_batch(self, states: list, tokens: list[torch.Tensor], positions: list[torch.Tensor],
+                      attends: list[torch.Tensor], features: tuple[int, ...] = (-1,)) -> list[ForwardOutput]: ...
 
     def commit(self, state, keep: list[int]) -> None: ...
 

@@ -13,6 +13,7 @@ import os
 import platform
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -52,4 +53,60 @@ def forward_costs(target, repeats: int = 9, measure: bool = True) -> list[float]
     seconds = target_forward_cost(target, [5] * 32 + [7], list(range(1, COSTED_ROWS + 1)), repeats)
     out = [seconds[n] for n in range(1, COSTED_ROWS + 1)]
     cache.write("costs", entry, {"seconds": out, "target": target.name})
+    return out
+
+
+BATCH_SIZES = (*range(1, 17), 20, 24, 32, 40, 48, 64)  # rows of one forward, measured for batches
+
+
+@dataclass(frozen=True)
+class BatchCosts:
+    """Seconds of a target forward over ``rows`` tree tokens shared by ``seqs`` sequences: the forward of that many
+    rows of one sequence (measured at ``BATCH_SIZES``, linear in between and beyond), plus ``per_sequence`` for each
+    further sequence (its own attention, its own cache: measured as a batch of 8 one-row sequences against one
+    sequence of 8 rows)."""
+
+    rows: tuple[int, ...]
+    seconds_by_rows: tuple[float, ...]
+    per_sequence: float
+
+    def seconds(self, rows: int, seqs: int = 1) -> float:
+        xs, ys = self.rows, self.seconds_by_rows
+        if rows <= xs[0]:
+            base = ys[0]
+        elif rows >= xs[-1]:
+            base = ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (rows - xs[-1])
+        else:
+            hi = next(i for i, x in enumerate(xs) if x >= rows)
+            lo = hi - 1
+            base = ys[lo] + (ys[hi] - ys[lo]) * (rows - xs[lo]) / (xs[hi] - xs[lo])
+        return base + max(seqs - 1, 0) * self.per_sequence
+
+
+def batch_costs(target, repeats: int = 5, measure: bool = True) -> BatchCosts | None:
+    """The target's ``BatchCosts`` on this machine, measured once (interleaved rounds, medians) and kept in the
+    cache under ``target.forward_id``; None when not cached and ``measure`` is False."""
+    entry = cache.key("batch", target.forward_id, platform.machine(), os.cpu_count())
+    got = cache.read("costs", entry)
+    if got and tuple(got.get("rows", ())) == BATCH_SIZES:
+        return BatchCosts(tuple(got["rows"]), tuple(got["seconds"]), got["per_sequence"])
+    if not measure:
+        return None
+    context = [5] * 64 + [7]
+    seconds = target_forward_cost(target, context, list(BATCH_SIZES), repeats)
+    states = [target.new_state() for _ in range(8)]
+    for s in states:
+        target.prefill(s, context[:-1])
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        target.forward_batch(states, [torch.tensor(context[-1:])] * 8, [torch.tensor([s.committed]) for s in states],
+                             [torch.ones(1, 1, dtype=torch.bool)] * 8)
+        times.append(time.perf_counter() - t)
+        for s in states:
+            target.commit(s, [])
+    per_sequence = max(statistics.median(times) - seconds[8], 0.0) / 7
+    out = BatchCosts(BATCH_SIZES, tuple(seconds[n] for n in BATCH_SIZES), per_sequence)
+    cache.write("costs", entry, {"rows": list(out.rows), "seconds": list(out.seconds_by_rows),
+                                 "per_sequence": per_sequence, "target": target.name})
     return out

@@ -119,6 +119,78 @@ class CausalLM:
         hidden = hs[features[0]][0] if len(features) == 1 else torch.cat([hs[i][0] for i in features], dim=-1)
         return ForwardOutput(logits=out.logits[0].float(), hidden=hidden)
 
+    @torch.inference_mode()
+    def forward_batch(self, states: list[KVState], tokens: list[torch.Tensor], positions: list[torch.Tensor],
+                      attends: list[torch.Tensor], features: tuple[int, ...] = (-1,),
+                      inputs_embeds: list[torch.Tensor] | None = None,
+                      last_logits_only: list[bool] | None = None) -> list[ForwardOutput]:
+        """``forward`` for several sequences in one pass of the model, each on its own state (its tokens see its
+        own cache and its own ``attend`` only); one ``ForwardOutput`` per sequence. The lean forward runs every
+        linear layer once over all rows and attention per sequence; the ``transformers`` forward runs the rows as
+        one packed sequence over a copy of all the caches side by side, masked so that no row sees another
+        sequence's entries."""
+        if len(states) == 1 and self._lean is None:  # one sequence: the plain forward
+            embeds = None if inputs_embeds is None else inputs_embeds[0]
+            return [self.forward(states[0], tokens[0], positions[0], attends[0], embeds,
+                                 bool(last_logits_only and last_logits_only[0]), features)]
+        if len({id(s) for s in states}) != len(states):
+            raise ValueError("a state appears twice in one batch")
+        visible = []
+        for state, tok, att in zip(states, tokens, attends):
+            n = int(tok.shape[0])
+            if att.shape != (n, state.pending + n):
+                raise ValueError(f"attend must have shape {(n, state.pending + n)}, got {tuple(att.shape)}")
+            visible.append(torch.cat([torch.ones(n, state.committed, dtype=torch.bool), att.bool()], dim=1))
+        last = last_logits_only or [False] * len(states)
+        if self._lean is not None:
+            outs = self._lean.forward_batch([s.cache for s in states], tokens, positions, visible, inputs_embeds, last,
+                                            features)
+            for state, pos in zip(states, positions):
+                state.pending_positions.extend(int(p) for p in pos)
+            return [ForwardOutput(logits=lg.float(), hidden=hd) for lg, hd in outs]
+        return self._packed_forward(states, tokens, positions, visible, features, inputs_embeds, last)
+
+    def _packed_forward(self, states, tokens, positions, visible, features, inputs_embeds, last) -> list[ForwardOutput]:
+        """The ``transformers`` forward of a batch: the sequences' caches copied side by side into one cache, the
+        new rows after them, a mask that keeps each row to its own sequence; the new entries go back to each state."""
+        lengths = [s.committed + s.pending for s in states]
+        sizes = [int(t.shape[0]) for t in tokens]
+        cached, rows = sum(lengths), sum(sizes)
+        packed = new_cache()
+        if cached:
+            for i in range(self.num_layers):
+                held = [s.cache.layers[i] for s, n in zip(states, lengths) if n]  # a state with nothing yet has none
+                packed.update(torch.cat([h.keys for h in held], dim=-2), torch.cat([h.values for h in held], dim=-2), i)
+        mask = torch.zeros(rows, cached + rows, dtype=torch.bool)
+        off = row = 0
+        for vis, length, n in zip(visible, lengths, sizes):
+            mask[row:row + n, off:off + length] = vis[:, :length]
+            mask[row:row + n, cached + row:cached + row + n] = vis[:, length:]
+            off, row = off + length, row + n
+        pos = torch.cat(positions)
+        float_mask = self._float_mask(mask)
+        if self._sliding_window is not None:
+            kpos = torch.cat([torch.cat([torch.arange(s.committed), torch.tensor(s.pending_positions, dtype=torch.long)])
+                              for s in states] + [pos])
+            near = (pos[:, None] - kpos[None, :]) < self._sliding_window
+            float_mask = {"full_attention": float_mask, "sliding_attention": self._float_mask(mask & near)}
+        inputs = {"input_ids": torch.cat(tokens)[None]} if inputs_embeds is None else \
+            {"inputs_embeds": torch.cat(inputs_embeds)[None]}
+        out = self.hf(**inputs, position_ids=pos[None], attention_mask=float_mask, cache=packed, use_cache=True,
+                      output_hidden_states=True)
+        hs = out.hidden_states
+        hidden = hs[features[0]][0] if len(features) == 1 else torch.cat([hs[i][0] for i in features], dim=-1)
+        results, row = [], 0
+        for state, p, n, only in zip(states, positions, sizes, last):
+            for i, layer in enumerate(packed.layers):
+                state.cache.update(layer.keys[..., cached + row:cached + row + n, :],
+                                   layer.values[..., cached + row:cached + row + n, :], i)
+            state.pending_positions.extend(int(x) for x in p)
+            logits = out.logits[0, row + n - 1:row + n] if only else out.logits[0, row:row + n]
+            results.append(ForwardOutput(logits=logits.float(), hidden=hidden[row:row + n]))
+            row += n
+        return results
+
     def _float_mask(self, visible: torch.Tensor) -> torch.Tensor:
         m = torch.zeros(visible.shape, dtype=self._dtype)
         m.masked_fill_(~visible, torch.finfo(self._dtype).min)

@@ -20,6 +20,8 @@ checks tiny models).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -102,33 +104,54 @@ class LeanLlama:
         half = x.shape[-1] // 2
         return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
-    @torch.inference_mode()
     def forward(self, cache: LeanCache, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None, last_logits_only: bool = False,
                 features: tuple[int, ...] = (-1,)) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``tokens [n]`` at ``positions [n]``; ``visible [n, cached + n]`` (bool) is each token's view of
         the cache and of the new tokens. Returns (logits ``[n or 1, V]``, the ``features`` hidden states
-        ``[n, k H]``, indices as in ``transformers``' ``hidden_states``)."""
-        n = int(positions.shape[0])
-        x = self.base.embed_tokens(tokens) if inputs_embeds is None else inputs_embeds
-        if int(positions.max()) < self.cos.shape[0]:
-            cos, sin = self.cos[positions], self.sin[positions]
+        ``[n, k H]``, indices as in ``transformers``' ``hidden_states``). A batch of one (``forward_batch``)."""
+        (out,) = self.forward_batch([cache], [tokens], [positions], [visible],
+                                    None if inputs_embeds is None else [inputs_embeds], [last_logits_only], features)
+        return out
+
+    @torch.inference_mode()
+    def forward_batch(self, caches: list[LeanCache], tokens: list[torch.Tensor], positions: list[torch.Tensor],
+                      visible: list[torch.Tensor], inputs_embeds: list[torch.Tensor] | None = None,
+                      last_logits_only: list[bool] | None = None,
+                      features: tuple[int, ...] = (-1,)) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``forward`` for several sequences at once, each on its own cache: the rows of all of them go through every
+        linear layer together (the weights are read once for the whole batch), and each sequence's rows attend to
+        its own cache and new tokens only. Returns (logits, hidden) per sequence."""
+        sizes = [int(p.shape[0]) for p in positions]
+        ends = list(itertools.accumulate(sizes))
+        spans = [(e - n, e) for n, e in zip(sizes, ends)]
+        rows = ends[-1]
+        if inputs_embeds is None:
+            x = self.base.embed_tokens(tokens[0] if len(tokens) == 1 else torch.cat(tokens))
         else:
-            cos, sin = self._rotary(positions)
-        cos, sin = cos[None], sin[None]
+            x = inputs_embeds[0] if len(inputs_embeds) == 1 else torch.cat(inputs_embeds)
+        pos = positions[0] if len(positions) == 1 else torch.cat(positions)
+        if int(pos.max()) < self.cos.shape[0]:
+            cos, sin = self.cos[pos], self.sin[pos]
+        else:
+            cos, sin = self._rotary(pos)
+        cos, sin = cos[:, None], sin[:, None]  # [R, 1, head dim]: one row per token, broadcast over heads
         heads, kv, hd = self.heads, self.kv_heads, self.head_dim
         want = {self.n_layers if i == -1 else i for i in features}
         kept = {0: x} if 0 in want else {}
-        for i, (layer, store) in enumerate(zip(self.base.layers, cache.layers)):
+        for i, layer in enumerate(self.base.layers):
             a, m = layer.self_attn, layer.mlp
             h = self._rms(x, layer.input_layernorm)
-            q = _linear(h, a.q_proj).view(n, heads, hd).transpose(0, 1)
-            k = _linear(h, a.k_proj).view(n, kv, hd).transpose(0, 1)
-            v = _linear(h, a.v_proj).view(n, kv, hd).transpose(0, 1)
-            q, k = self._rope(q, cos, sin).contiguous(), self._rope(k, cos, sin)  # a strided q: a slow kernel
-            keys, values = store.append(k, v)
-            o = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=visible, enable_gqa=True)
-            x = x + _linear(o[0].transpose(0, 1).reshape(n, heads * hd), a.o_proj)
+            q = self._rope(_linear(h, a.q_proj).view(rows, heads, hd), cos, sin)
+            k = self._rope(_linear(h, a.k_proj).view(rows, kv, hd), cos, sin)
+            v = _linear(h, a.v_proj).view(rows, kv, hd)
+            outs = []
+            for (s, e), cache, mask in zip(spans, caches, visible):
+                keys, values = cache.layers[i].append(k[s:e].transpose(0, 1), v[s:e].transpose(0, 1))
+                qb = q[s:e].transpose(0, 1).contiguous()  # a strided query: a slow kernel
+                o = F.scaled_dot_product_attention(qb[None], keys[None], values[None], attn_mask=mask, enable_gqa=True)
+                outs.append(o[0].transpose(0, 1).reshape(e - s, heads * hd))
+            x = x + _linear(outs[0] if len(outs) == 1 else torch.cat(outs), a.o_proj)
             h = self._rms(x, layer.post_attention_layernorm)
             x = x + _linear(F.silu(_linear(h, m.gate_proj)) * _linear(h, m.up_proj), m.down_proj)
             if i + 1 in want and i + 1 < self.n_layers:
@@ -136,5 +159,12 @@ class LeanLlama:
         out = self._rms(x, self.base.norm)
         kept[self.n_layers] = out
         hidden = torch.cat([kept[self.n_layers if i == -1 else i] for i in features], dim=-1)
-        logits = _linear(out[-1:] if last_logits_only else out, self.hf.get_output_embeddings())
-        return logits, hidden
+        last = last_logits_only or [False] * len(sizes)
+        picked = [range(e - 1, e) if only else range(s, e) for (s, e), only in zip(spans, last)]
+        if len(picked) == 1:
+            chosen = out[picked[0].start:picked[0].stop]
+        else:
+            chosen = out[torch.tensor([r for p in picked for r in p])]
+        logits = _linear(chosen, self.hf.get_output_embeddings())
+        bounds = list(itertools.accumulate(len(p) for p in picked))
+        return [(logits[b - len(p):b], hidden[s:e]) for p, b, (s, e) in zip(picked, bounds, spans)]

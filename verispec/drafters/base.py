@@ -15,6 +15,7 @@ and ``_node_logits(draft_so_far, nodes)`` (logits after the given drafted nodes)
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -131,6 +132,24 @@ class Drafter:
     def commit(self, draft: Draft, path: list[int]) -> None:
         """The target accepted the drafted nodes ``path`` (root-to-leaf, root excluded)."""
 
+    def fork(self) -> "Drafter":
+        """A drafter of the same kind for another sequence: the same model weights, a state of its own (a batch gives
+        each sequence one)."""
+        out = copy.copy(self)
+        out.reset([])
+        return out
+
+    @property
+    def batch_key(self) -> object:
+        """Drafters with the same key draft a batch's depth in one call (the same draft model; by default the
+        class): the load-aware plan counts one drafting cost per key and depth."""
+        return type(self)
+
+    def proposer(self, context: list[int]) -> "Drafter":
+        """The drafter that drafts after ``context``: itself, or for a drafter with several sources the one
+        ``source`` chose (batched drafting groups the proposers that share a model)."""
+        return self
+
     def propose(
         self,
         context: list[int],
@@ -142,15 +161,36 @@ class Drafter:
     ) -> Draft:
         """Draft a tree shaped like (a subtree of) ``tree`` after ``context``; ``context[-1]`` is the root.
         ``control`` (None: draft the whole tree) decides, before each depth, whether to go on."""
-        if children not in CHILD_MODES:
-            raise VerispecError(f"unknown child mode {children!r}; choose from {', '.join(CHILD_MODES)}")
         if isinstance(tree, DynamicTree):
-            return self._propose_dynamic(context, tree, sampling, children)
+            return self._propose_dynamic(context, tree, sampling, _checked(children))
+        grow = self._grow(context, tree, sampling, _checked(children), rng, control)
+        try:
+            request = next(grow)
+            while True:
+                request = grow.send(self._answer(request))
+        except StopIteration as done:
+            return done.value
+
+    def _answer(self, request: tuple) -> torch.Tensor | None:
+        """The logits ``_grow`` asks for: ``("root", context)`` or ``("nodes", growing, nodes)``."""
+        return self._root_logits(request[1]) if request[0] == "root" else self._node_logits(request[1], request[2])
+
+    @classmethod
+    def _answer_batch(cls, drafters: list["Drafter"], requests: list[tuple]) -> list[torch.Tensor | None]:
+        """``_answer`` for several drafters of this class at once; drafters with a model override it to run one
+        forward for all of them."""
+        return [d._answer(r) for d, r in zip(drafters, requests)]
+
+    def _grow(self, context: list[int], tree: Tree, sampling: Sampling, children: str, rng: Randomness,
+              control: DraftControl | None):
+        """The one tree-growing routine, as a coroutine: it yields each request for draft logits (``_answer``) and
+        is sent the logits, so that one sequence's draft (``propose``) and a batch's (``propose_batch``, one
+        model forward per depth for all sequences) run the same code. Returns the ``Draft``."""
         g = _Growing(parents=[-1], tokens=[context[-1]], tree_node=[0], q_rows={}, child_prob=[1.0])
         frontier = [0]
         logits = None
         if tree.size > 1:
-            root = self._root_logits(context)
+            root = yield ("root", context)
             logits = None if root is None else root[None]
         vocab = 0 if logits is None else logits.size(-1)
         dtype = torch.float64 if logits is not None and logits.dtype == torch.float64 else torch.float32
@@ -197,7 +237,7 @@ class Drafter:
             expandable = [n for n in new if tree.children[g.tree_node[n]]]
             if not expandable or depth + 1 >= tree.max_depth:
                 break
-            logits = self._node_logits(g, expandable)
+            logits = yield ("nodes", g, expandable)
             frontier = expandable
         return _finish(g, children, vocab, dtype)
 
@@ -274,6 +314,49 @@ def _finish(g: _Growing, children: str, vocab: int, dtype: torch.dtype) -> Draft
         children=children,
         soft_q=soft_q,
     )
+
+
+def _checked(children: str) -> str:
+    if children not in CHILD_MODES:
+        raise VerispecError(f"unknown child mode {children!r}; choose from {', '.join(CHILD_MODES)}")
+    return children
+
+
+def propose_batch(drafters: list[Drafter], contexts: list[list[int]], trees: list[Tree], samplings: list[Sampling],
+                  children: list[str], rngs: list[Randomness],
+                  controls: list[DraftControl | None]) -> list[Draft]:
+    """One draft per sequence (each drafter is that sequence's own, ``Drafter.fork``), grown together: at each
+    round every sequence's request for draft logits is answered in one call per class of proposer
+    (``_answer_batch``: for a model draft, one forward over every sequence's nodes). Each sequence's draft, and the
+    random calls it makes on its own ``rng``, are those ``propose`` makes for it alone."""
+    proposers = [d.proposer(c) for d, c in zip(drafters, contexts)]
+    drafts: list[Draft | None] = [None] * len(drafters)
+    growing, requests = {}, {}
+    for i, (p, c, t, s, ch, r, ctl) in enumerate(zip(proposers, contexts, trees, samplings, children, rngs, controls)):
+        if isinstance(t, DynamicTree):  # its own search: drafted alone
+            drafts[i] = p.propose(c, t, s, ch, r, ctl)
+            continue
+        grow = p._grow(c, t, s, _checked(ch), r, ctl)
+        try:
+            requests[i] = next(grow)
+            growing[i] = grow
+        except StopIteration as done:
+            drafts[i] = done.value
+    while growing:
+        by_class: dict[type, list[int]] = {}
+        for i in growing:
+            by_class.setdefault(type(proposers[i]), []).append(i)
+        answers = {}
+        for cls, idx in by_class.items():
+            for i, logits in zip(idx, cls._answer_batch([proposers[i] for i in idx], [requests[i] for i in idx])):
+                answers[i] = logits
+        for i in list(growing):
+            try:
+                requests[i] = growing[i].send(answers[i])
+            except StopIteration as done:
+                drafts[i] = done.value
+                del growing[i], requests[i]
+    return drafts
 
 
 def _draw_children(q: torch.Tensor, logits: torch.Tensor, k: int, children: str, rng: Randomness):

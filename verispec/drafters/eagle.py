@@ -15,7 +15,7 @@ import torch
 
 from ..errors import VerispecError
 from .base import Draft, Drafter, _Growing
-from .model import tree_level
+from .model import _shared, prefill_batch, tree_level
 
 
 class EagleDrafter(Drafter):
@@ -34,6 +34,10 @@ class EagleDrafter(Drafter):
         self._slot: dict[int, int] = {}
         self._anc: list[set[int]] = []
 
+    @property
+    def batch_key(self) -> object:
+        return id(self.lm)
+
     def reset(self, prompt: list[int]) -> None:
         self.state = self.lm.new_state()
         self._features, self._count = [], 0
@@ -48,14 +52,15 @@ class EagleDrafter(Drafter):
         self._features = [allf]
         return allf[start:stop]
 
-    @torch.inference_mode()
-    def _root_logits(self, context: list[int]) -> torch.Tensor | None:
+    def _root_input(self, context: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The pairs the head's cache lacks, up to (f_{L-2}, x_{L-1}): tokens and their inputs; None for a
+        one-token context (no feature yet: nothing is drafted this step)."""
         if self.state.pending:
             self.lm.commit(self.state, [])
         self._slot, self._anc, self._pred = {}, [set()], {}
         last = len(context) - 2  # the pair (f_{L-2}, x_{L-1}) predicts the first drafted token
         if last < 0:
-            return None  # a one-token context has no feature yet: draft nothing this step
+            return None
         if self._count <= last:
             raise VerispecError(f"eagle drafter has target features for {self._count} positions, needs {last + 1}")
         if self.state.committed > last:  # drafting again from a context already cached: recompute the last pair
@@ -63,19 +68,58 @@ class EagleDrafter(Drafter):
         start = self.state.committed
         feats = self._feature_rows(start, last + 1)
         tokens = torch.tensor(context[start + 1:last + 2])
-        out = self.lm.prefill_output(self.state, tokens, self.head.target_inputs(feats, tokens))
+        return tokens, self.head.target_inputs(feats, tokens)
+
+    def _root_output(self, out) -> torch.Tensor:
         self._pred[0] = out.hidden[-1]
         return self.head.full_logits(out.logits[-1])
 
-    @torch.inference_mode()
-    def _node_logits(self, g: _Growing, nodes: list[int]) -> torch.Tensor:
+    def _node_input(self, g: _Growing, nodes: list[int]):
         # the last cached pair (f_{L-2}, x_{L-1}) sits at position L - 2, so a node at depth d lands at L - 2 + d
         tokens, positions, attend = tree_level(g, nodes, self._anc, self._slot, self.state)
         feats = torch.stack([self._pred[g.parents[n]] for n in nodes])
-        out = self.lm.forward(self.state, tokens, positions, attend, self.head.draft_inputs(feats, tokens))
+        return tokens, positions, attend, self.head.draft_inputs(feats, tokens)
+
+    def _node_output(self, nodes: list[int], out) -> torch.Tensor:
         for row, n in enumerate(nodes):
             self._pred[n] = out.hidden[row]
         return self.head.full_logits(out.logits)
+
+    @torch.inference_mode()
+    def _root_logits(self, context: list[int]) -> torch.Tensor | None:
+        inp = self._root_input(context)
+        return None if inp is None else self._root_output(self.lm.prefill_output(self.state, *inp))
+
+    @torch.inference_mode()
+    def _node_logits(self, g: _Growing, nodes: list[int]) -> torch.Tensor:
+        tokens, positions, attend, embeds = self._node_input(g, nodes)
+        return self._node_output(nodes, self.lm.forward(self.state, tokens, positions, attend, embeds))
+
+    @classmethod
+    @torch.inference_mode()
+    def _answer_batch(cls, drafters: list["EagleDrafter"], requests: list[tuple]) -> list[torch.Tensor | None]:
+        """One forward of the head over every sequence's pairs (the root) or drafted nodes (a depth)."""
+        out: list[torch.Tensor | None] = [None] * len(drafters)
+        for idx in _shared(drafters, requests, lambda d: d.lm):
+            if len(idx) == 1:
+                out[idx[0]] = drafters[idx[0]]._answer(requests[idx[0]])
+                continue
+            if requests[idx[0]][0] == "root":
+                inputs = {i: drafters[i]._root_input(requests[i][1]) for i in idx}
+                live = [i for i in idx if inputs[i] is not None]
+                if live:
+                    got = prefill_batch(drafters[live[0]].lm, [drafters[i].state for i in live],
+                                        [inputs[i][0] for i in live], [inputs[i][1] for i in live])
+                    for i, o in zip(live, got):
+                        out[i] = drafters[i]._root_output(o)
+            else:
+                inputs = [drafters[i]._node_input(requests[i][1], requests[i][2]) for i in idx]
+                tokens, positions, attends, embeds = map(list, zip(*inputs))
+                got = drafters[idx[0]].lm.forward_batch([drafters[i].state for i in idx], tokens, positions, attends,
+                                                        inputs_embeds=embeds)
+                for i, o in zip(idx, got):
+                    out[i] = drafters[i]._node_output(requests[i][2], o)
+        return out
 
     def commit(self, draft: Draft, path: list[int]) -> None:
         self.lm.commit(self.state, [])  # drafted pairs used predicted features: drop them all

@@ -49,6 +49,12 @@ class HybridDrafter(Drafter):
     def propose(self, context, tree, sampling, children, rng, control=None) -> Draft:
         return self._current(context).propose(context, tree, sampling, children, rng, control)
 
+    def proposer(self, context: list[int]) -> Drafter:
+        return self._current(context)
+
+    def fork(self) -> "HybridDrafter":
+        return HybridDrafter(self.model.fork(), self.lookup.fork(), self.min_match, self.name)
+
     def observe(self, hidden) -> None:
         self.model.observe(hidden)  # every step, whichever source drafted: the model's features stay complete
 

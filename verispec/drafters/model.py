@@ -25,6 +25,10 @@ class ModelDrafter(Drafter):
         self._slot: dict[int, int] = {}  # drafted node -> pending cache entry
         self._anc: list[set[int]] = []
 
+    @property
+    def batch_key(self) -> object:
+        return id(self.model)
+
     def check_compatible(self, target) -> None:
         super().check_compatible(target)
         mine, theirs = self.model.tokenizer, target.tokenizer
@@ -37,18 +41,44 @@ class ModelDrafter(Drafter):
         self.state = self.model.new_state()
         self._slot = {}
 
-    def _root_logits(self, context: list[int]) -> torch.Tensor:
+    def _root_input(self, context: list[int]) -> list[int]:
+        """The context tokens the draft's cache lacks (at least the last one): what drafting the root runs."""
         if self.state.pending:
             self.model.commit(self.state, [])
         self._slot = {}
         self._anc = [set()]
         if self.state.committed >= len(context):  # drafting again from a context already cached: recompute the root
             self.model.rollback(self.state, self.state.committed - len(context) + 1)
-        return self.model.prefill(self.state, context[self.state.committed :])
+        return context[self.state.committed :]
+
+    def _root_logits(self, context: list[int]) -> torch.Tensor:
+        return self.model.prefill(self.state, self._root_input(context))
 
     def _node_logits(self, g: _Growing, nodes: list[int]) -> torch.Tensor:
         tokens, positions, attend = tree_level(g, nodes, self._anc, self._slot, self.state)
         return self.model.forward(self.state, tokens, positions, attend).logits
+
+    @classmethod
+    def _answer_batch(cls, drafters: list["ModelDrafter"], requests: list[tuple]) -> list[torch.Tensor]:
+        """One forward of each draft model over every sequence's root context or nodes (``prefill_batch``,
+        ``forward_batch``)."""
+        out: list[torch.Tensor | None] = [None] * len(drafters)
+        for idx in _shared(drafters, requests, lambda d: d.model):
+            ds = [drafters[i] for i in idx]
+            if len(idx) == 1:
+                out[idx[0]] = ds[0]._answer(requests[idx[0]])
+                continue
+            if requests[idx[0]][0] == "root":
+                got = prefill_batch(ds[0].model, [d.state for d in ds],
+                                    [d._root_input(requests[i][1]) for d, i in zip(ds, idx)])
+                logits = [o.logits[-1] for o in got]
+            else:
+                levels = [tree_level(requests[i][1], requests[i][2], d._anc, d._slot, d.state) for d, i in zip(ds, idx)]
+                got = ds[0].model.forward_batch([d.state for d in ds], *map(list, zip(*levels)))
+                logits = [o.logits for o in got]
+            for i, lg in zip(idx, logits):
+                out[i] = lg
+        return out
 
     def _renumber(self, kept: list[int]) -> None:
         self._slot = {new: self._slot[old] for new, old in enumerate(kept) if old in self._slot}
@@ -61,6 +91,28 @@ class ModelDrafter(Drafter):
             keep.append(self._slot[node])
         self.model.commit(self.state, keep)
         self._slot = {}
+
+
+def _shared(drafters, requests, model_of) -> list[list[int]]:
+    """Indices of the drafters that can share one forward: the same draft model (``model_of``) and the same kind of
+    request."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (d, r) in enumerate(zip(drafters, requests)):
+        groups.setdefault((id(model_of(d)), r[0]), []).append(i)
+    return list(groups.values())
+
+
+def prefill_batch(model, states: list, tokens: list[list[int]], embeds: list[torch.Tensor] | None = None) -> list:
+    """``model.prefill_output`` for several states in one forward (a state alone: ``prefill_output`` itself)."""
+    if len(states) == 1:
+        return [model.prefill_output(states[0], tokens[0], None if embeds is None else embeds[0])]
+    positions = [torch.arange(s.committed, s.committed + len(t)) for s, t in zip(states, tokens)]
+    masks = [torch.ones(len(t), len(t), dtype=torch.bool).tril() for t in tokens]
+    outs = model.forward_batch(states, [torch.as_tensor(t) for t in tokens], positions, masks, inputs_embeds=embeds,
+                               last_logits_only=[True] * len(states))
+    for s, t in zip(states, tokens):
+        model.commit(s, list(range(len(t))))
+    return outs
 
 
 def tree_level(g: _Growing, nodes: list[int], anc: list[set[int]], slot: dict[int, int], state):

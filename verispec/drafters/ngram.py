@@ -60,6 +60,9 @@ class NgramDrafter(Drafter):
         row[seen] = counts.float().log()
         return row
 
+    def reset(self, prompt: list[int]) -> None:
+        self._context, self._match, self._found = [], {}, None
+
     def _root_logits(self, context):
         self._context = list(context)
         self._match = {}

@@ -1,0 +1,225 @@
+"""The batched engine: one target forward over every sequence's tree, each sequence verified and committed on its
+own; sequences join and leave between steps; a sequence's output does not depend on what it is batched with (greedy
+tokens equal decoding it alone, the same sample at T > 0 with the same seed and lengths, and the joint law of two
+sequences sharing steps is the product of the target's laws, enumerated); a failing sequence fails alone; and the
+load-aware plan drafts less when rows cost more."""
+
+import pytest
+import torch
+from conftest import Contrarian, tiny_model
+
+from verispec import Tree, VerispecError, generate, generate_batch, get_verifier
+from verispec.audit.law import batch_loop_law, random_tables, target_law, tv_and_kl
+from verispec.backends.costs import BatchCosts
+from verispec.drafters import HybridDrafter, ModelDrafter, NgramDrafter, layer_skip_drafter
+from verispec.drafters.eagle import EagleDrafter
+from verispec.eagle import EagleHead
+from verispec.engine import Engine, batch_depths, run_all
+from verispec.policies import AutoDepth, Fixed
+from verispec.probs import Sampling
+
+PROMPTS = [[5, 17, 33, 8, 61, 42], [7, 8, 9, 10, 7, 8], [44, 3, 90], [1, 2, 3, 4, 5, 6, 7, 8, 9], [61]]
+
+
+@pytest.fixture(params=["lean", "stock"])
+def target(request):
+    t = tiny_model("llama")
+    if request.param == "stock":  # the transformers forward: batches run as one packed sequence
+        from verispec.backends import CausalLM
+
+        t = CausalLM(t.hf, None, name=t.name, lean=False)
+    return t
+
+
+def states_with(target, prompts):
+    out = []
+    for p in prompts:
+        s = target.new_state()
+        target.prefill(s, p[:-1])
+        out.append(s)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_batched_tree_logits_equal_each_sequences_own_forward(kind):
+    from verispec.backends import CausalLM
+
+    for lean in (True, False):
+        base = tiny_model(kind)
+        t = CausalLM(base.hf, None, name=base.name, lean=lean)
+        trees = [Tree.parse("2x2"), Tree.root_only(), Tree.parse("chain:3"), Tree.parse("3,1")]
+        g = torch.Generator().manual_seed(0)
+        tokens = [torch.cat([torch.tensor(p[-1:]), torch.randint(3, 90, (tr.size - 1,), generator=g)])
+                  for p, tr in zip(PROMPTS, trees)]
+        together, alone = states_with(t, PROMPTS[:4]), states_with(t, PROMPTS[:4])
+        pos = [s.committed + torch.tensor(tr.depths) for s, tr in zip(together, trees)]
+        outs = t.forward_batch(together, tokens, pos, [tr.ancestors_mask() for tr in trees], features=(-1, 2))
+        for s, tok, p, tr, out in zip(alone, tokens, pos, trees, outs):
+            ref = t.forward(s, tok, p, tr.ancestors_mask(), features=(-1, 2))
+            assert torch.allclose(out.logits, ref.logits, atol=1e-5), (kind, lean, tr.describe())
+            assert torch.allclose(out.hidden, ref.hidden, atol=1e-5)
+        # commit different paths in each, then a one-token step of all together equals each alone again
+        keeps = [[0, 2, 6], [0], [0, 1], [0, 3]]
+        for state in (together, alone):
+            for s, keep in zip(state, keeps):
+                t.commit(s, keep)
+        nxt = [torch.tensor([11 + i]) for i in range(4)]
+        one = [torch.ones(1, 1, dtype=torch.bool)] * 4
+        outs = t.forward_batch(together, nxt, [torch.tensor([s.committed]) for s in together], one)
+        for s, tok, out in zip(alone, nxt, outs):
+            ref = t.forward(s, tok, torch.tensor([s.committed]), one[0]).logits
+            assert torch.allclose(out.logits, ref, atol=1e-5), (kind, lean)
+
+
+def drafters(target):
+    return {"ngram": NgramDrafter(target.vocab_size), "layerskip": layer_skip_drafter(target, 2),
+            "model": ModelDrafter(tiny_model("llama", seed=1, layers=2)), "eagle": EagleDrafter(EagleHead(target)),
+            "hybrid": HybridDrafter(layer_skip_drafter(target, 2), NgramDrafter(target.vocab_size))}
+
+
+@pytest.mark.parametrize("verifier,tree,children", [("chain", "chain:3", "iid"), ("greedy", "2x2", "topk"),
+                                                    ("specinfer", "2x2", "iid"), ("swor", "3,1", "swor"),
+                                                    ("topk", "2x2", "topk"), ("traversal", "2x2", "swor"),
+                                                    ("reserve", "2x2", "iid"), ("block", "chain:3", "iid")])
+def test_greedy_batched_equals_greedy_alone_for_every_drafter_and_verifier(target, verifier, tree, children):
+    for name, d in drafters(target).items():
+        alone = [generate(target, d, verifier, p, tree=tree, children=children, temperature=0.0,
+                          max_new_tokens=16).token_ids for p in PROMPTS]
+        # three slots for five prompts: sequences leave as they finish and the waiting ones join
+        batch = generate_batch(target, d, verifier, PROMPTS, tree=tree, children=children, temperature=0.0,
+                               max_new_tokens=[16, 9, 16, 5, 16], max_batch=3)
+        got = [b.token_ids for b in batch]
+        assert got == [a[:n] for a, n in zip(alone, [16, 9, 16, 5, 16])], (name, verifier)
+        assert all(b.error is None for b in batch)
+
+
+def test_sequences_join_and_leave_between_steps(target):
+    engine = Engine(target, max_batch=2)
+    d = NgramDrafter(target.vocab_size)
+    seqs = [engine.submit(p, drafter=d.fork(), verifier=get_verifier("chain"), tree=Tree.parse("chain:3"),
+                          sampling=Sampling(0.0), max_new_tokens=n, id=i)
+            for i, (p, n) in enumerate(zip(PROMPTS[:4], [3, 12, 6, 12]))]
+    seen = []
+    while engine.has_work:
+        stepped = engine.step()
+        seen.append(sorted(s.id for s in stepped))
+        assert len(engine.running) <= 2
+        assert all(s not in engine.running for s in seqs if s.done)  # a finished sequence frees its slot at once
+    assert seen[0] == [0, 1] and any(2 in ids for ids in seen) and seen[-1] == [3]
+    for s, p, n in zip(seqs, PROMPTS, [3, 12, 6, 12]):
+        ref = generate(target, NgramDrafter(target.vocab_size), "chain", p, tree="chain:3", temperature=0.0,
+                       max_new_tokens=n)
+        assert s.token_ids == ref.token_ids and s.stop_reason == ref.stop_reason and s.state is None
+
+
+def test_the_same_seed_gives_the_same_sample_as_alone(target):
+    """At T > 0 with a fixed draft length, a sequence's random calls are its own: the same tokens as alone."""
+    d = layer_skip_drafter(target, 2)
+    alone = [generate(target, d, "chain", p, tree="chain:3", temperature=0.8, seed=10 + i, max_new_tokens=20)
+             for i, p in enumerate(PROMPTS)]
+    batch = generate_batch(target, d, "chain", PROMPTS, tree="chain:3", temperature=0.8, seed=10, max_new_tokens=20)
+    assert [b.token_ids for b in batch] == [a.token_ids for a in alone]
+    assert [len(b.steps) for b in batch] == [len(a.steps) for a in alone]
+    assert max(s.batch for b in batch for s in b.steps) == len(PROMPTS)
+
+
+def test_two_sequences_sharing_steps_have_the_product_of_the_target_laws():
+    """Enumerated: every random outcome of both sequences, with auto policies whose depths the load-aware plan
+    chooses for the pair (so one sequence's lengths depend on the other's history); the joint law of their 2 tokens
+    each is the product of the target's laws, to rounding."""
+    p, q = random_tables(3, 11, concentration=0.8)
+    costs = BatchCosts(rows=(1, 2, 4, 8), seconds_by_rows=(1.0, 1.15, 1.6, 2.6), per_sequence=0.05)
+
+    def policy():
+        return AutoDepth(costs=(1.0, 1.1, 1.2), probe_every=2, prior=0.6)
+
+    contexts = [(0,), (1, 2)]
+    law = batch_loop_law(get_verifier("chain"), p, q, Tree.chain(2), 3, 2, contexts, policy, costs=costs)
+    a, b = target_law(p, contexts[0], 2, 3), target_law(p, contexts[1], 2, 3)
+    joint = torch.einsum("ij,kl->ijkl", a, b)
+    dense = torch.zeros_like(joint)
+    for (x, y), w in law.items():
+        dense[x + y] += w
+    assert tv_and_kl(joint.flatten(), dense.flatten())[0] < 1e-12
+    # and the check can fail: a draft that skips the residual (a biased rule) is caught on the same enumeration
+    biased = batch_loop_law(get_verifier("resispec"), p, q, Tree.chain(2), 3, 2, contexts, policy, costs=costs)
+    dense = torch.zeros_like(joint)
+    for (x, y), w in biased.items():
+        dense[x + y] += w
+    assert tv_and_kl(joint.flatten(), dense.flatten())[0] > 1e-3
+
+
+def test_a_failing_sequence_fails_alone(target):
+    class Fragile(NgramDrafter):
+        def commit(self, draft, path):
+            if self._context[:1] == [61]:  # the fifth prompt's sequence: its first step's commit raises
+                raise RuntimeError("this draft broke")
+
+    batch = generate_batch(target, Fragile(target.vocab_size), "chain", PROMPTS + [[], [3] * 300], tree="chain:3",
+                           temperature=0.0, max_new_tokens=12)
+    assert [b.stop_reason for b in batch][4:] == ["error", "error", "error"]
+    assert batch[4].error == "this draft broke" and "empty" in batch[5].error and "context" in batch[6].error
+    for b, p in zip(batch[:4], PROMPTS[:4]):
+        ref = generate(target, NgramDrafter(target.vocab_size), "chain", p, tree="chain:3", temperature=0.0,
+                       max_new_tokens=12)
+        assert b.error is None and b.token_ids == ref.token_ids
+
+
+def test_the_load_aware_plan_drafts_less_when_rows_cost_more():
+    trees = [Tree.chain(5)] * 4
+    good = AutoDepth(prior=0.8, prior_weight=50.0).expected_tokens(5)  # a draft right 80 % of the time
+    drafters = [NgramDrafter(97)] * 4
+    cheap = BatchCosts(rows=(1, 32), seconds_by_rows=(1.0, 1.3), per_sequence=0.0)
+    dear = BatchCosts(rows=(1, 32), seconds_by_rows=(1.0, 32.0), per_sequence=0.0)
+    mid = BatchCosts(rows=(1, 8, 32), seconds_by_rows=(1.0, 1.2, 6.0), per_sequence=0.0)
+    depth = {name: batch_depths([good] * 4, trees, drafters, c, [None] * 4)
+             for name, c in (("cheap", cheap), ("mid", mid), ("dear", dear))}
+    assert sum(depth["cheap"]) > sum(depth["mid"]) > sum(depth["dear"]) == 0
+    # a sequence whose draft is right more often gets the rows first
+    poor = AutoDepth(prior=0.2, prior_weight=50.0).expected_tokens(5)
+    mixed = batch_depths([good, poor, good, poor], trees, drafters, mid, [None] * 4)
+    assert mixed[0] >= mixed[1] and mixed[2] >= mixed[3] and mixed[0] > mixed[1]
+    # a policy that plans its own depth keeps it
+    assert batch_depths([None, good], trees[:2], drafters[:2], dear, [3, None])[0] == 3
+
+
+def test_the_engine_plans_for_the_batch_and_keeps_the_policys_own_plan_alone(target):
+    def run(costs):
+        engine = Engine(target, max_batch=4, costs=costs)
+        seqs = [engine.submit(p, drafter=layer_skip_drafter(target, 2), verifier=get_verifier("chain"),
+                              tree=Tree.chain(4), sampling=Sampling(0.0), max_new_tokens=10,
+                              policy=AutoDepth(costs=(1.0, 1.05, 1.1, 1.15, 1.2), probe_every=1000))
+                for p in PROMPTS[:4]]
+        run_all(engine)
+        return seqs
+
+    cheap = run(BatchCosts(rows=(1, 64), seconds_by_rows=(1.0, 1.1), per_sequence=0.0))
+    dear = run(BatchCosts(rows=(1, 64), seconds_by_rows=(1.0, 64.0), per_sequence=0.0))
+    assert any(s.drafted for seq in cheap for s in seq.steps if s.batch > 1)  # rows nearly free: drafting pays
+    assert all(s.drafted == 0 for seq in dear for s in seq.steps if s.batch > 1)  # rows too dear to draft
+    alone = [generate(target, layer_skip_drafter(target, 2), "chain", p, tree="chain:4",
+                      policy=AutoDepth(costs=(1.0, 1.05, 1.1, 1.15, 1.2), probe_every=1000), temperature=0.0,
+                      max_new_tokens=10) for p in PROMPTS[:4]]
+    assert any(s.drafted for a in alone for s in a.steps)  # alone, the policy's own plan drafts
+    for runs in (cheap, dear):  # greedy: the lengths change, never the text
+        assert [s.token_ids for s in runs] == [a.token_ids for a in alone]
+
+
+def test_what_the_engine_refuses():
+    from verispec.backends.llama import LlamaCppTarget
+
+    t = tiny_model("llama")
+    with pytest.raises(VerispecError, match="max_batch"):
+        Engine(t, max_batch=0)
+    with pytest.raises(VerispecError, match="row budget"):
+        Engine(t, max_batch=4, row_budget=2)
+    engine = Engine(t)
+    kw = dict(drafter=NgramDrafter(t.vocab_size), verifier=get_verifier("chain"), tree=Tree.chain(2),
+              sampling=Sampling(0.0))
+    for bad, message in (([], "empty"), ([1000], "lie in"), ([1] * 300, "context")):
+        with pytest.raises(VerispecError, match=message):
+            engine.submit(bad, max_new_tokens=4, **kw)
+    with pytest.raises(VerispecError, match="one sequence at a time, not a batch of 2"):
+        LlamaCppTarget.forward_batch(None, [object(), object()], [], [], [])
+    with pytest.raises(VerispecError, match="by name"):
+        generate_batch(t, Contrarian(t.vocab_size), "chain", PROMPTS, policy=Fixed())

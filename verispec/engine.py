@@ -1,0 +1,350 @@
+"""The decoding loop for many sequences at once (one is a batch of one): schedule -> draft -> one target forward over
+every sequence's tree -> verify and commit each sequence -> update each policy.
+
+Each sequence has its own target state (cache), its own draft state (``Drafter.fork``), its own policy, learning
+verifier state and randomness. A step drafts a tree per sequence (sizes may differ, including none: a plain step),
+runs *one* target forward over all of them (``Target.forward_batch``: each sequence's rows see its own cache and
+ancestors only), verifies each sequence with the same pure verifier functions as one sequence alone, and commits each
+accepted path in its own cache. Sequences join and leave between steps: a finished, cancelled or failed sequence
+frees its slot at once, and a waiting one is prefilled and joins (continuous batching), up to ``max_batch``
+sequences and a per-step ``row_budget`` of target rows.
+
+**Why a sequence's output does not depend on its batch.** A sequence's drafts, verifications and policy updates read
+only its own state, and every random call goes to its own ``Randomness`` in the same order as alone. So with the same
+seed its tokens are those of decoding it alone wherever the target's logits are bitwise equal -- the batched forward
+multiplies more rows at once, which can round differently in the last bit -- and whenever the drafted lengths are the
+same. The load-aware plan (``Engine.depths``) changes lengths with the load: a sequence then gets another sample of
+the same law (lengths never change the law: every verifier is exact for any draft, and the loop-law audit
+enumerates two sequences sharing steps). At temperature 0 lengths do not matter: the tokens are the argmax chain.
+
+**Load-aware speculation.** With several sequences running and ``auto`` policies, the depths are chosen for the
+batch: each sequence's policy says how many tokens each depth is expected to yield on its text
+(``Policy.expected_tokens``), the measured cost of a forward of R rows and of each draft depth says what a step costs
+(``backends.costs.BatchCosts``), and depths are added one at a time, where the batch's expected tokens per second rise
+most, until no addition pays -- down to none at all when rows are dear. A batch of one keeps the policy's own plan.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .backends.base import Target
+from .backends.costs import BatchCosts, batch_costs
+from .drafters.base import Draft, DraftControl, Drafter, propose_batch
+from .errors import VerispecError
+from .policies import Feedback, Fixed, Policy
+from .probs import Sampling, greedy_index, logits_to_probs
+from .rng import Randomness, TorchRandomness
+from .tree import DynamicTree, Tree
+from .verifiers import check
+from .verifiers.base import Verdict, VerifierSpec
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    drafted: int  # drafted tokens (tree nodes) this step
+    draft_depth: int
+    accepted_length: int  # accepted drafted tokens + 1 (recovered/bonus), before EOS/budget truncation
+    accepted_ranks: tuple[int, ...]  # candidate index accepted at each depth
+    tested: tuple[int, ...]  # candidates tested at each depth reached
+    emitted: tuple[int, ...]  # tokens appended to the output (after EOS/budget truncation)
+    draft_s: float
+    target_s: float
+    verify_s: float
+    source: str | None = None  # which draft source proposed (a drafter with several), else None
+    batch: int = 1  # sequences in the step's target forward
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request as the engine runs it: what it decodes with, its own states, and what it has produced."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: Sampling
+    drafter: Drafter
+    verifier: VerifierSpec
+    tree: Tree | DynamicTree
+    children: str
+    policy: Policy
+    rng: Randomness
+    verifier_state: object | None = None
+    id: object = None
+    state: object = None  # the target's cache, once prefilled
+    context: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    steps: list[StepRecord] = field(default_factory=list)
+    stop_reason: str | None = None  # "eos", "max_new_tokens", "cancelled", "error"; None while running
+    error: str | None = None
+    prefill_s: float = 0.0
+    submitted: float = 0.0  # perf_counter times
+    started: float | None = None  # prefilled and running
+    first_token: float | None = None
+    finished: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.stop_reason is not None
+
+
+def _draw_root(logits: torch.Tensor, sampling: Sampling, rng: Randomness) -> int:
+    """The token of a step with nothing drafted: ``rng.categorical`` of the target's law, or at temperature 0 the
+    argmax of the logits itself (the greedy law's point mass without building it, and without a draw)."""
+    if sampling.greedy:
+        return int(greedy_index(logits)[0])
+    return int(rng.categorical(logits_to_probs(logits, sampling)[0]))
+
+
+class Engine:
+    """Sequences in, tokens out, one batched step at a time (see the module docstring).
+
+    ``submit`` checks a request (a bad one raises ``VerispecError`` and never runs) and queues it; ``step`` admits
+    queued sequences into free slots (prefilling each), runs one step of every running sequence and returns them;
+    ``cancel`` ends one at once. ``isolate``: a sequence whose step raises fails alone (``stop_reason`` "error",
+    ``error`` its message) while the others go on; without it the error propagates (one sequence alone: the caller
+    sees it). ``costs``: the measured forward costs the load-aware plan reads (default: measured on first use and
+    cached, ``backends.costs.batch_costs``)."""
+
+    def __init__(self, target: Target, *, max_batch: int = 8, row_budget: int | None = None,
+                 costs: BatchCosts | None = None, load_aware: bool = True, isolate: bool = False):
+        if max_batch < 1:
+            raise VerispecError(f"max_batch must be >= 1, got {max_batch}")
+        if row_budget is not None and row_budget < max_batch:
+            raise VerispecError(f"the row budget ({row_budget}) must allow one row per sequence ({max_batch})")
+        self.target, self.max_batch, self.row_budget = target, max_batch, row_budget
+        self.load_aware, self.isolate = load_aware, isolate
+        self._costs = costs
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.steps = 0
+
+    # ---------------------------------------------------------------- requests
+
+    def submit(self, prompt_ids: list[int], *, drafter: Drafter, verifier: VerifierSpec, tree: Tree | DynamicTree,
+               sampling: Sampling, max_new_tokens: int, children: str = "iid", policy: Policy | None = None,
+               verifier_state=None, seed: int = 0, rng: Randomness | None = None, id=None) -> Sequence:
+        """Queue one sequence (its own ``drafter`` and ``policy``: a batch needs one of each per sequence)."""
+        policy = policy or Fixed()
+        prompt_ids = list(prompt_ids)
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise VerispecError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
+        if not prompt_ids:
+            raise VerispecError("the prompt is empty")
+        if any(not 0 <= t < self.target.vocab_size for t in prompt_ids):
+            raise VerispecError(f"prompt token ids must lie in [0, {self.target.vocab_size})")
+        need = len(prompt_ids) + max_new_tokens + tree.max_depth
+        if need > self.target.max_context:
+            raise VerispecError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) + draft depth "
+                f"({tree.max_depth}) exceeds the model's context of {self.target.max_context} tokens")
+        check(verifier, tree, children, policy.name, 0.0 if sampling.greedy else sampling.temperature)
+        drafter.check_compatible(self.target)
+        others = self.running + self.waiting
+        if others and others[0].drafter.feature_layers != drafter.feature_layers:
+            raise VerispecError("the sequences of one engine share the target's forward, so their drafts must read the "
+                                "same target features")
+        if verifier.new_state is not None and verifier_state is None:
+            verifier_state = verifier.new_state()
+        seq = Sequence(prompt_ids, max_new_tokens, sampling, drafter, verifier, tree, children, policy,
+                       rng if rng is not None else TorchRandomness(seed), verifier_state, id,
+                       submitted=time.perf_counter())
+        self.waiting.append(seq)
+        return seq
+
+    def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
+        """End ``seq`` now (queued or running) and free its slot."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self._finish(seq, reason)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---------------------------------------------------------------- the step
+
+    def step(self) -> list[Sequence]:
+        """Admit what fits, then one step of every running sequence; returns the sequences that ran it (each with
+        its new ``StepRecord`` last in ``steps``; finished ones have ``done`` set and have left)."""
+        self._admit()
+        seqs = list(self.running)
+        if not seqs:
+            return []
+        t0 = time.perf_counter()
+        sources = [s.drafter.source(s.context) for s in seqs]  # None unless a drafter has several sources
+        for s, source in zip(seqs, sources):
+            if source is not None:
+                s.policy.select_source(source)
+        planned = self._plan(seqs)
+        drafts = propose_batch([s.drafter for s in seqs], [s.context for s in seqs], planned,
+                               [s.sampling for s in seqs], [s.children for s in seqs], [s.rng for s in seqs],
+                               [DraftControl.of(s.policy) for s in seqs])
+        t1 = time.perf_counter()
+        features = seqs[0].drafter.feature_layers
+        outs = self.target.forward_batch([s.state for s in seqs], [d.tokens for d in drafts],
+                                         [s.state.committed + torch.tensor(d.tree.depths) for s, d in zip(seqs, drafts)],
+                                         [d.tree.ancestors_mask() for d in drafts], features=features)
+        t2 = time.perf_counter()
+        for s, d, out, source in zip(seqs, drafts, outs, sources):
+            try:
+                self._advance(s, d, out, source, draft_s=t1 - t0, target_s=t2 - t1, batch=len(seqs))
+            except Exception as exc:  # noqa: BLE001 - one sequence's failure is its own (isolate) or the caller's
+                if not self.isolate:
+                    raise
+                s.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                self._finish(s, "error")
+        self.steps += 1
+        return seqs
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting.pop(0)
+            try:
+                self._prefill(seq)
+            except Exception as exc:  # noqa: BLE001 - see step
+                if not self.isolate:
+                    raise
+                seq.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                self._finish(seq, "error")
+                continue
+            self.running.append(seq)
+
+    def _prefill(self, seq: Sequence) -> None:
+        t = time.perf_counter()
+        seq.state = self.target.new_state()
+        pre = self.target.prefill_output(seq.state, seq.prompt_ids[:-1], features=seq.drafter.feature_layers)
+        seq.drafter.reset(seq.prompt_ids)
+        if seq.drafter.uses_target_hidden:
+            seq.drafter.observe(pre.hidden if pre is not None else torch.zeros(0, 0))
+        seq.context = list(seq.prompt_ids)
+        seq.started = time.perf_counter()
+        seq.prefill_s = seq.started - t
+
+    def _advance(self, s: Sequence, draft: Draft, out, source, draft_s: float, target_s: float, batch: int) -> None:
+        """Verify one sequence's draft against its share of the forward, commit, and update its policy."""
+        t2 = time.perf_counter()
+        if draft.num_drafted:
+            p = logits_to_probs(out.logits, s.sampling)  # [N, V]
+            verdict = s.verifier(draft, p, s.rng, s.verifier_state)
+            if s.verifier_state is not None:
+                s.verifier_state.update(verdict.feedback)
+        else:  # nothing to verify: a draw from the target, as every verifier returns for a root alone (tested)
+            verdict = Verdict((), _draw_root(out.logits[:1], s.sampling, s.rng), ())
+        t3 = time.perf_counter()
+        self.target.commit(s.state, [0, *verdict.path])
+        t4 = time.perf_counter()
+        if s.drafter.uses_target_hidden:  # the target's features of the root and the accepted path (EAGLE)
+            s.drafter.observe(out.hidden[[0, *verdict.path]])
+        s.drafter.commit(draft, list(verdict.path))
+        t5 = time.perf_counter()
+        new = [int(draft.tokens[n]) for n in verdict.path] + [verdict.token]
+        emitted, stop = [], None
+        for tok in new:
+            emitted.append(tok)
+            if tok in self.target.eos_token_ids:
+                stop = "eos"
+            elif len(s.token_ids) + len(emitted) >= s.max_new_tokens:
+                stop = "max_new_tokens"
+            if stop:
+                break
+        s.context.extend(new)
+        s.token_ids.extend(emitted)
+        if s.first_token is None:
+            s.first_token = time.perf_counter()
+        s.policy.update(Feedback.from_step(draft, verdict.path))
+        ranks = draft.tree.ranks
+        s.steps.append(StepRecord(
+            drafted=draft.num_drafted, draft_depth=draft.tree.max_depth, accepted_length=len(verdict.path) + 1,
+            accepted_ranks=tuple(ranks[n] for n in verdict.path), tested=verdict.tested, emitted=tuple(emitted),
+            draft_s=draft_s + (t5 - t4), target_s=target_s + (t4 - t3), verify_s=t3 - t2, source=source,
+            batch=batch))
+        if stop:
+            self._finish(s, stop)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.stop_reason is None:
+            seq.stop_reason = reason
+            seq.finished = time.perf_counter()
+        if seq in self.running:
+            self.running.remove(seq)
+        seq.state = None  # the cache goes with the sequence
+
+    # ---------------------------------------------------------------- how deep each sequence drafts
+
+    def _plan(self, seqs: list[Sequence]) -> list[Tree | DynamicTree]:
+        """Each sequence's tree this step: its policy's plan, the batch's when several run (``depths``), cut to the
+        row budget."""
+        depths = self.depths(seqs)
+        planned = [s.tree if d is None or d >= s.tree.max_depth else s.tree.truncate(max(d, 0))
+                   for s, d in zip(seqs, depths)]
+        if self.row_budget is not None:
+            while sum(t.size for t in planned) > self.row_budget:
+                i = max(range(len(planned)), key=lambda k: planned[k].size)
+                planned[i] = seqs[i].tree.truncate(planned[i].max_depth - 1)
+        return planned
+
+    def depths(self, seqs: list[Sequence]) -> list[int | None]:
+        """The depth each sequence drafts this step (None: a dynamic tree, which sets its own)."""
+        dynamic = any(not isinstance(s.tree, Tree) for s in seqs)
+        expected = [s.policy.expected_tokens(s.tree.max_depth) if isinstance(s.tree, Tree) else None for s in seqs]
+        if len(seqs) == 1 or not self.load_aware or dynamic or all(e is None for e in expected):
+            return [s.policy.planned_depth(s.tree.max_depth) if isinstance(s.tree, Tree) else None for s in seqs]
+        best = batch_depths(expected, [s.tree for s in seqs], [s.drafter.proposer(s.context) for s in seqs],
+                            self.costs, [s.policy.planned_depth(s.tree.max_depth) if e is None else None
+                                         for s, e in zip(seqs, expected)])
+        return [s.policy.planned_depth(s.tree.max_depth, best=b) if e is not None else b
+                for s, b, e in zip(seqs, best, expected)]
+
+    @property
+    def costs(self) -> BatchCosts:
+        if self._costs is None:  # measured (once per machine, then cached) only when a batch first needs it
+            self._costs = batch_costs(self.target)
+        return self._costs
+
+
+def batch_depths(expected: list[list[float] | None], trees: list[Tree], proposers: list[Drafter],
+                 costs: BatchCosts, own: list[int | None]) -> list[int]:
+    """The depths with the most expected tokens per second for the batch: each sequence starts at 0 (those whose
+    policy plans its own depth, ``own``, keep it), and one depth at a time goes to the sequence where the batch's
+    rate rises most, until no addition raises it. A step costs the target's forward over all rows with this many
+    sequences (``costs.seconds``) plus, per draft model, its deepest sequence's depths (one batched draft forward per
+    depth; ``Drafter.depth_cost`` of a plain step each)."""
+    depth = [o if o is not None else 0 for o in own]
+    sizes = [[t.truncate(d).size if d < t.max_depth else t.size for d in range(t.max_depth + 1)] for t in trees]
+
+    def rate(ds: list[int]) -> float:
+        tokens = sum(e[d] if e is not None else 1.0 for e, d in zip(expected, ds))
+        rows = sum(sz[d] for sz, d in zip(sizes, ds))
+        draft = {}
+        for p, d in zip(proposers, ds):
+            if d:
+                draft[p.batch_key] = max(draft.get(p.batch_key, (0, 0.0))[0], d), p.depth_cost
+        seconds = costs.seconds(rows, len(ds)) + sum(d * c for d, c in draft.values()) * costs.seconds(1, 1)
+        return tokens / seconds
+
+    current = rate(depth)
+    while True:
+        best, best_rate = None, current
+        for i, e in enumerate(expected):
+            if e is None or depth[i] + 1 >= len(e):
+                continue
+            trial = depth[:i] + [depth[i] + 1] + depth[i + 1:]
+            r = rate(trial)
+            if r > best_rate * (1 + 1e-9):
+                best, best_rate = i, r
+        if best is None:
+            return depth
+        depth[best] += 1
+        current = best_rate
+
+
+def run_all(engine: Engine, on_step: Callable[[Sequence], None] | None = None) -> None:
+    """Step ``engine`` until nothing is waiting or running; ``on_step`` sees each sequence after each of its steps."""
+    while engine.has_work:
+        for seq in engine.step():
+            if on_step is not None:
+                on_step(seq)
