@@ -71,6 +71,33 @@ def test_batched_tree_logits_equal_each_sequences_own_forward(kind):
             assert torch.allclose(out.logits, ref, atol=1e-5), (kind, lean)
 
 
+def test_a_pooled_batch_attends_in_one_call_and_equals_each_sequence_alone():
+    t = tiny_model("llama")
+    pool = t.state_pool(4, 40)
+    trees = [Tree.parse("2x2"), Tree.root_only(), Tree.parse("chain:3")]
+    pooled, alone = [pool.acquire() for _ in trees], states_with(t, PROMPTS[:3])
+    for s, p in zip(pooled, PROMPTS):
+        t.prefill(s, p[:-1])
+    assert [s.cache.slot for s in pooled] == [0, 1, 2]
+    for step in range(3):  # a tree step, a commit of different paths, again
+        tokens = [torch.tensor([3 + step] + [20 + step + k for k in range(tr.size - 1)]) for tr in trees]
+        pos = [s.committed + torch.tensor(tr.depths) for s, tr in zip(pooled, trees)]
+        outs = t.forward_batch(pooled, tokens, pos, [tr.ancestors_mask() for tr in trees])
+        for s, tok, p, tr, out in zip(alone, tokens, pos, trees, outs):
+            ref = t.forward(s, tok, p, tr.ancestors_mask())
+            assert torch.allclose(out.logits, ref.logits, atol=1e-5), step
+        for states in (pooled, alone):
+            for s, keep in zip(states, ([0, 2, 6], [0], [0, 1])):
+                t.commit(s, keep)
+    pool.release(pooled[1])
+    assert pool.acquire().cache.slot == 1  # a freed slot serves the next sequence
+    with pytest.raises(VerispecError, match="sized for"):
+        big = [pooled[0], pooled[2]]
+        t.forward_batch(big, [torch.arange(30), torch.tensor([1])], [big[0].committed + torch.arange(30),
+                                                                     torch.tensor([big[1].committed])],
+                        [torch.ones(30, 30, dtype=torch.bool).tril(), torch.ones(1, 1, dtype=torch.bool)])
+
+
 def drafters(target):
     return {"ngram": NgramDrafter(target.vocab_size), "layerskip": layer_skip_drafter(target, 2),
             "model": ModelDrafter(tiny_model("llama", seed=1, layers=2)), "eagle": EagleDrafter(EagleHead(target)),

@@ -233,13 +233,22 @@ def generate_batch(
     if not len(budgets) == len(temperatures) == len(seeds) == n:
         raise VerispecError(f"max_new_tokens, temperature and seed must be given once or once per prompt ({n})")
     plan = resolve("fixed", verifier=verifier, tree=tree, policy=policy, children=children)
-    engine = Engine(target, max_batch=max_batch, row_budget=row_budget, load_aware=load_aware, isolate=True)
+    encoded: list[list[int] | str] = []  # a prompt's ids, or why it has none
+    for prompt in prompts:
+        try:
+            encoded.append(target.encode_prompt(prompt, chat=chat) if isinstance(prompt, str) else list(prompt))
+        except VerispecError as exc:
+            encoded.append(str(exc))
+    size = plan.tree_for(drafter).size
+    longest = max((len(e) + b + size for e, b in zip(encoded, budgets) if not isinstance(e, str)), default=1)
+    engine = Engine(target, max_batch=min(max_batch, n), row_budget=row_budget, load_aware=load_aware, isolate=True,
+                    max_context=min(longest, target.max_context))  # the batch's caches, sized for its longest
     seqs: list = []
     failed: dict[int, tuple[list[int], str]] = {}  # prompt -> (its ids, why it cannot run)
-    for i, prompt in enumerate(prompts):
-        prompt_ids: list[int] = []
+    for i, prompt_ids in enumerate(encoded):
         try:
-            prompt_ids = target.encode_prompt(prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
+            if isinstance(prompt_ids, str):
+                raise VerispecError(prompt_ids)
             mine = drafter.fork()
             run = plan.build(target, mine)
             seqs.append(engine.submit(prompt_ids, drafter=mine, verifier=run.verifier, tree=run.tree,
@@ -247,7 +256,7 @@ def generate_batch(
                                       children=run.children, policy=run.policy, verifier_state=run.verifier_state,
                                       seed=seeds[i], id=i))
         except VerispecError as exc:
-            failed[i] = (prompt_ids, str(exc))
+            failed[i] = ([] if isinstance(prompt_ids, str) else prompt_ids, str(exc))
             seqs.append(None)
 
     def stream(seq):

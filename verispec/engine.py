@@ -104,18 +104,26 @@ class Engine:
 
     ``submit`` checks a request (a bad one raises ``VerispecError`` and never runs) and queues it; ``step`` admits
     queued sequences into free slots (prefilling each), runs one step of every running sequence and returns them;
-    ``cancel`` ends one at once. ``isolate``: a sequence whose step raises fails alone (``stop_reason`` "error",
+    ``cancel`` ends one at once. ``max_context`` (default: the model's) bounds each sequence's prompt, new tokens
+    and draft depth; given, a batch's caches are allocated once for ``max_batch`` sequences of that length where the
+    target can (``Target.state_pool``), so memory is bounded from the start. ``isolate``: a sequence whose step raises fails alone (``stop_reason`` "error",
     ``error`` its message) while the others go on; without it the error propagates (one sequence alone: the caller
     sees it). ``costs``: the measured forward costs the load-aware plan reads (default: measured on first use and
     cached, ``backends.costs.batch_costs``)."""
 
     def __init__(self, target: Target, *, max_batch: int = 8, row_budget: int | None = None,
-                 costs: BatchCosts | None = None, load_aware: bool = True, isolate: bool = False):
+                 costs: BatchCosts | None = None, load_aware: bool = True, isolate: bool = False,
+                 max_context: int | None = None):
         if max_batch < 1:
             raise VerispecError(f"max_batch must be >= 1, got {max_batch}")
         if row_budget is not None and row_budget < max_batch:
             raise VerispecError(f"the row budget ({row_budget}) must allow one row per sequence ({max_batch})")
+        if max_context is not None and not 1 <= max_context <= target.max_context:
+            raise VerispecError(f"max_context must lie in 1..{target.max_context} (the model's), got {max_context}")
         self.target, self.max_batch, self.row_budget = target, max_batch, row_budget
+        self.max_context = max_context or target.max_context
+        # the caches of a batch, sized once: max_batch sequences of max_context entries (where the engine has them)
+        self._pool = target.state_pool(max_batch, max_context) if max_context is not None and max_batch > 1 else None
         self.load_aware, self.isolate = load_aware, isolate
         self._costs = costs
         self.waiting: list[Sequence] = []
@@ -136,11 +144,15 @@ class Engine:
             raise VerispecError("the prompt is empty")
         if any(not 0 <= t < self.target.vocab_size for t in prompt_ids):
             raise VerispecError(f"prompt token ids must lie in [0, {self.target.vocab_size})")
-        need = len(prompt_ids) + max_new_tokens + tree.max_depth
-        if need > self.target.max_context:
+        # positions reach the prompt, the new tokens and a draft's depth; a cache also holds a whole tree
+        need, what = len(prompt_ids) + max_new_tokens + tree.max_depth, f"draft depth ({tree.max_depth})"
+        if self._pool is not None:
+            need, what = len(prompt_ids) + max_new_tokens + tree.size, f"draft tree ({tree.size} tokens)"
+        if need > self.max_context:
+            whose = "the model's" if self.max_context == self.target.max_context else "this engine's"
             raise VerispecError(
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) + draft depth "
-                f"({tree.max_depth}) exceeds the model's context of {self.target.max_context} tokens")
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) + {what} exceeds {whose} "
+                f"context of {self.max_context} tokens")
         check(verifier, tree, children, policy.name, 0.0 if sampling.greedy else sampling.temperature)
         drafter.check_compatible(self.target)
         others = self.running + self.waiting
@@ -215,7 +227,7 @@ class Engine:
 
     def _prefill(self, seq: Sequence) -> None:
         t = time.perf_counter()
-        seq.state = self.target.new_state()
+        seq.state = self._pool.acquire() if self._pool is not None else self.target.new_state()
         pre = self.target.prefill_output(seq.state, seq.prompt_ids[:-1], features=seq.drafter.feature_layers)
         seq.drafter.reset(seq.prompt_ids)
         if seq.drafter.uses_target_hidden:
@@ -271,6 +283,8 @@ class Engine:
             seq.finished = time.perf_counter()
         if seq in self.running:
             self.running.remove(seq)
+        if self._pool is not None and seq.state is not None:
+            self._pool.release(seq.state)  # its slot serves the next sequence
         seq.state = None  # the cache goes with the sequence
 
     # ---------------------------------------------------------------- how deep each sequence drafts

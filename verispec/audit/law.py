@@ -252,6 +252,9 @@ class TableTarget:
             rows.append(self.p(state.pending[-1]).log())
         return ForwardOutput(torch.stack(rows), torch.zeros(len(rows), 0))
 
+    def state_pool(self, slots, capacity):
+        return None
+
     def forward_batch(self, states, tokens, positions, attends, features=(-1,)):
         return [self.forward(s, t, p, a, features) for s, t, p, a in zip(states, tokens, positions, attends)]
 

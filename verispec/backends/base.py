@@ -51,6 +51,9 @@ class Target(Protocol):
     def forward_batch(self, states: list, tokens: list[torch.Tensor], positions: list[torch.Tensor],
                       attends: list[torch.Tensor], features: tuple[int, ...] = (-1,)) -> list[ForwardOutput]: ...
 
+    def state_pool(self, slots: int, capacity: int):
+        """States for a batch sized up front (``acquire()`` / ``release(state)``), or None: ``new_state`` then."""
+
     def commit(self, state, keep: list[int]) -> None: ...
 
     def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]: ...

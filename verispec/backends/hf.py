@@ -75,6 +75,15 @@ class CausalLM:
     def new_state(self) -> KVState:
         return KVState(cache=self._lean.new_cache() if self._lean is not None else new_cache())
 
+    def state_pool(self, slots: int, capacity: int):
+        """States for a batch of up to ``slots`` sequences of at most ``capacity`` cache entries each, in one buffer
+        per layer (``lean.SlotPool``: the batch's attention is one call per layer); None where this model runs the
+        ``transformers`` forward (its batches copy the caches side by side instead)."""
+        if self._lean is None:
+            return None
+        lean = self._lean
+        return StatePool(lean_forward.SlotPool(lean.n_layers, slots, lean.kv_heads, capacity, lean.head_dim))
+
     @torch.inference_mode()
     def forward(
         self, state: KVState, tokens: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor,
@@ -262,6 +271,20 @@ class CausalLM:
         top._modules[self.hf.base_model_prefix] = new_base
         top.config = cfg
         return CausalLM(top, self.tokenizer, name=f"{self.name}[layers {_ranges(layers)}]")
+
+
+class StatePool:
+    """``KVState``s whose caches are slots of one ``lean.SlotPool``: ``acquire`` one per sequence, ``release`` it when
+    the sequence ends (its slot serves the next one)."""
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def acquire(self) -> KVState:
+        return KVState(cache=self.pool.cache())
+
+    def release(self, state: KVState) -> None:
+        self.pool.release(state.cache)
 
 
 def quantized_copy(model: "CausalLM") -> "CausalLM":

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import VerispecError
+
 
 @dataclass
 class KVState:
@@ -31,11 +33,24 @@ class KVBuffer:
 
     _kbuf = _vbuf = None
     _len = 0
+    fixed = False  # buffers given from outside (a slot of a batch's pool): never reallocated
+
+    @classmethod
+    def in_place(cls, kbuf: torch.Tensor, vbuf: torch.Tensor) -> "KVBuffer":
+        """A buffer that lives in the given tensors (``[..., capacity, head dim]``); appending past their capacity is
+        an error rather than a reallocation."""
+        out = cls()
+        out._kbuf, out._vbuf, out.fixed = kbuf, vbuf, True
+        out._set_length(0)
+        return out
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the new entries; returns all keys and values so far (views of the buffers)."""
         n = key_states.shape[-2]
         need = self._len + n
+        if self.fixed and need > self._kbuf.shape[-2]:
+            raise VerispecError(f"this sequence's cache holds {self._kbuf.shape[-2]} entries and needs {need}: "
+                                "its batch was sized for shorter sequences")
         if self._kbuf is None or need > self._kbuf.shape[-2]:
             cap = max(need + 64, 2 * (0 if self._kbuf is None else self._kbuf.shape[-2]))
             kbuf = key_states.new_empty(*key_states.shape[:-2], cap, key_states.shape[-1])

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..errors import VerispecError
 from . import kernels
 from .kv import KVBuffer
 
@@ -57,10 +58,38 @@ def supports(hf_model) -> bool:
 
 
 class LeanCache:
-    """One ``KVBuffer`` of keys and values ``[kv heads, length, head dim]`` per layer."""
+    """One ``KVBuffer`` of keys and values ``[kv heads, length, head dim]`` per layer; in a ``SlotPool``, its buffers
+    are one slot of the pool's."""
 
-    def __init__(self, n_layers: int):
-        self.layers = [KVBuffer() for _ in range(n_layers)]
+    def __init__(self, n_layers: int, pool: "SlotPool | None" = None, slot: int | None = None):
+        self.pool, self.slot = pool, slot
+        if pool is None:
+            self.layers = [KVBuffer() for _ in range(n_layers)]
+        else:
+            self.layers = [KVBuffer.in_place(k[slot], v[slot]) for k, v in zip(pool.keys, pool.values)]
+
+
+class SlotPool:
+    """The caches of up to ``slots`` sequences in one buffer per layer (``[slots, kv heads, capacity, head dim]``),
+    sized once from the batch and the longest sequence it will hold: a batch's attention then runs as one call per
+    layer over every slot (``LeanLlama.forward_batch``), and its memory is bounded from the start."""
+
+    def __init__(self, n_layers: int, slots: int, kv_heads: int, capacity: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32):
+        self.n_layers, self.capacity = n_layers, capacity
+        self.keys = [torch.zeros(slots, kv_heads, capacity, head_dim, dtype=dtype) for _ in range(n_layers)]
+        self.values = [torch.zeros(slots, kv_heads, capacity, head_dim, dtype=dtype) for _ in range(n_layers)]
+        self._free = list(range(slots))
+
+    def cache(self) -> LeanCache:
+        if not self._free:
+            raise RuntimeError("every slot of the pool is in use")
+        return LeanCache(self.n_layers, self, self._free.pop(0))  # the lowest free slot: active slots stay low
+
+    def release(self, cache: LeanCache) -> None:
+        if cache.pool is self and cache.slot not in self._free:
+            self._free.append(cache.slot)
+            self._free.sort()
 
 
 def _linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
@@ -114,6 +143,45 @@ class LeanLlama:
                                     None if inputs_embeds is None else [inputs_embeds], [last_logits_only], features)
         return out
 
+    def _pool_plan(self, caches: list[LeanCache], sizes: list[int], visible: list[torch.Tensor]) -> dict | None:
+        """Where a batch's rows go in its pool, and the mask of one attention call over the used slots; None unless
+        every cache is a slot of the same pool (and there are several)."""
+        pool = caches[0].pool
+        if len(caches) < 2 or pool is None or any(c.pool is not pool for c in caches):
+            return None
+        lengths = [c.layers[0]._len for c in caches]
+        ends = [n + m for n, m in zip(lengths, sizes)]
+        if max(ends) > pool.capacity:
+            raise VerispecError(f"a sequence needs {max(ends)} cache entries, more than the {pool.capacity} its batch "
+                                "was sized for")
+        used, n_max, span = max(c.slot for c in caches) + 1, max(sizes), max(ends)
+        mask = torch.zeros(used, 1, n_max, span, dtype=torch.bool)
+        mask[:, :, :, 0] = True  # padding rows and idle slots see one entry (finite, and thrown away)
+        slot, pos, row = [], [], []
+        for c, length, n, vis in zip(caches, lengths, sizes, visible):
+            mask[c.slot, 0, :n, :] = False
+            mask[c.slot, 0, :n, :length + n] = vis
+            slot += [c.slot] * n
+            pos += range(length, length + n)
+            row += range(n)
+        return {"pool": pool, "lengths": lengths, "used": used, "n_max": n_max, "span": span, "mask": mask,
+                "slot": torch.tensor(slot), "pos": torch.tensor(pos), "row": torch.tensor(row)}
+
+    def _pooled_attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: dict) -> torch.Tensor:
+        """Layer ``i``'s attention for every sequence of a pooled batch in one call: the new keys and values written
+        into their slots, the queries into a padded ``[slots, heads, rows, head dim]``, one masked attention over the
+        used slots; the rows of the output back in batch order ``[R, heads x head dim]``."""
+        keys, values = plan["pool"].keys[i], plan["pool"].values[i]
+        slot, pos, row = plan["slot"], plan["pos"], plan["row"]
+        keys[slot, :, pos] = k
+        values[slot, :, pos] = v
+        qp = q.new_zeros(plan["used"], self.heads, plan["n_max"], self.head_dim)
+        qp[slot, :, row] = q
+        used, span = plan["used"], plan["span"]
+        o = F.scaled_dot_product_attention(qp, keys[:used, :, :span], values[:used, :, :span], attn_mask=plan["mask"],
+                                           enable_gqa=True)
+        return o[slot, :, row].reshape(q.shape[0], self.heads * self.head_dim)
+
     @torch.inference_mode()
     def forward_batch(self, caches: list[LeanCache], tokens: list[torch.Tensor], positions: list[torch.Tensor],
                       visible: list[torch.Tensor], inputs_embeds: list[torch.Tensor] | None = None,
@@ -139,23 +207,33 @@ class LeanLlama:
         heads, kv, hd = self.heads, self.kv_heads, self.head_dim
         want = {self.n_layers if i == -1 else i for i in features}
         kept = {0: x} if 0 in want else {}
+        pooled = self._pool_plan(caches, sizes, visible)
         for i, layer in enumerate(self.base.layers):
             a, m = layer.self_attn, layer.mlp
             h = self._rms(x, layer.input_layernorm)
             q = self._rope(_linear(h, a.q_proj).view(rows, heads, hd), cos, sin)
             k = self._rope(_linear(h, a.k_proj).view(rows, kv, hd), cos, sin)
             v = _linear(h, a.v_proj).view(rows, kv, hd)
-            outs = []
-            for (s, e), cache, mask in zip(spans, caches, visible):
-                keys, values = cache.layers[i].append(k[s:e].transpose(0, 1), v[s:e].transpose(0, 1))
-                qb = q[s:e].transpose(0, 1).contiguous()  # a strided query: a slow kernel
-                o = F.scaled_dot_product_attention(qb[None], keys[None], values[None], attn_mask=mask, enable_gqa=True)
-                outs.append(o[0].transpose(0, 1).reshape(e - s, heads * hd))
-            x = x + _linear(outs[0] if len(outs) == 1 else torch.cat(outs), a.o_proj)
+            if pooled is not None:
+                attended = self._pooled_attention(i, q, k, v, pooled)
+            else:
+                outs = []
+                for (s, e), cache, mask in zip(spans, caches, visible):
+                    keys, values = cache.layers[i].append(k[s:e].transpose(0, 1), v[s:e].transpose(0, 1))
+                    qb = q[s:e].transpose(0, 1).contiguous()  # a strided query: a slow kernel
+                    o = F.scaled_dot_product_attention(qb[None], keys[None], values[None], attn_mask=mask,
+                                                       enable_gqa=True)
+                    outs.append(o[0].transpose(0, 1).reshape(e - s, heads * hd))
+                attended = outs[0] if len(outs) == 1 else torch.cat(outs)
+            x = x + _linear(attended, a.o_proj)
             h = self._rms(x, layer.post_attention_layernorm)
             x = x + _linear(F.silu(_linear(h, m.gate_proj)) * _linear(h, m.up_proj), m.down_proj)
             if i + 1 in want and i + 1 < self.n_layers:
                 kept[i + 1] = x
+        if pooled is not None:
+            for cache, length, n in zip(caches, pooled["lengths"], sizes):
+                for layer in cache.layers:
+                    layer._set_length(length + n)
         out = self._rms(x, self.base.norm)
         kept[self.n_layers] = out
         hidden = torch.cat([kept[self.n_layers if i == -1 else i] for i in features], dim=-1)

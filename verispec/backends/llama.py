@@ -291,6 +291,9 @@ class LlamaCppTarget:
         logits = self._logits(list(range(n)) if not last_logits_only else [-1])
         return ForwardOutput(logits=logits, hidden=torch.zeros(n, 0))
 
+    def state_pool(self, slots: int, capacity: int) -> None:
+        return None  # one sequence at a time (see forward_batch)
+
     def forward_batch(self, states: list[LlamaState], tokens: list[torch.Tensor], positions: list[torch.Tensor],
                       attends: list[torch.Tensor], features: tuple[int, ...] = (-1,)) -> list[ForwardOutput]:
         """One sequence only: this backend keeps one sequence's cache at a time (``new_state`` clears it)."""
