@@ -4,6 +4,8 @@
     .venv/bin/python scripts/llama_build.py install     # build (or reuse a wheel built with the same options),
                                                          # install into this Python, self-test
     .venv/bin/python scripts/llama_build.py selftest    # the self-test alone
+    .venv/bin/python scripts/llama_build.py server      # llama.cpp's own llama-server, built with cmake from the
+                                                         # source llama-cpp-python vendors, with the same options
 
 Why not ``pip install 'verispec[llama]'``: pip builds llama.cpp with ``GGML_NATIVE`` (``-march=native``), and on
 some virtual machines the CPU advertises instructions that then fault (a Xeon with AMX: "Illegal instruction" on any
@@ -231,10 +233,47 @@ def stamp(args: str, wheel: Path | None) -> None:
     print(f"build options recorded in {path}")
 
 
+def server_dir(version: str, args: str) -> Path:
+    return wheel_dir(version, args).parent.parent / "llama-server" / wheel_dir(version, args).name
+
+
+def build_server(version: str, args: str, rebuild: bool) -> Path:
+    """``llama-server`` from the llama.cpp source that llama-cpp-python ``version``'s sdist vendors, built by cmake with
+    exactly ``args`` (the options of the extra): the benchmark's strongest CPU peer, continuous batching in C++. Kept
+    under a key of its options; returns the binary's path (also written to ``$VERISPEC_CACHE/llama-server/current``)."""
+    out = server_dir(version, args)
+    binary = out / "build" / "bin" / "llama-server"
+    if binary.is_file() and not rebuild:
+        print(f"reusing {binary}")
+    else:
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        print(f"building llama-server from llama-cpp-python {version}'s sources (about 10 minutes on 2 cores)",
+              flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "download", "--no-deps",
+                        "--no-binary", ":all:", "-d", str(out),
+                        f"llama-cpp-python=={version}"], check=True)
+        sdist = next(out.glob("llama_cpp_python-*.tar.gz"))
+        shutil.unpack_archive(str(sdist), str(out))
+        source = next(out.glob("llama_cpp_python-*/vendor/llama.cpp"))
+        build = out / "build"
+        subprocess.run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+                        "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                        "-DLLAMA_OPENSSL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF",
+                        *args.split()], check=True)
+        subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 2)],
+                       check=True)
+        (out / "cmake_args.txt").write_text(args + "\n")
+    current = out.parent / "current"
+    current.write_text(str(binary) + "\n")
+    print(f"llama-server: {binary} (recorded in {current})")
+    return binary
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=("options", "install", "selftest"))
+    ap.add_argument("command", choices=("options", "install", "selftest", "server"))
     ap.add_argument("--without", nargs="*", default=[], metavar="OPTION",
                     help=f"leave these instruction sets off even if they run ({', '.join(ALL_OPTIONS)}; AMX = all "
                          "three AMX options)")
@@ -260,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     args = cmake_args(features) if features else ""
     print(f"CMAKE_ARGS={args}")
     if a.command == "options":
+        return 0
+    if a.command == "server":
+        build_server(a.version, args, a.rebuild)
         return 0
     wheel = build_and_install(a.version, args, a.rebuild)
     ok, crashed, msg = selftest()

@@ -435,3 +435,39 @@ def test_traversal_records_from_before_the_tested_fix_are_repaired_on_reading(tm
     assert [r["tested"] for r in runs["specinfer"]] == [[4, 3], [2, 3]]  # other verifiers never had the bug
     assert steps[1]["tested"] == [3]
     assert per_candidate_acceptance(runs["traversal"]) == pytest.approx([0.0, 1 / 3, 0.0])  # [0, 1/4, 0, 0] unrepaired
+
+
+def test_closed_loops_of_concurrent_requests(tmp_path, tiny_target):
+    """--concurrency: every prompt as a request of a closed loop with N in flight, for verispec's batched engine and
+    Hugging Face's static batches; greedy tokens do not depend on the loop; a cut-off loop runs again on resume."""
+    base = tiny_config(tmp_path)
+    config = BenchConfig(**{**base.to_dict(), "methods": ["hf-generate", "ar", "fixed", "hf-continuous"],
+                            "drafts": ["ngram"], "temperatures": [0.0], "seeds": [0], "concurrency": [1, 2],
+                            "audit_cases": 0})
+    notes = []
+    out = run_bench(config, tmp_path / "c.jsonl", target=tiny_target, progress=False, log=notes.append)
+    records = read_records(out)
+    cells = [r for r in records if r["type"] == "cell"]
+    assert len(cells) == 2 * 4 and all(c["requests"] == 3 and c["throughput"] > 0 for c in cells)
+    prompts = [r for r in records if r["type"] == "prompt"]
+    assert len(prompts) == 2 * 4 * 3 and all(r["latency_s"] >= 0 and r["cell"]["concurrency"] in (1, 2)
+                                             for r in prompts)
+    by_prompt = {}
+    for r in prompts:
+        if r["cell"]["method"] != "hf-continuous":  # transformers' scheduler is its own (its text checked below)
+            by_prompt.setdefault(r["cell"]["prompt"], set()).add(tuple(r["token_ids"]))
+    assert all(len(v) == 1 for v in by_prompt.values())  # greedy: the same tokens whatever the loop
+    res = Results.load(out)
+    from verispec.bench.report import loop_summary
+
+    rows = {(r.method, r.concurrency): r for r in loop_summary(res)}
+    assert rows["ar", 1].vs["vs_ar"] == pytest.approx(1.0) and "vs_own_1" in rows["fixed", 2].vs
+    assert "vs HF static batches" in report(res) and "N" in report(res)
+    # an interrupted run resumes: the cut-off loop is dropped and run again
+    lines = out.read_text().splitlines()
+    last_cell = max(i for i, line in enumerate(lines) if '"type": "cell"' in line)
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("\n".join(lines[:last_cell]) + "\n")
+    run_bench(config, cut, target=tiny_target, progress=False, resume=True, log=lambda m: None)
+    again = Results.load(cut)
+    assert len(again.cells) == 8 and len(again.prompts) == 24

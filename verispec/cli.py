@@ -317,7 +317,7 @@ def _add_bench(sub):
         if isinstance(default, bool):
             b.add_argument(flag, action="store_true", default=None, help=text)
         elif isinstance(default, list):
-            kind = {"temperatures": float, "seeds": int}.get(f.name, str)
+            kind = {"temperatures": float, "seeds": int, "concurrency": int}.get(f.name, str)
             b.add_argument(flag, nargs="+" if f.name != "shadow" else "*", type=kind, default=None, help=text)
         else:
             b.add_argument(flag, type=int if f.name in ("limit", "audit_cases", "max_new_tokens", "shadow_seeds")

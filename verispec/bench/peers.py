@@ -14,18 +14,26 @@ drafted and accepted tokens, by observing Hugging Face's own ``update_candidate_
 from __future__ import annotations
 
 import contextlib
+import http.client
 import importlib.util
+import json
+import os
+import socket
+import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from .. import cache
 from ..backends import CausalLM
 from ..backends.llama import INSTALL_HINT, check_engine
 from ..backends.loading import gguf_file
 from ..drafters import DraftSpec, ModelDrafter
 from ..errors import VerispecError
+from .concurrency import Request, one_at_a_time, static_batches
 
 HF_LOOKUP_TOKENS = 10  # Hugging Face prompt lookup's default number of proposed tokens
 
@@ -36,6 +44,7 @@ class PeerResult:
     wall_s: float
     drafted: list[int]  # per verification step (assisted only)
     accepted: list[int]
+    first_token_s: float | None = None  # seconds to the first token, where the peer shows it
 
     @property
     def num_tokens(self) -> int:
@@ -167,15 +176,195 @@ def llama_generate(target_spec: str, prompt_ids: list[int], max_new_tokens: int,
     eos = llm.token_eos()
     llm.reset()
     llm.set_seed(seed)
-    out = []
+    out, first = [], None
     t = time.perf_counter()
     for tok in llm.generate(prompt_ids, temp=float(temperature), top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0,
                             repeat_penalty=1.0, reset=True):
+        if first is None:
+            first = time.perf_counter() - t
         out.append(int(tok))
         if tok == eos or len(out) >= max_new_tokens:
             break
     wall = time.perf_counter() - t
-    return PeerResult(out, wall, [], [])
+    return PeerResult(out, wall, [], [], first)
+
+
+class _StepClock:
+    """A logits processor that only notes when ``generate`` computes each step's logits (the step's token follows at
+    once): per-token timing for a batch, which Hugging Face's streamer does not give."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def hf_generate_batch(target: CausalLM, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                      seed: int = 0) -> list[tuple[list[int], float, float]]:
+    """Hugging Face ``generate`` of a static batch: the prompts left-padded into one batch, decoded together until
+    the last one stops. Per prompt: its tokens (up to its first EOS), seconds to its first and to its last token."""
+    from transformers import LogitsProcessorList  # noqa: PLC0415 - a slow import, needed only for this peer
+
+    torch.manual_seed(seed)
+    pad = target.hf.generation_config.pad_token_id or 0
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    clock = _StepClock()
+    with torch.no_grad():
+        t = time.perf_counter()
+        out = target.hf.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad,
+                                 eos_token_id=sorted(target.eos_token_ids) or None,
+                                 logits_processor=LogitsProcessorList([clock]), **_sampling_kwargs(temperature))
+    results = []
+    for row in out[:, width:].tolist():
+        for i, tok in enumerate(row):
+            if tok in target.eos_token_ids:
+                row = row[: i + 1]
+                break
+        n = max(len(row), 1)
+        results.append((row, clock.times[0] - t, clock.times[min(n, len(clock.times)) - 1] - t))
+    return results
+
+
+def hf_continuous(target: CausalLM, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int,
+                  concurrency: int, problems) -> list:
+    """transformers' own continuous batching (``generate_batch``, 5.24): every prompt queued at once, at most
+    ``concurrency`` requests scheduled together; its per-request timestamps give when each started and produced."""
+    from transformers import GenerationConfig  # noqa: PLC0415 - a slow import, needed only for this peer
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: PLC0415
+
+    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=sorted(target.eos_token_ids) or None,
+                              pad_token_id=target.hf.generation_config.pad_token_id or 0,
+                              **_sampling_kwargs(temperature))
+    cb = ContinuousBatchingConfig(max_requests_per_batch=concurrency, seed=seed)
+    with torch.no_grad():
+        got = target.hf.generate_batch(prompts, generation_config=config, continuous_batching_config=cb,
+                                       record_timestamps=True, progress_bar=False, warmup=True)
+    outs = [got[f"req_{i}"] for i in range(len(prompts))]
+    t0 = min(o.lifespan[0] for o in outs)
+    return [Request(problem, list(o.generated_tokens), o.lifespan[0] - t0,
+                    (o.timestamps[0] - t0) if o.timestamps else None, o.lifespan[1] - t0,
+                    error=str(o.error) if o.error else None) for problem, o in zip(problems, outs)]
+
+
+def llama_server_binary() -> str | None:
+    """llama.cpp's ``llama-server``: ``$VERISPEC_LLAMA_SERVER``, else the one ``scripts/llama_build.py server``
+    built; None when there is none."""
+    path = os.environ.get("VERISPEC_LLAMA_SERVER")
+    if not path:
+        try:
+            path = cache.path("llama-server", "current").read_text().strip()
+        except OSError:
+            return None
+    return path if path and os.access(path, os.X_OK) else None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stream_completion(port: int, body: dict, timeout: float) -> tuple[list[int], float | None]:
+    """One streamed ``/completion`` request to a local llama-server: its token ids, and seconds to the first."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    t = time.perf_counter()
+    try:
+        conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise VerispecError(f"llama-server answered {resp.status}: {resp.read()[:200]!r}")
+        tokens, first = [], None
+        for raw in resp:
+            line = raw.decode("utf-8", "replace").strip()
+            if not line.startswith("data: "):
+                continue
+            chunk = json.loads(line[6:])
+            got = chunk.get("tokens") or []
+            if got and first is None:
+                first = time.perf_counter() - t
+            tokens += [int(x) for x in got]
+            if chunk.get("stop"):
+                break
+        return tokens, first
+    finally:
+        conn.close()
+
+
+def llama_server_loop(gguf: str, prompts: list[list[int]], problems, concurrency: int, temperature: float,
+                      seed: int, max_new_tokens: int, threads: int) -> list[Request]:
+    """llama.cpp's ``llama-server`` with ``concurrency`` parallel slots (continuous batching in C++), started on
+    127.0.0.1 for this loop and stopped after it, driven by that many clients over loopback with the same prompts
+    (token ids) and sampling matched to verispec's (temperature only; top-k, top-p, min-p and penalties off)."""
+    binary = llama_server_binary()
+    if binary is None:
+        raise VerispecError("no llama-server binary: build it with .venv/bin/python scripts/llama_build.py server")
+    port = _free_port()
+    per_slot = max(len(p) for p in prompts) + max_new_tokens + 16
+    log = open(cache.path("llama-server", f"server-{port}.log"), "w")  # noqa: SIM115 - closed in finally
+    proc = subprocess.Popen([binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(concurrency),
+                             "-c", str(per_slot * concurrency), "-t", str(threads), "-tb", str(threads), "-fa", "on",
+                             "--no-webui"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.perf_counter() + 120
+        while True:
+            if proc.poll() is not None:
+                raise VerispecError(f"llama-server exited with status {proc.returncode} (log: {log.name})")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    break
+            except OSError:
+                pass
+            if time.perf_counter() > deadline:
+                raise VerispecError(f"llama-server did not come up within 120 s (log: {log.name})")
+            time.sleep(0.2)
+
+        def body(i: int, budget: int) -> dict:
+            return {"prompt": prompts[i], "n_predict": budget, "temperature": float(temperature), "top_k": 0,
+                    "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0, "seed": seed,
+                    "stream": True, "return_tokens": True, "cache_prompt": False}
+
+        _stream_completion(port, body(0, 4), 300)  # warm-up
+        t0 = time.perf_counter()
+        queue, lock, out = list(range(len(prompts))), threading.Lock(), {}
+
+        def client() -> None:
+            while True:
+                with lock:
+                    if not queue:
+                        return
+                    i = queue.pop(0)
+                submitted = time.perf_counter() - t0
+                try:
+                    tokens, first = _stream_completion(port, body(i, max_new_tokens), 600)
+                    error = None
+                except (OSError, VerispecError, ValueError) as exc:
+                    tokens, first, error = [], None, str(exc)
+                end = time.perf_counter() - t0
+                out[i] = Request(problems[i], tokens, submitted, None if first is None else submitted + first, end,
+                                 error=error)
+
+        workers = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(timeout=3600)
+        if len(out) != len(prompts):
+            raise VerispecError("the llama-server closed loop did not finish within an hour")
+        return [out[i] for i in range(len(prompts))]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
 
 
 # ---------------------------------------------------------------- the registry
@@ -208,15 +397,63 @@ class PeerRun:
 
 
 @dataclass(frozen=True)
+class ConcurrentRun:
+    """What a peer needs for one closed loop (``bench.concurrency``): every prompt, N in flight."""
+
+    target: object
+    target_spec: str
+    drafter: object
+    problems: list
+    prompt_ids: list[list[int]]
+    concurrency: int
+    temperature: float
+    seed: int
+    max_new_tokens: int
+    threads: int
+
+
+@dataclass(frozen=True)
 class Peer:
     name: str
     note: str
-    run: Callable[[PeerRun], PeerResult]
+    run: Callable[[PeerRun], PeerResult] | None  # one request alone (None: a peer of closed loops only)
     missing: Callable[[object], str | None] = lambda config: None  # why it cannot run with a bench config, or None
     drafts: bool = False  # runs with the cell's draft (one cell per draft)
     takes_draft: Callable[[str], bool] = lambda draft: True  # which drafts it can use
     scores_text: bool = True  # its text is the target's law at the cell's temperature (NLL comparable)
     baselines: tuple[Baseline, ...] = field(default_factory=tuple)
+    concurrent: Callable[[ConcurrentRun], list[Request]] | None = None  # a closed loop of N requests in flight
+
+
+def _one_at_a_time(run: Callable[[PeerRun], PeerResult]) -> Callable[[ConcurrentRun], list[Request]]:
+    """A peer that serves one request at a time, as a closed loop (``concurrency.one_at_a_time``)."""
+    def concurrent(c: ConcurrentRun) -> list[Request]:
+        def serve(i: int):
+            r = run(PeerRun(c.target, c.target_spec, c.drafter, c.prompt_ids[i], c.max_new_tokens, c.temperature,
+                            c.seed))
+            return r.token_ids, r.first_token_s
+
+        return one_at_a_time(serve, c.problems, c.concurrency)
+
+    return concurrent
+
+
+def _static(c: ConcurrentRun) -> list[Request]:
+    return static_batches(lambda idx: hf_generate_batch(c.target, [c.prompt_ids[i] for i in idx], c.max_new_tokens,
+                                                        c.temperature, c.seed), c.problems, c.concurrency)
+
+
+def _needs_server(config) -> str | None:
+    why = None if gguf_path(config.target) is not None else f"the target {config.target!r} is not a GGUF file"
+    if llama_server_binary() is None:
+        why = "no llama-server binary (build it: .venv/bin/python scripts/llama_build.py server)"
+    if not config.concurrency:
+        why = "it runs closed loops only (--concurrency)"
+    return why
+
+
+def _closed_loops_only(config) -> str | None:
+    return _hf_only(config) or (None if config.concurrency else "it runs closed loops only (--concurrency)")
 
 
 def _hf_only(config) -> str | None:
@@ -242,23 +479,45 @@ def _assisted(r: PeerRun) -> PeerResult:
                        prompt_lookup=HF_LOOKUP_TOKENS)
 
 
+def _plain(r: PeerRun) -> PeerResult:
+    return hf_generate(r.target, r.prompt_ids, r.max_new_tokens, r.temperature, seed=r.seed)
+
+
+def _llama(r: PeerRun) -> PeerResult:
+    return llama_generate(r.target_spec, r.prompt_ids, r.max_new_tokens, r.temperature, seed=r.seed)
+
+
+def _llama_lookup(r: PeerRun) -> PeerResult:
+    return llama_generate(r.target_spec, r.prompt_ids, r.max_new_tokens, r.temperature, seed=r.seed,
+                          lookup=HF_LOOKUP_TOKENS)
+
+
 PEERS = {p.name: p for p in [
-    Peer("hf-generate", "Hugging Face generate of the target (no draft)",
-         lambda r: hf_generate(r.target, r.prompt_ids, r.max_new_tokens, r.temperature, seed=r.seed),
-         missing=_hf_only, baselines=(Baseline("vs_hf_generate", "vs HF generate", "hf-generate"),)),
+    Peer("hf-generate", "Hugging Face generate of the target (no draft); in closed loops, static padded batches of "
+         "N prompts", _plain, missing=_hf_only, concurrent=_static,
+         baselines=(Baseline("vs_hf_generate", "vs HF generate", "hf-generate"),)),
     Peer("hf-assisted", "Hugging Face assisted generation with the same draft (a model draft, or prompt lookup for "
-         "ngram)", _assisted, missing=_hf_only, drafts=True, takes_draft=supports_assisted,
+         "ngram); one request at a time in closed loops (transformers refuses batches for it)", _assisted,
+         missing=_hf_only, drafts=True, takes_draft=supports_assisted, concurrent=_one_at_a_time(_assisted),
          baselines=(Baseline("vs_hf_assisted", "vs HF assisted", "hf-assisted", same_draft=True, optional=True),
                     Baseline("vs_best_hf_assisted", "vs HF assisted (its best draft)", "hf-assisted",
                              best_draft=True))),
+    Peer("hf-continuous", "transformers' own continuous batching (generate_batch) of the target, at most N requests "
+         "scheduled together (closed loops only)", None, missing=_closed_loops_only,
+         concurrent=lambda c: hf_continuous(c.target, c.prompt_ids, c.max_new_tokens, c.temperature, c.seed,
+                                            c.concurrency, c.problems),
+         baselines=(Baseline("vs_hf_continuous", "vs HF continuous batching", "hf-continuous", optional=True),)),
     Peer("llama-cpp", "llama.cpp's plain decoding of the same GGUF file (llama-cpp-python; a quantised model: its "
-         "own target)", lambda r: llama_generate(r.target_spec, r.prompt_ids, r.max_new_tokens, r.temperature,
-                                                 seed=r.seed),
-         missing=_needs_gguf, scores_text=False,
+         "own target); one request at a time in closed loops, as llama-cpp-python serves", _llama,
+         missing=_needs_gguf, scores_text=False, concurrent=_one_at_a_time(_llama),
          baselines=(Baseline("vs_llama_cpp", "vs llama.cpp", "llama-cpp", optional=True),)),
     Peer("llama-cpp-lookup", "llama-cpp-python's prompt-lookup speculative decoding of the same GGUF file (its own "
-         "target)", lambda r: llama_generate(r.target_spec, r.prompt_ids, r.max_new_tokens, r.temperature,
-                                             seed=r.seed, lookup=HF_LOOKUP_TOKENS),
-         missing=_needs_gguf, scores_text=False),
+         "target)", _llama_lookup, missing=_needs_gguf, scores_text=False, concurrent=_one_at_a_time(_llama_lookup)),
+    Peer("llama-server", "llama.cpp's own llama-server with N parallel slots (continuous batching in C++), built with "
+         "the extra's options from the source llama-cpp-python vendors, driven over loopback (closed loops only)",
+         None, missing=_needs_server, scores_text=False,
+         concurrent=lambda c: llama_server_loop(gguf_path(c.target_spec), c.prompt_ids, c.problems, c.concurrency,
+                                                c.temperature, c.seed, c.max_new_tokens, c.threads),
+         baselines=(Baseline("vs_llama_server", "vs llama-server", "llama-server", optional=True),)),
 ]}
 BASELINES = (Baseline("speedup_ar", "vs ar", "ar"), *(b for p in PEERS.values() for b in p.baselines))

@@ -8,9 +8,14 @@ A results file holds one JSON object per line:
   only ``drafted`` and ``accepted_length``. Shadow verifiers add a ``shadow`` field (see ``verispec.bench.shadow``);
 * ``{"type": "prompt", "cell": KEY, ...}``: one per finished (method, draft, prompt, temperature, seed) cell,
   written after its steps: tokens, wall time, text, the machine's load while it ran;
+* ``{"type": "cell", "cell": GROUP, ...}``: with ``--concurrency``, one per (temperature, seed, draft, method,
+  concurrency): every prompt ran as a request of a closed loop keeping that many in flight; ``tokens``, ``wall_s``
+  (first request's start to last one's end), ``throughput`` (tokens per second) and ``requests``. Its requests'
+  prompt records carry ``concurrency`` in their key and their latencies (``ttft_s``, ``tpot_s``, ``latency_s``);
 * ``{"type": "audit", ...}``: the exhaustive exactness audit of the verifiers used (one per verifier).
 
-A cell counts as done once its prompt record is written; the steps of an unfinished cell never count.
+A cell counts as done once its prompt record is written; the steps of an unfinished cell never count. A concurrency
+group counts as done once its cell record is written; the requests of an unfinished group never count.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -37,7 +42,12 @@ _STEP_FIELDS = {f.name for f in fields(StepRecord)}
 
 
 def cell_id(key: dict) -> tuple:
-    return key["T"], key["seed"], key["prompt"], key["draft"], key["method"]
+    return key["T"], key["seed"], key["prompt"], key["draft"], key["method"], key.get("concurrency")
+
+
+def group_id(key: dict) -> tuple:
+    """A concurrency group: the cells that ran together in one closed loop (``key`` a prompt's or the group's)."""
+    return key["T"], key["seed"], key["draft"], key["method"], key.get("concurrency")
 
 
 def step_record(cell: dict, i: int, step: StepRecord, **extra) -> dict:
@@ -55,8 +65,11 @@ def read_step(record: dict) -> StepRecord:
 
 
 def finished_cells(records: list[dict]) -> set[tuple]:
-    """Ids of the cells whose prompt record is written (their step records count; others' do not)."""
-    return {cell_id(r["cell"]) for r in records if r.get("type") == "prompt"}
+    """Ids of the cells whose prompt record is written (their step records count; others' do not), leaving out the
+    requests of a concurrency group whose cell record is not (an interrupted closed loop is run again whole)."""
+    groups = {group_id(r["cell"]) for r in records if r.get("type") == "cell"}
+    return {cell_id(r["cell"]) for r in records if r.get("type") == "prompt"
+            and (r["cell"].get("concurrency") is None or group_id(r["cell"]) in groups)}
 
 
 def read_records(path: str | Path, warn=None) -> list[dict]:
@@ -153,6 +166,7 @@ class Results:
     steps: dict[tuple, list[dict]]  # cell id -> its step records
     audits: list[dict]
     source: str = ""
+    cells: list[dict] = field(default_factory=list)  # concurrency groups (their requests are in ``prompts``)
 
     @classmethod
     def load(cls, path: str | Path, warn=None) -> "Results":
@@ -171,13 +185,14 @@ class Results:
 
     @classmethod
     def from_records(cls, records: list[dict]) -> "Results":
-        prompts = [r for r in records if r.get("type") == "prompt"]
         done = finished_cells(records)
+        prompts = [r for r in records if r.get("type") == "prompt" and cell_id(r["cell"]) in done]
         steps = defaultdict(list)
         for r in records:
             if r.get("type") == "step" and cell_id(r["cell"]) in done:  # steps of unfinished cells do not count
                 steps[cell_id(r["cell"])].append(_repair_traversal(r))
-        return cls(records[0], prompts, dict(steps), [r for r in records if r.get("type") == "audit"])
+        return cls(records[0], prompts, dict(steps), [r for r in records if r.get("type") == "audit"],
+                   cells=[r for r in records if r.get("type") == "cell"])
 
     def describe(self) -> str:
         """One line: the command and the machine the results came from."""

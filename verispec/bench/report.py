@@ -117,11 +117,13 @@ def _pooled(groups: list[tuple[float, float]]) -> tuple[float, float, float]:
 
 def usable(res: Results) -> tuple[list[dict], int]:
     """The prompt records a summary counts (cells that ran beside other work are left out), and how many were.
-    If every cell ran beside other work, all are kept (the report says so) rather than none."""
-    kept = [r for r in res.prompts if not contended(r)]
+    If every cell ran beside other work, all are kept (the report says so) rather than none. The requests of closed
+    loops are summarised by ``loop_summary``."""
+    alone = [r for r in res.prompts if r["cell"].get("concurrency") is None]
+    kept = [r for r in alone if not contended(r)]
     if not kept:
-        return list(res.prompts), 0
-    return kept, len(res.prompts) - len(kept)
+        return alone, 0
+    return kept, len(alone) - len(kept)
 
 
 def summarize(res: Results, by_category: bool = False) -> list[Row]:
@@ -470,8 +472,117 @@ def table_audit(audits: list[dict]) -> str:
     return markdown(["verifier", "claims exact", "cases", "max TV", "max KL", "verdict"], body)
 
 
+@dataclass
+class LoopRow:
+    """A closed loop of requests (``--concurrency``): its throughput, its ratios to the other systems at the same
+    concurrency, and what each request saw."""
+
+    T: float
+    concurrency: int
+    draft: str
+    method: str
+    requests: int
+    tokens: int
+    wall_s: float
+    throughput: float  # tokens per second: all tokens over first start to last end
+    tpot_ms: tuple[float, float]  # time per output token after the first: median, 90th percentile
+    ttft_ms: tuple[float, float]  # time to first token, from submission: median, 90th percentile
+    mean_accepted_length: float
+    drafted_per_step: float
+    errors: int
+    contended: bool
+    vs: dict = field(default_factory=dict)  # column -> ratio (see ``loop_summary``)
+    ci: dict = field(default_factory=dict)
+
+    def show(self, metric: str, spec: str = ".2f", suffix: str = "") -> str:
+        low, high = self.ci.get(metric, (NAN, NAN))
+        return fmt(self.vs.get(metric, NAN), low, high, spec, suffix)
+
+
+LOOP_BASELINES = (("vs_ar", "vs ar (same N)", "ar"), ("vs_hf_generate", "vs HF static batches", "hf-generate"),
+                  ("vs_hf_continuous", "vs HF continuous batching", "hf-continuous"),
+                  ("vs_llama_cpp", "vs llama.cpp one at a time", "llama-cpp"),
+                  ("vs_llama_server", "vs llama-server", "llama-server"))
+
+
+def _quantiles(xs: list[float]) -> tuple[float, float]:
+    xs = sorted(x for x in xs if x is not None and x == x)
+    if not xs:
+        return NAN, NAN
+    return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]), \
+        xs[min(len(xs) - 1, math.ceil(0.9 * len(xs)) - 1)]
+
+
+def loop_summary(res: Results) -> list[LoopRow]:
+    """One row per closed loop (temperature, concurrency, draft, method). Ratios compare throughputs at the same
+    temperature and concurrency; in a closed loop keeping N in flight, throughput = N x (tokens / time in system)
+    summed over requests (Little's law), so each ratio is that of sum(tokens) / sum(latency) over the prompts both
+    loops served, paired per prompt with a bootstrap interval over prompts (``vs_own_1``: against the same method's
+    own loop of one request at a time, scaled by the concurrencies). ``throughput`` is measured directly."""
+    requests: dict[tuple, list[dict]] = defaultdict(list)
+    for r in res.prompts:
+        c = r["cell"]
+        if c.get("concurrency") is not None:
+            requests[(c["T"], c["seed"], c["draft"], c["method"], c["concurrency"])].append(r)
+    rows = []
+    for cell in res.cells:
+        c = cell["cell"]
+        mine = requests.get((c["T"], c["seed"], c["draft"], c["method"], c["concurrency"]), [])
+        steps = [s for r in mine for s in res.steps.get(cell_id(r["cell"]), [])]
+        row = LoopRow(c["T"], c["concurrency"], c["draft"], c["method"], cell["requests"], cell["tokens"],
+                      cell["wall_s"], cell["throughput"],
+                      tuple(1000 * x for x in _quantiles([r.get("tpot_s") for r in mine])),
+                      tuple(1000 * x for x in _quantiles([r.get("ttft_s") for r in mine])),
+                      mean_accepted_length(steps) if steps else NAN, _mean(s["drafted"] for s in steps),
+                      cell.get("errors", 0), contended(cell))
+        for column, _, method in LOOP_BASELINES:
+            base = [k for k in requests if (k[0], k[1], k[3], k[4]) == (c["T"], c["seed"], method, c["concurrency"])]
+            if base:
+                row.vs[column], *ci = _loop_ratio(mine, requests[base[0]])
+                row.ci[column] = tuple(ci)
+        own = requests.get((c["T"], c["seed"], c["draft"], c["method"], 1))
+        if own and c["concurrency"] != 1:
+            est, low, high = _loop_ratio(mine, own)
+            n = c["concurrency"]
+            row.vs["vs_own_1"], row.ci["vs_own_1"] = n * est, (n * low, n * high)
+        rows.append(row)
+    order = {name: i for i, name in enumerate(res.header.get("config", {}).get("methods", []))}
+    rows.sort(key=lambda r: (r.T, r.concurrency, order.get(r.method, 99), r.draft))
+    return rows
+
+
+def _loop_ratio(mine: list[dict], base: list[dict]) -> tuple[float, float, float]:
+    theirs = {r["cell"]["prompt"]: r for r in base}
+    pairs = [(r, theirs[r["cell"]["prompt"]]) for r in mine if r["cell"]["prompt"] in theirs]
+    if not pairs:
+        return NAN, NAN, NAN
+    return ratio_of_rates([a["tokens"] for a, _ in pairs], [a["latency_s"] for a, _ in pairs],
+                          [b["tokens"] for _, b in pairs], [b["latency_s"] for _, b in pairs])
+
+
+def table_loops(rows: list[LoopRow]) -> str:
+    """Closed loops: throughput against concurrency, each ratio with its interval, and what a request waits."""
+    cols = [(c, label) for c, label, _ in LOOP_BASELINES if any(c in r.vs for r in rows)]
+    own = any("vs_own_1" in r.vs for r in rows)
+    head = ["T", "N", "method", "draft", "requests", "tokens/s", *[label for _, label in cols],
+            *(["vs itself at N = 1"] if own else []), "TPOT ms (p50 / p90)", "TTFT ms (p50 / p90)",
+            "accepted length", "errors"]
+    body = [[f"{r.T:g}", str(r.concurrency), r.method, r.draft, str(r.requests),
+             _f(r.throughput, ".1f") + (" (busy machine)" if r.contended else ""),
+             *[r.show(c, ".2f", "x") for c, _ in cols], *([r.show("vs_own_1", ".2f", "x")] if own else []),
+             f"{_f(r.tpot_ms[0], '.1f')} / {_f(r.tpot_ms[1], '.1f')}",
+             f"{_f(r.ttft_ms[0], '.0f')} / {_f(r.ttft_ms[1], '.0f')}", _f(r.mean_accepted_length), str(r.errors)]
+            for r in rows]
+    return markdown(head, body)
+
+
 def report(res: Results) -> str:
     """The standard summary of a results file (Markdown)."""
+    if res.cells and not any(r["cell"].get("concurrency") is None for r in res.prompts):
+        parts = [f"Results of {res.describe()}", ""]
+        if res.header.get("notes"):
+            parts += ["Left out: " + "; ".join(res.header["notes"]) + ".", ""]
+        return "\n".join(parts + ["Closed loops (N requests in flight):", "", table_loops(loop_summary(res))])
     rows = summarize(res)
     _, left_out = usable(res)
     parts = [f"Results of {res.describe()}", ""]

@@ -31,13 +31,15 @@ from ..methods import Plan, resolve
 from ..verifiers import get_verifier
 from ..verifiers.chain import chain_laws, position_law
 from ..version import __version__
-from .peers import PEERS, Peer, PeerRun
+from .concurrency import verispec_loop
+from .peers import PEERS, ConcurrentRun, Peer, PeerRun
 from .records import (
     NO_DRAFT,
     LoadMeter,
     cell_id,
     finished_cells,
     git_revision,
+    group_id,
     machine,
     read_records,
     step_record,
@@ -63,6 +65,7 @@ class BenchConfig:
     shadow_seeds: int = 4  # coin seeds per shadow verifier and step
     distortion: bool = False  # record lossy rules' exact TV at every decoded position, and each cell's NLL
     backend: str = "hf"  # the target's engine: hf (transformers) or llama (llama.cpp on the GGUF file)
+    concurrency: list[int] = field(default_factory=list)  # closed loops with N requests in flight (empty: none)
 
     @classmethod
     def from_dict(cls, d: dict) -> "BenchConfig":
@@ -91,6 +94,11 @@ class BenchConfig:
             raise VerispecError("no seeds given")
         if self.audit_cases < 0:
             raise VerispecError("audit_cases must be >= 0")
+        if any(n < 1 for n in self.concurrency):
+            raise VerispecError(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.concurrency and (self.shadow or self.distortion or self.carry_state):
+            raise VerispecError("--concurrency runs closed loops of requests; --shadow, --distortion and --carry-state "
+                                "are for one request at a time")
         methods = [PEERS[m] if m in PEERS else resolve(m) for m in self.methods]
         if len({m.name for m in methods}) != len(methods):
             raise VerispecError("a method is listed twice")
@@ -115,6 +123,9 @@ BENCH_HELP = {
     "shadow_seeds": "coin seeds per shadow verifier and step",
     "backend": "the target's engine: hf (Hugging Face transformers, float32) or llama (llama.cpp on the GGUF file, "
                "a quantised target of its own; bash scripts/install_llama.sh)",
+    "concurrency": "instead of one prompt at a time: for each N, every prompt as a request of a closed loop that "
+                   "keeps N in flight (a new one starts as one finishes); records each request's latencies and each "
+                   "loop's throughput",
     "distortion": "record, for lossy rules, the exact total variation of their law from the target's at every "
                   "position a run tests, and for every cell at T > 0 the NLL of its text under the target",
 }
@@ -173,6 +184,47 @@ def plan(config: BenchConfig, methods: list[Plan | Peer], problems: list[Problem
     return cells, notes
 
 
+@dataclass(frozen=True)
+class Group:
+    """A closed loop: every prompt as a request, ``concurrency`` in flight (``bench.concurrency``)."""
+
+    temperature: float
+    seed: int
+    draft: str
+    method: Plan | Peer
+    concurrency: int
+
+    @property
+    def key(self) -> dict:
+        return {"T": self.temperature, "seed": self.seed, "draft": self.draft, "method": self.method.name,
+                "concurrency": self.concurrency}
+
+
+def plan_groups(config: BenchConfig, methods: list[Plan | Peer]) -> tuple[list[Group], list[str]]:
+    """The closed loops of a ``--concurrency`` run, in the order they run: per temperature, seed and concurrency,
+    every method (with every draft it uses) in turn. Returns (groups, notes about what is left out)."""
+    groups, notes, kept = [], [], []
+    for m in methods:
+        why = m.missing(config) if isinstance(m, Peer) else None
+        if why is None and isinstance(m, Peer) and m.concurrent is None:
+            why = "it cannot serve concurrent requests"
+        if why:
+            notes.append(f"the peer {m.name} ({why})")
+            continue
+        kept.append(m)
+    notes += static_notes(config)
+    for t in config.temperatures:
+        for seed in config.seeds:
+            for n in config.concurrency:
+                for m in kept:
+                    drafts = config.drafts if m.drafts else [NO_DRAFT]
+                    for d in drafts:
+                        if isinstance(m, Peer) and m.drafts and not m.takes_draft(d):
+                            continue
+                        groups.append(Group(t, seed, d, m, n))
+    return groups, notes
+
+
 def header(config: BenchConfig, command: str | None = None, notes: list[str] | None = None) -> dict:
     import transformers  # noqa: PLC0415 - a slow import (seconds), needed only for the version it reports
 
@@ -198,7 +250,7 @@ def _resume_records(path: Path, config: BenchConfig) -> list[dict]:
         raise VerispecError(f"cannot resume {path}: its configuration differs in {', '.join(diff)}; "
                             "use the same options, or another --out")
     done = finished_cells(records)
-    return [r for r in records if r.get("type") in ("header", "audit")
+    return [r for r in records if r.get("type") in ("header", "audit", "cell")
             or (r.get("type") in ("step", "prompt") and cell_id(r["cell"]) in done)]
 
 
@@ -267,6 +319,45 @@ class Runner:
         if self.config.distortion and cell.temperature > 0 and (not isinstance(m, Peer) or m.scores_text) and out_ids:
             prompt["nll"] = target_nll(target, ids, out_ids, cell.temperature)
         return steps, prompt
+
+    def run_group(self, group: Group, problems: list[Problem], max_new_tokens: int | None = None) -> list[dict]:
+        """One closed loop: the records of its requests (steps, then a prompt record each) and of the loop."""
+        budget = max_new_tokens or self.config.max_new_tokens
+        ids = [self.prompt_ids(p) for p in problems]
+        meter = LoadMeter()
+        m, t = group.method, group.temperature
+        if isinstance(m, Peer):
+            requests = m.concurrent(ConcurrentRun(self.target, self.config.target, self.drafter(group.draft), problems,
+                                                  ids, group.concurrency, t, group.seed, budget,
+                                                  torch.get_num_threads()))
+            tree_nodes = 0
+        else:
+            drafter = self.drafter(group.draft)
+            requests = verispec_loop(self.target, m, drafter, problems, ids, group.concurrency, t, group.seed, budget)
+            tree_nodes = m.tree_for(drafter).size - 1
+        load = meter.stop()
+        records = []
+        for req, prompt_ids in zip(requests, ids):
+            key = {"T": t, "seed": group.seed, "prompt": req.problem.id, "draft": group.draft, "method": m.name,
+                   "concurrency": group.concurrency}
+            records += [step_record(key, i, s) for i, s in enumerate(req.steps)]
+            text = self.target.decode([x for x in req.token_ids if x not in self.target.eos_token_ids])
+            correct = score(req.problem, text) if req.problem.task in ("gsm8k", "humaneval") else None
+            records.append({"type": "prompt", "cell": key, "dataset": req.problem.task, "category": req.problem.group,
+                            "tree_nodes": tree_nodes, "prompt_tokens": len(prompt_ids), "tokens": len(req.token_ids),
+                            "wall_s": req.latency_s, "latency_s": req.latency_s, "ttft_s": req.ttft_s,
+                            "tpot_s": req.tpot_s, "submitted_s": req.submitted, "finished_s": req.finished,
+                            "prefill_s": req.prefill_s, "steps": len(req.steps),
+                            "stop": "eos" if req.token_ids and req.token_ids[-1] in self.target.eos_token_ids
+                            else "max_new_tokens" if req.error is None else "error",
+                            "error": req.error, "correct": correct, "token_ids": req.token_ids, "text": text,
+                            "load": load})
+        tokens = sum(len(r.token_ids) for r in requests)
+        wall = max(r.finished for r in requests) - min(r.submitted for r in requests)
+        records.append({"type": "cell", "cell": group.key, "requests": len(requests), "tokens": tokens,
+                        "wall_s": wall, "throughput": tokens / wall if wall > 0 else float("nan"),
+                        "errors": sum(r.error is not None for r in requests), "load": load})
+        return records
 
     def _run_peer(self, cell: Cell, ids: list[int], budget: int):
         res = cell.method.run(PeerRun(self.target, self.config.target, self.drafter(cell.draft), ids, budget,
@@ -342,6 +433,9 @@ def run_bench(config: BenchConfig, out: str | Path, *, resume: bool = False, ove
     problems = [p for spec in config.datasets for p in load_prompts(spec, config.limit)]
     if not problems:
         raise VerispecError("no prompts selected")
+    if config.concurrency:
+        return _run_groups(config, methods, problems, Path(out), resume, overwrite, target, progress, warm_up, log,
+                           command)
     cells, notes = plan(config, methods, problems)
     for n in notes:
         log(f"note: left out: {n}")
@@ -387,4 +481,51 @@ def run_bench(config: BenchConfig, out: str | Path, *, resume: bool = False, ove
                 (row,) = audit([get_verifier(name)], cases=config.audit_cases)
                 f.write(json.dumps({"type": "audit", **row.as_dict(), "verifier": name}) + "\n")
                 f.flush()
+    return out
+
+
+def _run_groups(config: BenchConfig, methods, problems, out: Path, resume: bool, overwrite: bool, target, progress: bool,
+                warm_up: bool, log, command: str | None) -> Path:
+    """``run_bench`` for ``--concurrency``: closed loops, each written whole once it ends (an interrupted one runs
+    again on resume)."""
+    groups, notes = plan_groups(config, methods)
+    for n in notes:
+        log(f"note: left out: {n}")
+    if out.exists() and not (resume or overwrite):
+        raise VerispecError(f"{out} exists: pass --resume to continue it, or --overwrite to start again")
+    kept = _resume_records(out, config) if out.exists() and resume else []
+    done = {group_id(r["cell"]) for r in kept if r.get("type") == "cell"}
+    todo = [g for g in groups if group_id(g.key) not in done]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for r in kept or [header(config, command, notes)]:
+            f.write(json.dumps(r) + "\n")
+    tmp.replace(out)
+    if kept:
+        log(f"resuming {out}: {len(done)} of {len(groups)} closed loops done")
+    if not todo:
+        return out
+    runner = Runner(config, target, log=log)
+    if warm_up:  # first forwards allocate and are slow: a short loop of each kind first, not recorded
+        seen = set()
+        for g in todo:
+            kind = (g.method.name, g.draft)
+            if kind not in seen:
+                seen.add(kind)
+                runner.run_group(Group(g.temperature, g.seed, g.draft, g.method, min(g.concurrency, 2)),
+                                 problems[:2], max_new_tokens=4)
+    bar = tqdm(total=len(groups), initial=len(groups) - len(todo), desc="closed loops", unit="loop",
+               disable=not progress, file=sys.stderr)
+    with out.open("a", encoding="utf-8") as f:
+        for g in todo:
+            bar.set_postfix_str(f"T={g.temperature:g} N={g.concurrency} {g.method.name}")
+            records = runner.run_group(g, problems)
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+            f.flush()
+            bar.set_postfix_str(f"T={g.temperature:g} N={g.concurrency} {g.method.name} "
+                                f"{records[-1]['throughput']:.1f} tok/s")
+            bar.update(1)
+    bar.close()
     return out
