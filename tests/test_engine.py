@@ -155,7 +155,7 @@ def test_two_sequences_sharing_steps_have_the_product_of_the_target_laws():
     chooses for the pair (so one sequence's lengths depend on the other's history); the joint law of their 2 tokens
     each is the product of the target's laws, to rounding."""
     p, q = random_tables(3, 11, concentration=0.8)
-    costs = BatchCosts(rows=(1, 2, 4, 8), seconds_by_rows=(1.0, 1.15, 1.6, 2.6), per_sequence=0.05)
+    costs = BatchCosts(rows=(1, 2, 4, 8), seconds_by_rows=(1.0, 1.03, 1.1, 1.4), per_sequence=0.01)
 
     def policy():
         return AutoDepth(costs=(1.0, 1.1, 1.2), probe_every=2, prior=0.6)
@@ -215,7 +215,7 @@ def test_the_engine_plans_for_the_batch_and_keeps_the_policys_own_plan_alone(tar
         engine = Engine(target, max_batch=4, costs=costs)
         seqs = [engine.submit(p, drafter=layer_skip_drafter(target, 2), verifier=get_verifier("chain"),
                               tree=Tree.chain(4), sampling=Sampling(0.0), max_new_tokens=10,
-                              policy=AutoDepth(costs=(1.0, 1.05, 1.1, 1.15, 1.2), probe_every=1000))
+                              policy=AutoDepth(costs=(1.0, 1.05, 1.1, 1.15, 1.2), probe_every=1000, prior=0.9))
                 for p in PROMPTS[:4]]
         run_all(engine)
         return seqs
@@ -225,8 +225,8 @@ def test_the_engine_plans_for_the_batch_and_keeps_the_policys_own_plan_alone(tar
     assert any(s.drafted for seq in cheap for s in seq.steps if s.batch > 1)  # rows nearly free: drafting pays
     assert all(s.drafted == 0 for seq in dear for s in seq.steps if s.batch > 1)  # rows too dear to draft
     alone = [generate(target, layer_skip_drafter(target, 2), "chain", p, tree="chain:4",
-                      policy=AutoDepth(costs=(1.0, 1.05, 1.1, 1.15, 1.2), probe_every=1000), temperature=0.0,
-                      max_new_tokens=10) for p in PROMPTS[:4]]
+                      policy=AutoDepth(costs=(1.0, 1.05, 1.1, 1.15, 1.2), probe_every=1000, prior=0.9),
+                      temperature=0.0, max_new_tokens=10) for p in PROMPTS[:4]]
     assert any(s.drafted for a in alone for s in a.steps)  # alone, the policy's own plan drafts
     for runs in (cheap, dear):  # greedy: the lengths change, never the text
         assert [s.token_ids for s in runs] == [a.token_ids for a in alone]

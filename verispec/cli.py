@@ -30,7 +30,7 @@ from .bench.agreement import agreement_report, format_agreement
 from .bench.peers import PEERS
 from .bench.plots import plot_all
 from .bench.records import git_revision
-from .bench.report import report, rows_csv, summarize
+from .bench.report import loop_summary, loops_csv, report, rows_csv, summarize
 from .bench.runner import BENCH_HELP
 from .datasets import DATASETS_HELP
 from .decode import TextStream, generate
@@ -359,7 +359,8 @@ def cmd_bench(args) -> int:
     text = report(res)
     stem = out.with_suffix("")
     stem.with_name(stem.name + ".summary.md").write_text(text + "\n", encoding="utf-8")
-    stem.with_name(stem.name + ".summary.csv").write_text(rows_csv(summarize(res)), encoding="utf-8")
+    csv_text = loops_csv(loop_summary(res)) if res.cells else rows_csv(summarize(res))
+    stem.with_name(stem.name + ".summary.csv").write_text(csv_text, encoding="utf-8")
     print(text)
     print(f"\nrecords: {out}; tables: {stem.name}.summary.md / .csv", file=sys.stderr)
     return 0

@@ -213,6 +213,7 @@ def generate_batch(
     max_batch: int = 8,
     row_budget: int | None = None,
     load_aware: bool = True,
+    prefill_chunk: int | None = 128,
     on_tokens: Callable[[int, list[int]], None] | None = None,
 ) -> list[GenerationResult]:
     """``generate`` for many prompts at once, through one ``engine.Engine``: up to ``max_batch`` sequences share each
@@ -220,7 +221,9 @@ def generate_batch(
     (built from the ``policy`` name: policies learn per sequence) and randomness (``seed``: one per prompt, or a base
     that the i-th prompt adds i to). ``max_new_tokens`` and ``temperature`` may be given per prompt.
     ``load_aware``: with ``auto`` policies, depths are chosen for the batch from the measured cost of its forwards
-    (lengths only; the output law is the verifier's either way). A prompt that cannot run (empty, too long) comes back
+    (lengths only; the output law is the verifier's either way). ``prefill_chunk``: a joining prompt goes through
+    the running sequences' forwards this many tokens at a time (``engine.Engine``). A prompt that cannot run (empty,
+    too long) comes back
     with ``error`` set, and the others run. ``on_tokens(i, tokens)`` streams prompt i's tokens."""
     if policy is not None and not isinstance(policy, str):
         raise VerispecError("generate_batch builds one policy per sequence: give the policy by name")
@@ -242,7 +245,8 @@ def generate_batch(
     size = plan.tree_for(drafter).size
     longest = max((len(e) + b + size for e, b in zip(encoded, budgets) if not isinstance(e, str)), default=1)
     engine = Engine(target, max_batch=min(max_batch, n), row_budget=row_budget, load_aware=load_aware, isolate=True,
-                    max_context=min(longest, target.max_context))  # the batch's caches, sized for its longest
+                    max_context=min(longest, target.max_context),  # the batch's caches, sized for its longest
+                    prefill_chunk=prefill_chunk if n > 1 else None)
     seqs: list = []
     failed: dict[int, tuple[list[int], str]] = {}  # prompt -> (its ids, why it cannot run)
     for i, prompt_ids in enumerate(encoded):

@@ -81,7 +81,9 @@ class Sequence:
     stop_reason: str | None = None  # "eos", "max_new_tokens", "cancelled", "error"; None while running
     error: str | None = None
     prefill_s: float = 0.0
+    prefilled: int = 0  # prompt tokens in the cache (all but the last once it decodes)
     submitted: float = 0.0  # perf_counter times
+    admitted: float | None = None
     started: float | None = None  # prefilled and running
     first_token: float | None = None
     finished: float | None = None
@@ -106,21 +108,26 @@ class Engine:
     queued sequences into free slots (prefilling each), runs one step of every running sequence and returns them;
     ``cancel`` ends one at once. ``max_context`` (default: the model's) bounds each sequence's prompt, new tokens
     and draft depth; given, a batch's caches are allocated once for ``max_batch`` sequences of that length where the
-    target can (``Target.state_pool``), so memory is bounded from the start. ``isolate``: a sequence whose step raises fails alone (``stop_reason`` "error",
+    target can (``Target.state_pool``), so memory is bounded from the start. ``prefill_chunk``: a joining sequence's
+    prompt goes through the steps' forwards this many tokens at a time beside the others' trees (decoding rows ride
+    along a compute-bound prefill nearly free) instead of in a forward of its own first. ``isolate``: a sequence whose step raises fails alone (``stop_reason`` "error",
     ``error`` its message) while the others go on; without it the error propagates (one sequence alone: the caller
     sees it). ``costs``: the measured forward costs the load-aware plan reads (default: measured on first use and
     cached, ``backends.costs.batch_costs``)."""
 
     def __init__(self, target: Target, *, max_batch: int = 8, row_budget: int | None = None,
                  costs: BatchCosts | None = None, load_aware: bool = True, isolate: bool = False,
-                 max_context: int | None = None):
+                 max_context: int | None = None, prefill_chunk: int | None = None):
         if max_batch < 1:
             raise VerispecError(f"max_batch must be >= 1, got {max_batch}")
         if row_budget is not None and row_budget < max_batch:
             raise VerispecError(f"the row budget ({row_budget}) must allow one row per sequence ({max_batch})")
         if max_context is not None and not 1 <= max_context <= target.max_context:
             raise VerispecError(f"max_context must lie in 1..{target.max_context} (the model's), got {max_context}")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise VerispecError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.target, self.max_batch, self.row_budget = target, max_batch, row_budget
+        self.prefill_chunk = prefill_chunk
         self.max_context = max_context or target.max_context
         # the caches of a batch, sized once: max_batch sequences of max_context entries (where the engine has them)
         self._pool = target.state_pool(max_batch, max_context) if max_context is not None and max_batch > 1 else None
@@ -181,29 +188,42 @@ class Engine:
 
     def step(self) -> list[Sequence]:
         """Admit what fits, then one step of every running sequence; returns the sequences that ran it (each with
-        its new ``StepRecord`` last in ``steps``; finished ones have ``done`` set and have left)."""
+        its new ``StepRecord`` last in ``steps``; finished ones have ``done`` set and have left). With
+        ``prefill_chunk``, a joining sequence's prompt goes into the steps' forwards a chunk at a time, beside the
+        others' trees (it returns from ``step`` once it decodes)."""
         self._admit()
-        seqs = list(self.running)
-        if not seqs:
+        seqs = [s for s in self.running if s.prefilled >= len(s.prompt_ids) - 1]
+        filling = [s for s in self.running if s.prefilled < len(s.prompt_ids) - 1]
+        if not seqs and not filling:
             return []
         t0 = time.perf_counter()
-        sources = [s.drafter.source(s.context) for s in seqs]  # None unless a drafter has several sources
-        for s, source in zip(seqs, sources):
-            if source is not None:
-                s.policy.select_source(source)
-        planned = self._plan(seqs)
+        if self._nothing_pays(seqs):  # rows too dear for any draft: plain steps, with no drafting work at all
+            sources, planned = [None] * len(seqs), [Tree.root_only()] * len(seqs)
+        else:
+            sources = [s.drafter.source(s.context) for s in seqs]  # None unless a drafter has several sources
+            for s, source in zip(seqs, sources):
+                if source is not None:
+                    s.policy.select_source(source)
+            planned = self._plan(seqs) if seqs else []
         drafts = propose_batch([s.drafter for s in seqs], [s.context for s in seqs], planned,
                                [s.sampling for s in seqs], [s.children for s in seqs], [s.rng for s in seqs],
-                               [DraftControl.of(s.policy) for s in seqs])
+                               [DraftControl.of(s.policy) for s in seqs]) if seqs else []
         t1 = time.perf_counter()
-        features = seqs[0].drafter.feature_layers
-        outs = self.target.forward_batch([s.state for s in seqs], [d.tokens for d in drafts],
-                                         [s.state.committed + torch.tensor(d.tree.depths) for s, d in zip(seqs, drafts)],
-                                         [d.tree.ancestors_mask() for d in drafts], features=features)
+        chunks = self._chunks(filling, sum(d.tree.size for d in drafts))
+        states = [s.state for s in seqs] + [s.state for s, _ in chunks]
+        tokens = [d.tokens for d in drafts] + [torch.tensor(c) for _, c in chunks]
+        positions = [s.state.committed + torch.tensor(d.tree.depths) for s, d in zip(seqs, drafts)] + \
+            [s.state.committed + torch.arange(len(c)) for s, c in chunks]
+        attends = [d.tree.ancestors_mask() for d in drafts] + [torch.ones(len(c), len(c), dtype=torch.bool).tril()
+                                                               for _, c in chunks]
+        features = (seqs or filling)[0].drafter.feature_layers
+        outs = self.target.forward_batch(states, tokens, positions, attends, features=features)
         t2 = time.perf_counter()
+        for (s, chunk), out in zip(chunks, outs[len(seqs):]):
+            self._filled(s, chunk, out)
         for s, d, out, source in zip(seqs, drafts, outs, sources):
             try:
-                self._advance(s, d, out, source, draft_s=t1 - t0, target_s=t2 - t1, batch=len(seqs))
+                self._advance(s, d, out, source, draft_s=t1 - t0, target_s=t2 - t1, batch=len(states))
             except Exception as exc:  # noqa: BLE001 - one sequence's failure is its own (isolate) or the caller's
                 if not self.isolate:
                     raise
@@ -211,6 +231,27 @@ class Engine:
                 self._finish(s, "error")
         self.steps += 1
         return seqs
+
+    def _chunks(self, filling: list[Sequence], rows: int) -> list[tuple[Sequence, list[int]]]:
+        """The next prompt chunk of each prefilling sequence, within the row budget (at least one chunk a step)."""
+        out, budget = [], (self.row_budget or 1 << 30) - rows
+        for s in filling:
+            n = min(self.prefill_chunk, len(s.prompt_ids) - 1 - s.prefilled, max(budget, 1 if not out else 0))
+            if n <= 0:
+                break
+            out.append((s, s.prompt_ids[s.prefilled:s.prefilled + n]))
+            budget -= n
+        return out
+
+    def _filled(self, s: Sequence, chunk: list[int], out) -> None:
+        """A prompt chunk ran: keep it, and hand its features to the draft."""
+        self.target.commit(s.state, list(range(len(chunk))))
+        if s.drafter.uses_target_hidden:
+            s.drafter.observe(out.hidden)
+        s.prefilled += len(chunk)
+        if s.prefilled >= len(s.prompt_ids) - 1:
+            s.started = time.perf_counter()
+            s.prefill_s = s.started - s.admitted
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch:
@@ -226,13 +267,23 @@ class Engine:
             self.running.append(seq)
 
     def _prefill(self, seq: Sequence) -> None:
-        t = time.perf_counter()
+        """A sequence joins: its state, its draft's reset, and its prompt (all of it now, or by chunks in the steps
+        to come with ``prefill_chunk``)."""
+        seq.admitted = t = time.perf_counter()
         seq.state = self._pool.acquire() if self._pool is not None else self.target.new_state()
-        pre = self.target.prefill_output(seq.state, seq.prompt_ids[:-1], features=seq.drafter.feature_layers)
         seq.drafter.reset(seq.prompt_ids)
+        seq.context = list(seq.prompt_ids)
+        if self.prefill_chunk is not None:
+            seq.prefilled = 0
+            if len(seq.prompt_ids) <= 1:
+                seq.started, seq.prefill_s = t, 0.0
+                if seq.drafter.uses_target_hidden:
+                    seq.drafter.observe(torch.zeros(0, 0))
+            return
+        pre = self.target.prefill_output(seq.state, seq.prompt_ids[:-1], features=seq.drafter.feature_layers)
         if seq.drafter.uses_target_hidden:
             seq.drafter.observe(pre.hidden if pre is not None else torch.zeros(0, 0))
-        seq.context = list(seq.prompt_ids)
+        seq.prefilled = len(seq.prompt_ids) - 1
         seq.started = time.perf_counter()
         seq.prefill_s = seq.started - t
 
@@ -307,11 +358,27 @@ class Engine:
         expected = [s.policy.expected_tokens(s.tree.max_depth) if isinstance(s.tree, Tree) else None for s in seqs]
         if len(seqs) == 1 or not self.load_aware or dynamic or all(e is None for e in expected):
             return [s.policy.planned_depth(s.tree.max_depth) if isinstance(s.tree, Tree) else None for s in seqs]
-        best = batch_depths(expected, [s.tree for s in seqs], [s.drafter.proposer(s.context) for s in seqs],
-                            self.costs, [s.policy.planned_depth(s.tree.max_depth) if e is None else None
-                                         for s, e in zip(seqs, expected)])
-        return [s.policy.planned_depth(s.tree.max_depth, best=b) if e is not None else b
-                for s, b, e in zip(seqs, best, expected)]
+        proposers = [s.drafter.proposer(s.context) for s in seqs]
+        best = batch_depths(expected, [s.tree for s in seqs], proposers, self.costs,
+                            [s.policy.planned_depth(s.tree.max_depth) if e is None else None
+                             for s, e in zip(seqs, expected)])
+        # a policy probes a depth it stopped drafting only where a good draft of it could pay in this batch
+        probe = [e is not None and _pays(expected, best, i, [s.tree for s in seqs], proposers, self.costs)
+                 for i, e in enumerate(expected)]
+        return [s.policy.planned_depth(s.tree.max_depth, best=b, probe=p) if e is not None else b
+                for s, b, e, p in zip(seqs, best, expected, probe)]
+
+    def _nothing_pays(self, seqs: list[Sequence]) -> bool:
+        """Whether, with this many sequences, not even one token of the cheapest draft, accepted as often as a good
+        draft is, would pay (``_pays``): then a step is a plain one for all, and asks the drafts nothing."""
+        if len(seqs) < 2 or not self.load_aware or any(not isinstance(s.tree, Tree) or s.tree.size < 2 for s in seqs):
+            return False
+        if any(s.policy.expected_tokens(s.tree.max_depth) is None for s in seqs):
+            return False
+        cheapest = min((d for s in seqs for d in (s.drafter.sources or {"": s.drafter}).values()),
+                       key=lambda d: d.depth_cost)
+        return not _pays([None] * len(seqs), [0] * len(seqs), 0, [s.tree for s in seqs], [cheapest] * len(seqs),
+                         self.costs)
 
     @property
     def costs(self) -> BatchCosts:
@@ -320,40 +387,69 @@ class Engine:
         return self._costs
 
 
+def _sizes(trees: list[Tree]) -> list[list[int]]:
+    """Rows of each tree drafted to each depth 0..max."""
+    return [[t.truncate(d).size if d < t.max_depth else t.size for d in range(t.max_depth + 1)] for t in trees]
+
+
+def _seconds(depths: list[int], sizes: list[list[int]], proposers: list[Drafter], costs: BatchCosts) -> float:
+    """A step's cost: the target's forward over all rows with this many sequences (``costs.seconds``), plus, per
+    draft model, its deepest sequence's depths (one batched draft forward per depth; ``Drafter.depth_cost`` of a
+    plain step each)."""
+    draft: dict = {}
+    for p, d in zip(proposers, depths):
+        if d:
+            draft[p.batch_key] = max(draft.get(p.batch_key, (0, 0.0))[0], d), p.depth_cost
+    rows = sum(sz[d] for sz, d in zip(sizes, depths))
+    return costs.seconds(rows, len(depths)) + sum(d * c for d, c in draft.values()) * costs.seconds(1, 1)
+
+
+def _tokens(expected: list[list[float] | None], depths: list[int]) -> float:
+    return sum(e[d] if e is not None else 1.0 for e, d in zip(expected, depths))
+
+
+BATCH_MARGIN = 0.05  # a depth is added for a batch only where it raises the rate by more: the cost model's error
+
+
 def batch_depths(expected: list[list[float] | None], trees: list[Tree], proposers: list[Drafter],
-                 costs: BatchCosts, own: list[int | None]) -> list[int]:
+                 costs: BatchCosts, own: list[int | None], margin: float = BATCH_MARGIN) -> list[int]:
     """The depths with the most expected tokens per second for the batch: each sequence starts at 0 (those whose
     policy plans its own depth, ``own``, keep it), and one depth at a time goes to the sequence where the batch's
-    rate rises most, until no addition raises it. A step costs the target's forward over all rows with this many
-    sequences (``costs.seconds``) plus, per draft model, its deepest sequence's depths (one batched draft forward per
-    depth; ``Drafter.depth_cost`` of a plain step each)."""
+    rate (``_tokens`` over ``_seconds``) rises most, until no addition raises it by more than ``margin`` (the cost
+    model's own error is of that order: rows are timed in one sequence's forward, drafting as a fixed fraction of a
+    plain step, and a step may also carry a prompt chunk; a depth that only breaks even costs throughput)."""
     depth = [o if o is not None else 0 for o in own]
-    sizes = [[t.truncate(d).size if d < t.max_depth else t.size for d in range(t.max_depth + 1)] for t in trees]
-
-    def rate(ds: list[int]) -> float:
-        tokens = sum(e[d] if e is not None else 1.0 for e, d in zip(expected, ds))
-        rows = sum(sz[d] for sz, d in zip(sizes, ds))
-        draft = {}
-        for p, d in zip(proposers, ds):
-            if d:
-                draft[p.batch_key] = max(draft.get(p.batch_key, (0, 0.0))[0], d), p.depth_cost
-        seconds = costs.seconds(rows, len(ds)) + sum(d * c for d, c in draft.values()) * costs.seconds(1, 1)
-        return tokens / seconds
-
-    current = rate(depth)
+    sizes = _sizes(trees)
+    current = _tokens(expected, depth) / _seconds(depth, sizes, proposers, costs)
     while True:
         best, best_rate = None, current
         for i, e in enumerate(expected):
             if e is None or depth[i] + 1 >= len(e):
                 continue
             trial = depth[:i] + [depth[i] + 1] + depth[i + 1:]
-            r = rate(trial)
-            if r > best_rate * (1 + 1e-9):
+            r = _tokens(expected, trial) / _seconds(trial, sizes, proposers, costs)
+            if r > current * (1 + margin) and r > best_rate:
                 best, best_rate = i, r
         if best is None:
             return depth
         depth[best] += 1
         current = best_rate
+
+
+GOOD_DRAFT = 0.8  # the acceptance of the best drafts measured here (prompt lookup on a long match)
+
+
+def _pays(expected: list[list[float] | None], depths: list[int], i: int, trees: list[Tree],
+          proposers: list[Drafter], costs: BatchCosts, margin: float = BATCH_MARGIN) -> bool:
+    """Whether one more depth for sequence i, accepted as often as a good draft is (``GOOD_DRAFT``), would raise the
+    batch's tokens per second by more than ``margin``: where it would not, probing that depth is a loss too."""
+    if depths[i] + 1 > trees[i].max_depth:
+        return False
+    sizes = _sizes(trees)
+    tokens = _tokens(expected, depths)
+    more = depths[:i] + [depths[i] + 1] + depths[i + 1:]
+    return (tokens + GOOD_DRAFT) / _seconds(more, sizes, proposers, costs) > \
+        tokens / _seconds(depths, sizes, proposers, costs) * (1 + margin)
 
 
 def run_all(engine: Engine, on_step: Callable[[Sequence], None] | None = None) -> None:

@@ -26,7 +26,8 @@ class Policy(Protocol):
     * ``planned_depth(limit) -> int``: before anything is drafted this step, how many depths to draft at most, up to
       ``limit`` (the tree's depth); 0 means no draft, a plain decoding step. Asked first, so a policy that skips
       drafting costs the step nothing. In a batch, ``best`` is the depth the engine chose for this sequence from
-      ``expected_tokens`` (a policy may still probe deeper); a policy without that model ignores it;
+      ``expected_tokens`` (a policy may still probe deeper, unless ``probe`` is False: where even a perfect draft
+      could not pay); a policy without that model ignores both;
     * ``expected_tokens(limit) -> [E_0, ..., E_limit]``: the tokens a step drafting d depths is expected to yield on
       the text at hand (``E_0 = 1``), for a batch to weigh against its costs; None for a policy that plans its own
       depth (``fixed``, ``hf``, ...);
@@ -50,7 +51,7 @@ class Policy(Protocol):
 
     def select_source(self, source: str) -> None: ...
 
-    def planned_depth(self, limit: int, best: int | None = None) -> int: ...
+    def planned_depth(self, limit: int, best: int | None = None, probe: bool = True) -> int: ...
 
     def expected_tokens(self, limit: int) -> list[float] | None: ...
 
@@ -145,7 +146,7 @@ class PolicyBase:
     def select_source(self, source: str) -> None:
         pass
 
-    def planned_depth(self, limit: int, best: int | None = None) -> int:
+    def planned_depth(self, limit: int, best: int | None = None, probe: bool = True) -> int:
         return limit
 
     def expected_tokens(self, limit: int) -> list[float] | None:
@@ -166,7 +167,7 @@ class Fixed(PolicyBase):
     name = "fixed"
     reads_laws = False
 
-    def planned_depth(self, limit: int, best: int | None = None) -> int:
+    def planned_depth(self, limit: int, best: int | None = None, probe: bool = True) -> int:
         return limit if self.length is None else min(limit, self.length)
 
     def keep_drafting(self, depth: int, q, last=None, drawn=None, confidence=None) -> bool:
@@ -407,9 +408,9 @@ class AutoDepth(PolicyBase):
                 best, best_rate = d, expected / self.cost(d)
         return best
 
-    def planned_depth(self, limit: int, best: int | None = None) -> int:
+    def planned_depth(self, limit: int, best: int | None = None, probe: bool = True) -> int:
         best = self.best_depth(limit) if best is None else min(max(best, 0), limit)
-        probe = bool(self.steps and self.steps % self.probe_every == 0 and best < limit)
+        probe = probe and bool(self.steps and self.steps % self.probe_every == 0 and best < limit)
         self._forced = best + 1 if probe else 0  # a probe drafts this deep whatever the gate says
         self._limit, self._bins, self._reach, self._expected = limit, [], 1.0, 1.0
         if not self.gate:
@@ -483,8 +484,8 @@ class PerSource(PolicyBase):
             raise VerispecError(f"no policy for draft source {source!r}; sources: {', '.join(self.policies)}")
         self.current = source
 
-    def planned_depth(self, limit: int, best: int | None = None) -> int:
-        return self.policies[self.current].planned_depth(limit, best)
+    def planned_depth(self, limit: int, best: int | None = None, probe: bool = True) -> int:
+        return self.policies[self.current].planned_depth(limit, best, probe)
 
     def expected_tokens(self, limit: int) -> list[float] | None:
         return self.policies[self.current].expected_tokens(limit)

@@ -33,6 +33,8 @@ Table = Callable[[tuple[int, ...]], torch.Tensor]  # prefix -> distribution [V] 
 class TableDrafter(Drafter):
     """A drafter whose law after any prefix is read from a table (logits = log q)."""
 
+    depth_cost = 0.01  # a table lookup, like prompt lookup
+
     name = "table"
 
     def __init__(self, q: Table):

@@ -143,29 +143,47 @@ class LeanLlama:
                                     None if inputs_embeds is None else [inputs_embeds], [last_logits_only], features)
         return out
 
+    POOLED_ROWS = 16  # a sequence with more rows (a prompt chunk) attends on its own: padding every slot to it costs
+
     def _pool_plan(self, caches: list[LeanCache], sizes: list[int], visible: list[torch.Tensor]) -> dict | None:
-        """Where a batch's rows go in its pool, and the mask of one attention call over the used slots; None unless
-        every cache is a slot of the same pool (and there are several)."""
+        """Where the rows of a batch's short sequences go in its pool, and the mask of one attention call over the
+        used slots; None unless at least two sequences of at most ``POOLED_ROWS`` rows are slots of one pool."""
         pool = caches[0].pool
         if len(caches) < 2 or pool is None or any(c.pool is not pool for c in caches):
             return None
-        lengths = [c.layers[0]._len for c in caches]
-        ends = [n + m for n, m in zip(lengths, sizes)]
+        short = [b for b, n in enumerate(sizes) if n <= self.POOLED_ROWS]
+        if len(short) < 2:
+            return None
+        lengths = [caches[b].layers[0]._len for b in short]
+        ends = [n + sizes[b] for n, b in zip(lengths, short)]
         if max(ends) > pool.capacity:
             raise VerispecError(f"a sequence needs {max(ends)} cache entries, more than the {pool.capacity} its batch "
                                 "was sized for")
-        used, n_max, span = max(c.slot for c in caches) + 1, max(sizes), max(ends)
+        used, n_max, span = max(caches[b].slot for b in short) + 1, max(sizes[b] for b in short), max(ends)
         mask = torch.zeros(used, 1, n_max, span, dtype=torch.bool)
         mask[:, :, :, 0] = True  # padding rows and idle slots see one entry (finite, and thrown away)
-        slot, pos, row = [], [], []
-        for c, length, n, vis in zip(caches, lengths, sizes, visible):
+        starts = [0, *itertools.accumulate(sizes)]
+        slot, pos, row, rows = [], [], [], []
+        for b, length in zip(short, lengths):
+            c, n = caches[b], sizes[b]
             mask[c.slot, 0, :n, :] = False
-            mask[c.slot, 0, :n, :length + n] = vis
+            mask[c.slot, 0, :n, :length + n] = visible[b]
             slot += [c.slot] * n
             pos += range(length, length + n)
             row += range(n)
-        return {"pool": pool, "lengths": lengths, "used": used, "n_max": n_max, "span": span, "mask": mask,
-                "slot": torch.tensor(slot), "pos": torch.tensor(pos), "row": torch.tensor(row)}
+            rows += range(starts[b], starts[b] + n)
+        return {"pool": pool, "short": short, "lengths": lengths, "used": used, "n_max": n_max, "span": span,
+                "mask": mask, "slot": torch.tensor(slot), "pos": torch.tensor(pos), "row": torch.tensor(row),
+                "rows": torch.tensor(rows), "alone": [b for b in range(len(sizes)) if b not in set(short)]}
+
+    def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: tuple[int, int],
+                   cache: LeanCache, visible: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``'s attention for one sequence's rows ``span`` of the batch, on its own cache."""
+        s, e = span
+        keys, values = cache.layers[i].append(k[s:e].transpose(0, 1), v[s:e].transpose(0, 1))
+        qb = q[s:e].transpose(0, 1).contiguous()  # a strided query: a slow kernel
+        o = F.scaled_dot_product_attention(qb[None], keys[None], values[None], attn_mask=visible, enable_gqa=True)
+        return o[0].transpose(0, 1).reshape(e - s, self.heads * self.head_dim)
 
     def _pooled_attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: dict) -> torch.Tensor:
         """Layer ``i``'s attention for every sequence of a pooled batch in one call: the new keys and values written
@@ -214,26 +232,25 @@ class LeanLlama:
             q = self._rope(_linear(h, a.q_proj).view(rows, heads, hd), cos, sin)
             k = self._rope(_linear(h, a.k_proj).view(rows, kv, hd), cos, sin)
             v = _linear(h, a.v_proj).view(rows, kv, hd)
-            if pooled is not None:
-                attended = self._pooled_attention(i, q, k, v, pooled)
-            else:
-                outs = []
-                for (s, e), cache, mask in zip(spans, caches, visible):
-                    keys, values = cache.layers[i].append(k[s:e].transpose(0, 1), v[s:e].transpose(0, 1))
-                    qb = q[s:e].transpose(0, 1).contiguous()  # a strided query: a slow kernel
-                    o = F.scaled_dot_product_attention(qb[None], keys[None], values[None], attn_mask=mask,
-                                                       enable_gqa=True)
-                    outs.append(o[0].transpose(0, 1).reshape(e - s, heads * hd))
+            alone = range(len(caches)) if pooled is None else pooled["alone"]
+            outs = [self._attention(i, q, k, v, spans[b], caches[b], visible[b]) for b in alone]
+            if pooled is None:
                 attended = outs[0] if len(outs) == 1 else torch.cat(outs)
+            else:
+                idx = pooled["rows"]
+                attended = q.new_empty(rows, heads * hd)
+                attended[idx] = self._pooled_attention(i, q[idx], k[idx], v[idx], pooled)
+                for b, o in zip(alone, outs):
+                    attended[spans[b][0]:spans[b][1]] = o
             x = x + _linear(attended, a.o_proj)
             h = self._rms(x, layer.post_attention_layernorm)
             x = x + _linear(F.silu(_linear(h, m.gate_proj)) * _linear(h, m.up_proj), m.down_proj)
             if i + 1 in want and i + 1 < self.n_layers:
                 kept[i + 1] = x
         if pooled is not None:
-            for cache, length, n in zip(caches, pooled["lengths"], sizes):
-                for layer in cache.layers:
-                    layer._set_length(length + n)
+            for b, length in zip(pooled["short"], pooled["lengths"]):
+                for layer in caches[b].layers:
+                    layer._set_length(length + sizes[b])
         out = self._rms(x, self.base.norm)
         kept[self.n_layers] = out
         hidden = torch.cat([kept[self.n_layers if i == -1 else i] for i in features], dim=-1)

@@ -15,10 +15,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from ..backends.costs import batch_costs
 from ..datasets import Problem
 from ..engine import Engine, StepRecord
 from ..errors import VerispecError
 from ..probs import Sampling
+
+PREFILL_CHUNK = 128  # prompt tokens a joining request puts in each step's forward (engine.Engine.prefill_chunk)
 
 
 @dataclass
@@ -54,7 +57,9 @@ def verispec_loop(target, plan, drafter, problems: list[Problem], prompt_ids: li
     (the load-aware plan choosing their depths), each request with its own draft state, policy and seed."""
     tree = plan.tree_for(drafter)
     longest = max(len(ids) for ids in prompt_ids) + max_new_tokens + tree.size
-    engine = Engine(target, max_batch=concurrency, isolate=True, max_context=min(longest, target.max_context))
+    costs = batch_costs(target) if concurrency > 1 else None  # measured once per machine, before the clock starts
+    engine = Engine(target, max_batch=concurrency, isolate=True, max_context=min(longest, target.max_context),
+                    costs=costs, prefill_chunk=PREFILL_CHUNK if concurrency > 1 else None)
     t0 = time.perf_counter()
     queue = list(range(len(problems)))
     out: dict[int, Request] = {}

@@ -313,6 +313,21 @@ def table_summary(rows: list[Row]) -> str:
     return markdown(keep, body)
 
 
+def loops_csv(rows: list[LoopRow]) -> str:
+    """The closed loops' rows as CSV (ratios and their intervals as columns)."""
+    buf = io.StringIO()
+    cols = [c for c, _, _ in LOOP_BASELINES] + ["vs_own_1"]
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["T", "concurrency", "method", "draft", "requests", "tokens", "wall_s", "throughput", "tpot_ms_p50",
+                "tpot_ms_p90", "ttft_ms_p50", "ttft_ms_p90", "mean_accepted_length", "drafted_per_step", "errors",
+                *[f"{c}{e}" for c in cols for e in ("", "_low", "_high")]])
+    for r in rows:
+        w.writerow([r.T, r.concurrency, r.method, r.draft, r.requests, r.tokens, r.wall_s, r.throughput, *r.tpot_ms,
+                    *r.ttft_ms, r.mean_accepted_length, r.drafted_per_step, r.errors,
+                    *[x for c in cols for x in (r.vs.get(c, NAN), *r.ci.get(c, (NAN, NAN)))]])
+    return buf.getvalue()
+
+
 def rows_csv(rows: list[Row]) -> str:
     buf = io.StringIO()
     names = [k for k in asdict(rows[0]) if k not in ("ci", "vs")] if rows else []
@@ -514,11 +529,11 @@ def _quantiles(xs: list[float]) -> tuple[float, float]:
 
 
 def loop_summary(res: Results) -> list[LoopRow]:
-    """One row per closed loop (temperature, concurrency, draft, method). Ratios compare throughputs at the same
-    temperature and concurrency; in a closed loop keeping N in flight, throughput = N x (tokens / time in system)
-    summed over requests (Little's law), so each ratio is that of sum(tokens) / sum(latency) over the prompts both
-    loops served, paired per prompt with a bootstrap interval over prompts (``vs_own_1``: against the same method's
-    own loop of one request at a time, scaled by the concurrencies). ``throughput`` is measured directly."""
+    """One row per closed loop (temperature, concurrency, draft, method). A ratio is of measured throughputs, at the
+    same temperature and concurrency (``vs_own_1``: against the same method's loop of one request at a time). Its
+    interval says how much the prompts drawn move it: by Little's law a loop's throughput is about N x sum(tokens)
+    / sum(time in system) over its requests, so the paired bootstrap over prompts of that ratio of sums, scaled to the
+    measured ratio, gives the interval (machine noise between runs is not in it)."""
     requests: dict[tuple, list[dict]] = defaultdict(list)
     for r in res.prompts:
         c = r["cell"]
@@ -535,29 +550,36 @@ def loop_summary(res: Results) -> list[LoopRow]:
                       tuple(1000 * x for x in _quantiles([r.get("ttft_s") for r in mine])),
                       mean_accepted_length(steps) if steps else NAN, _mean(s["drafted"] for s in steps),
                       cell.get("errors", 0), contended(cell))
+        throughput = {(x["cell"]["T"], x["cell"]["seed"], x["cell"]["draft"], x["cell"]["method"],
+                       x["cell"]["concurrency"]): x["throughput"] for x in res.cells}
         for column, _, method in LOOP_BASELINES:
             base = [k for k in requests if (k[0], k[1], k[3], k[4]) == (c["T"], c["seed"], method, c["concurrency"])]
             if base:
-                row.vs[column], *ci = _loop_ratio(mine, requests[base[0]])
-                row.ci[column] = tuple(ci)
-        own = requests.get((c["T"], c["seed"], c["draft"], c["method"], 1))
-        if own and c["concurrency"] != 1:
-            est, low, high = _loop_ratio(mine, own)
-            n = c["concurrency"]
-            row.vs["vs_own_1"], row.ci["vs_own_1"] = n * est, (n * low, n * high)
+                row.vs[column], row.ci[column] = _loop_ratio(mine, requests[base[0]], cell["throughput"],
+                                                             throughput[base[0]])
+        own = (c["T"], c["seed"], c["draft"], c["method"], 1)
+        if own in requests and c["concurrency"] != 1:
+            row.vs["vs_own_1"], row.ci["vs_own_1"] = _loop_ratio(mine, requests[own], cell["throughput"],
+                                                                 throughput[own])
         rows.append(row)
     order = {name: i for i, name in enumerate(res.header.get("config", {}).get("methods", []))}
     rows.sort(key=lambda r: (r.T, r.concurrency, order.get(r.method, 99), r.draft))
     return rows
 
 
-def _loop_ratio(mine: list[dict], base: list[dict]) -> tuple[float, float, float]:
+def _loop_ratio(mine: list[dict], base: list[dict], mine_rate: float,
+                base_rate: float) -> tuple[float, tuple[float, float]]:
+    """The measured throughput ratio and its interval (see ``loop_summary``)."""
     theirs = {r["cell"]["prompt"]: r for r in base}
     pairs = [(r, theirs[r["cell"]["prompt"]]) for r in mine if r["cell"]["prompt"] in theirs]
+    ratio = mine_rate / base_rate if base_rate > 0 else NAN
     if not pairs:
-        return NAN, NAN, NAN
-    return ratio_of_rates([a["tokens"] for a, _ in pairs], [a["latency_s"] for a, _ in pairs],
-                          [b["tokens"] for _, b in pairs], [b["latency_s"] for _, b in pairs])
+        return ratio, (NAN, NAN)
+    est, low, high = ratio_of_rates([a["tokens"] for a, _ in pairs], [a["latency_s"] for a, _ in pairs],
+                                    [b["tokens"] for _, b in pairs], [b["latency_s"] for _, b in pairs])
+    if not est > 0:
+        return ratio, (NAN, NAN)
+    return ratio, (ratio * low / est, ratio * high / est)
 
 
 def table_loops(rows: list[LoopRow]) -> str:
