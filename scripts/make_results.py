@@ -146,6 +146,16 @@ def gate_names(res: Results) -> str:
 # need the shipped draft head
 HEAD_RUNS = {"speed": speed_run, "table2": table2_run, "shadow": shadow_run, "hybrid": hybrid_run}
 RUNS["gate"] = gate_run()
+
+
+def concurrency_run() -> list[str]:
+    """Many requests at once: closed loops of 1, 2, 4 and 8 requests in flight, verispec's batched engine beside the
+    servers people run (issue 25)."""
+    return ["--methods", "ar", "default", "hf-generate", "hf-continuous", "llama-cpp", "llama-server", "--drafts",
+            "auto", *spec_bench(), "--concurrency", "1", "2", "4", "8"]
+
+
+RUNS["concurrency"] = concurrency_run()
 # ResiSpec Table 3 shape (a cell costs ~30 s here): one run per temperature and tree group, two at a time share the
 # two cores
 TOPOLOGY_RUNS = {"topologies": (ISO_TREES[:3], "1.0"), "topologies_chains": (ISO_TREES[3:], "1.0"),
