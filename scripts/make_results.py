@@ -249,6 +249,83 @@ def speed_section(res: Results, figs: Path) -> list[str]:
             ""]
 
 
+def concurrency_section(res: Results, figs: Path) -> list[str]:
+    """Many requests at once (issue 25): the closed loops' table, the plot, and whether each request's greedy text
+    depends on its batch."""
+    from verispec.bench.plots import throughput
+    from verispec.bench.report import loop_summary, table_loops
+
+    rows = loop_summary(res)
+    same = []
+    for method in dict.fromkeys(r.method for r in rows if r.method in ("ar", "default")):
+        alone = {r["cell"]["prompt"]: r["token_ids"] for r in res.prompts
+                 if r["cell"]["method"] == method and r["cell"]["T"] == 0 and r["cell"]["concurrency"] == 1}
+        for n in sorted({r.concurrency for r in rows if r.concurrency > 1}):
+            mine = [r for r in res.prompts if r["cell"]["method"] == method and r["cell"]["T"] == 0
+                    and r["cell"]["concurrency"] == n]
+            differ = [r["cell"]["prompt"] for r in mine if r["token_ids"] != alone.get(r["cell"]["prompt"])]
+            same.append(f"`{method}` at N = {n}: {len(mine) - len(differ)} of {len(mine)} identical"
+                        + (f" (differ: {', '.join(differ)})" if differ else ""))
+    return ["## Many requests at once: closed loops of concurrent requests", "", *run_lines(res), "",
+            res.llama_build(), "",
+            "Every Spec-Bench prompt of the run is a request of a closed loop that keeps N in flight (a new one starts "
+            "as one finishes). `ar` and `default` run through verispec's batched engine (`verispec/engine.py`): every "
+            "running request's tree in one target forward, each request verified on its own; `default` chooses the "
+            "drafted depths for the whole batch from the measured cost of its forwards (load-aware speculation). "
+            "`hf-generate` is Hugging Face `generate` on static left-padded batches of N prompts; `hf-continuous` "
+            "transformers' own continuous batching (`generate_batch`, at most N requests scheduled together); "
+            "`llama-cpp` llama-cpp-python serving one request at a time; `llama-server` llama.cpp's own server with "
+            "N parallel slots over loopback. The llama.cpp rows run the Q4_1 GGUF file: another, quantised target, "
+            "shown for scale. tokens/s is all tokens over the loop's wall time; each ratio is of throughputs at the "
+            "same N, its 95 % interval from the prompts (a paired bootstrap of Little's law, sum(tokens) / "
+            "sum(time in system), scaled to the measured ratio; machine noise between runs is not in it). TPOT: "
+            "time per output token after the first; TTFT: time to the first token from submission, queueing "
+            "included.", "", table_loops(rows), "",
+            "Greedy text against the same method's loop of one request at a time (T = 0): " + "; ".join(same) + ".",
+            "", *_loop_work(res), *_server_load_note(res), fig(throughput(res, figs / "throughput.png")), ""]
+
+
+def _loop_work(res: Results) -> list[str]:
+    """What verispec's loops did: steps, drafted and accepted tokens, and the seconds of target forwards summed over
+    requests -- the same work done in more forward time is the machine, not the method."""
+    from collections import defaultdict
+
+    from verispec.bench.report import markdown
+
+    work = defaultdict(lambda: [0, 0, 0, 0.0])
+    for steps in res.steps.values():
+        for st in steps:
+            c = st["cell"]
+            if c.get("method") in ("ar", "default") and "concurrency" in c:
+                w = work[(c["T"], c["concurrency"], c["method"])]
+                w[0] += 1
+                w[1] += st["drafted"]
+                w[2] += st["accepted_length"] - 1
+                w[3] += st["target_s"]
+    if not work:
+        return []
+    rows = [[f"{t:g}", str(n), m, str(w[0]), str(w[1]), str(w[2]), f"{w[3]:.1f}", f"{1000 * w[3] / w[0]:.1f}"]
+            for (t, n, m), w in sorted(work.items())]
+    return ["What verispec's loops did (all requests together; a step's forward time counts once per request in "
+            "it):", "", markdown(["T", "N", "method", "request steps", "drafted", "accepted", "forward s",
+                                  "ms per request step"], rows), ""]
+
+
+def _server_load_note(res: Results) -> list[str]:
+    """Cells of a peer whose server ran as a child process, measured before the load meter counted a finished
+    child's CPU time as the cell's own: their 'busy machine' mark is the server itself."""
+    marked = [c for c in res.cells if c["cell"]["method"] == "llama-server" and c.get("load", {}).get("own_cores", 1) < 0.1]
+    if not marked:
+        return []
+    others = [c["load"]["others_cores"] for c in marked]
+    return ["The `llama-server` rows are marked busy machine because this run's load meter counted the server, a "
+            "child process of the benchmark, as other work: in those cells the benchmark process itself used "
+            f"{max(c['load']['own_cores'] for c in marked):.3f} cores or less and \"others\" "
+            f"{min(others):.2f}" + (f"-{max(others):.2f}" if f"{max(others):.2f}" != f"{min(others):.2f}" else "")
+            + " of the 2, which is the server. The meter now counts a finished "
+            "child's CPU time as the cell's own.", ""]
+
+
 def source_table(res: Results) -> str:
     """Per temperature, for the switching draft: how often each source drafted, and what its steps gave."""
     from collections import defaultdict
@@ -539,6 +616,8 @@ def render() -> str:
 
     if path("speed").exists():
         out += speed_section(Results.load(path("speed")), figs)
+    if path("concurrency").exists():
+        out += concurrency_section(Results.load(path("concurrency")), figs)
     if path("hybrid").exists():
         out += hybrid_section(Results.load(path("hybrid")), figs)
     if path("gate").exists():

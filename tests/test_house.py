@@ -175,7 +175,7 @@ def test_streamed_text_never_shows_half_a_character():
     stream = TextStream(Bytes().decode)
     shown = "".join(stream.push([b]) for b in ids) + stream.flush()
     assert shown == text and "\ufffd" not in shown
-    pieces = [stream2 for stream2 in [TextStream(Bytes().decode)]][0]
+    pieces = TextStream(Bytes().decode)
     assert pieces.push(ids[:1]) == "" and pieces.push(ids[1:3]) == "お"  # held back until its last byte
 
 
@@ -230,10 +230,33 @@ def test_hugging_face_door_streams_and_refuses_what_it_cannot_do_exactly():
         with pytest.raises(VerispecError, match=message):
             target.hf.generate(ids, attention_mask=torch.ones_like(ids), custom_generate=door, max_new_tokens=4,
                                pad_token_id=0, **kw)
-    with pytest.raises(VerispecError, match="batch of 2"):
-        target.hf.generate(torch.cat([ids, ids]), custom_generate=door, max_new_tokens=4, pad_token_id=0)
-    with pytest.raises(VerispecError, match="unknown draft"):
-        speculative(draft="bogus")
+    with pytest.raises(VerispecError, match="a streamer shows one sequence"):
+        target.hf.generate(torch.cat([ids, ids]), custom_generate=door, max_new_tokens=4, pad_token_id=0,
+                           streamer=Collect())
+    with pytest.raises(VerispecError, match="left-padded"):
+        target.hf.generate(ids, attention_mask=torch.tensor([[1, 1, 0, 1, 1, 1]]), custom_generate=door,
+                           max_new_tokens=4, pad_token_id=0)
+
+
+def test_hugging_face_door_takes_left_padded_batches():
+    """A batch, left-padded as generate takes it, through the batched engine: each row as it decodes alone."""
+    from verispec.integrations.transformers import speculative
+
+    target = tiny_model("llama")
+    rows = [[5, 17, 33, 8, 61, 42], [7, 8, 9], [44, 3, 90, 12]]
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    door = speculative(draft="ngram", tree="chain:3")
+    kw = dict(max_new_tokens=12, pad_token_id=0, eos_token_id=2, do_sample=False)
+    batch = target.hf.generate(ids, attention_mask=mask, custom_generate=door, return_dict_in_generate=True, **kw)
+    assert batch.sequences.shape[0] == 3 and torch.equal(batch.sequences[:, :width], ids) and len(batch.steps) == 3
+    for i, r in enumerate(rows):
+        alone = target.hf.generate(torch.tensor([r]), custom_generate=door, **kw)[0, len(r):].tolist()
+        got = batch.sequences[i, width:].tolist()
+        assert got[:len(alone)] == alone and all(t == 0 for t in got[len(alone):]), i
+    plain = target.hf.generate(ids, attention_mask=mask, **kw)  # Hugging Face's own batched greedy decoding
+    assert plain[:, width:].tolist() == batch.sequences[:, width:plain.shape[1]].tolist()
 
 
 def cli(*args, timeout=120):

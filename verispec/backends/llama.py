@@ -56,7 +56,7 @@ def _lib():
     if not available():
         raise VerispecError(f"the llama backend needs llama-cpp-python: {INSTALL_HINT}; about 15 minutes on "
                             "2 cores")
-    import llama_cpp  # noqa: PLC0415
+    import llama_cpp  # noqa: PLC0415 - the optional [llama] extra
 
     if _LOG_SINK is None:
         _LOG_SINK = llama_cpp.llama_log_callback(lambda *a: None)  # kept alive: llama.cpp calls it later
@@ -97,7 +97,7 @@ for rows, seqs in ((list(range(96)), [[0]] * 96), ([96, 97, 96, 97], [[0], [0], 
 
 def _engine_key(path: str) -> str:
     """What the check's verdict depends on: the compiled library, this CPU and the model file."""
-    import llama_cpp  # noqa: PLC0415 - optional extra
+    import llama_cpp  # noqa: PLC0415 - the optional [llama] extra
 
     lib = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
     libs = sorted(os.path.join(lib, f) for f in os.listdir(lib)) if os.path.isdir(lib) else [llama_cpp.__file__]
@@ -202,7 +202,7 @@ class LlamaCppTarget:
             pass
 
     # ---------- text ----------
-    def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
+    def encode_prompt(self, prompt: str | list[dict], chat: bool = True) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, chat, self.name)
 
     def decode(self, ids: list[int]) -> str:

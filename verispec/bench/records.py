@@ -219,8 +219,9 @@ CONTENDED = 0.25  # cores' worth of other work during a cell above which the rep
 
 class LoadMeter:
     """How much of the machine other processes used while a cell ran: (busy CPU time of the whole machine minus
-    this process's own) over the cell's wall time, in cores. A concurrent job can slow a torch run many times over
-    when threads outnumber cores, so cells measured beside one are marked (``others_cores > CONTENDED``)."""
+    this process's own and its finished children's, such as a server a peer started and stopped) over the cell's
+    wall time, in cores. A concurrent job can slow a torch run many times over when threads outnumber cores, so
+    cells measured beside one are marked (``others_cores > CONTENDED``)."""
 
     def __init__(self):
         self._start = self._read()
@@ -234,7 +235,7 @@ class LoadMeter:
             busy = (sum(parts[:3]) + sum(parts[5:8])) / os.sysconf("SC_CLK_TCK")  # user nice system irq softirq steal
         except (OSError, ValueError):
             busy = None
-        return time.perf_counter(), t.user + t.system, busy
+        return time.perf_counter(), t.user + t.system + t.children_user + t.children_system, busy
 
     def stop(self) -> dict:
         wall0, own0, busy0 = self._start
