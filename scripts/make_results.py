@@ -314,7 +314,8 @@ def _loop_work(res: Results) -> list[str]:
 def _server_load_note(res: Results) -> list[str]:
     """Cells of a peer whose server ran as a child process, measured before the load meter counted a finished
     child's CPU time as the cell's own: their 'busy machine' mark is the server itself."""
-    marked = [c for c in res.cells if c["cell"]["method"] == "llama-server" and c.get("load", {}).get("own_cores", 1) < 0.1]
+    marked = [c for c in res.cells
+              if c["cell"]["method"] == "llama-server" and c.get("load", {}).get("own_cores", 1) < 0.1]
     if not marked:
         return []
     others = [c["load"]["others_cores"] for c in marked]

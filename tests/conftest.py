@@ -71,3 +71,29 @@ class Contrarian(NgramDrafter):
 
     def _node_logits(self, g, nodes):
         return torch.stack([self._root_logits(None) for _ in nodes])
+
+
+class Utf8Tokenizer:
+    """Bytes as tokens (id = byte + 3, so the tiny model's vocabulary needs 259 ids), decoded as UTF-8 with
+    replacement: a character of several bytes spans several tokens, as under byte-level BPE. Its chat template
+    marks each role."""
+
+    chat_template = "<role>content"
+    bos_token_id = 1
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [3 + b for b in text.encode()]}
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + ("<assistant>" if add_generation_prompt
+                                                                              else "")
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(i - 3 for i in ids if i >= 3).decode("utf-8", errors="replace")
+
+
+def tiny_text_model(seed: int = 0) -> CausalLM:
+    """A tiny random model that reads and writes text (``Utf8Tokenizer``)."""
+    target = tiny_model("llama", seed=seed, layers=2, vocab=259)
+    target.tokenizer = Utf8Tokenizer()
+    return target

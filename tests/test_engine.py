@@ -192,6 +192,44 @@ def test_a_failing_sequence_fails_alone(target):
         assert b.error is None and b.token_ids == ref.token_ids
 
 
+def test_a_draft_that_raises_fails_its_sequence_alone(target):
+    """Drafting is batched (one call for every sequence), yet a draft that raises for one sequence fails only it."""
+    class Broken(NgramDrafter):
+        def _root_logits(self, context):
+            if context[:1] == [61]:
+                raise RuntimeError("this draft cannot propose")
+            return super()._root_logits(context)
+
+    batch = generate_batch(target, Broken(target.vocab_size), "chain", PROMPTS, tree="chain:3", temperature=0.0,
+                           max_new_tokens=12)
+    assert batch[4].stop_reason == "error" and batch[4].error == "this draft cannot propose"
+    for b, p in zip(batch[:4], PROMPTS[:4]):
+        ref = generate(target, NgramDrafter(target.vocab_size), "chain", p, tree="chain:3", temperature=0.0,
+                       max_new_tokens=12)
+        assert b.error is None and b.token_ids == ref.token_ids
+
+
+def test_a_failed_forward_fails_the_sequences_in_it_and_the_engine_goes_on():
+    target = tiny_model("llama")
+    forward, calls = target.forward_batch, []
+
+    def once(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("the forward broke")
+        return forward(*a, **k)
+
+    target.forward_batch = once
+    engine = Engine(target, max_batch=2, isolate=True)
+    kw = dict(verifier=get_verifier("chain"), tree=Tree.chain(2), sampling=Sampling(0.0), max_new_tokens=8)
+    first = [engine.submit(p, drafter=NgramDrafter(target.vocab_size), **kw) for p in PROMPTS[:2]]
+    run_all(engine)
+    assert [s.error for s in first] == ["the forward broke"] * 2 and not engine.running
+    later = engine.submit(PROMPTS[2], drafter=NgramDrafter(target.vocab_size), **kw)
+    run_all(engine)
+    assert later.error is None and later.stop_reason in ("eos", "max_new_tokens") and later.token_ids
+
+
 def test_the_load_aware_plan_drafts_less_when_rows_cost_more():
     trees = [Tree.chain(5)] * 4
     good = AutoDepth(prior=0.8, prior_weight=50.0).expected_tokens(5)  # a draft right 80 % of the time

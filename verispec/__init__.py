@@ -11,7 +11,8 @@ Pieces (each with a small interface): ``backends`` (target engines: the Hugging 
 ``tree`` (token trees), ``drafters`` (and their factory), ``verifiers`` (pure functions on probability tensors,
 registered by name), ``policies`` (draft length), ``decode`` (the loop), ``audit`` (exact output laws),
 ``methods`` (named verifier + policy + tree combinations), ``bench`` (benchmarks, records, report), ``eagle`` (the
-trained draft head), ``hf`` (a ``custom_generate`` for Hugging Face ``generate``).
+trained draft head), ``integrations.transformers`` (a ``custom_generate`` for Hugging Face ``generate``), ``serve``
+(the batched engine behind an OpenAI-compatible HTTP server, ``verispec serve``).
 """
 
 from .backends import DEFAULT_TARGET, CausalLM, Target, load

@@ -1,6 +1,7 @@
 """Command-line interface, a thin layer over the library: parse, check, call, print.
 
-``verispec generate``, ``audit``, ``bench``, ``report``, ``plot``, ``train-draft``, ``eval-draft``, ``tune-tree``.
+``verispec generate``, ``serve``, ``audit``, ``bench``, ``report``, ``plot``, ``train-draft``, ``eval-draft``,
+``tune-tree``.
 Every command checks its arguments before it loads a model, and ends a bad input with one line on stderr
 (``verispec: error: ...``, exit code 2). ``docs/cli.md`` is the reference.
 """
@@ -40,6 +41,8 @@ from .errors import VerispecError
 from .methods import DEFAULT_TREE, METHODS, METHODS_HELP, resolve
 from .policies import POLICIES
 from .probs import DEFAULT_TEMPERATURE, Sampling
+from .serve import Service, bind
+from .serve import run as run_server
 from .tree import MAX_NODES
 from .tune import tune_tree
 from .verifiers import VERIFIERS, get_verifier
@@ -85,6 +88,20 @@ def _add_generate(sub):
                     "and the draft length chosen step by step from measured acceptance (the method 'default').",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g.add_argument("--prompt", required=True, help="the user prompt (sent through the chat template if the model has one)")
+    _recipe_args(g)
+    g.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE, help="sampling temperature; 0 means greedy")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1: off)")
+    g.add_argument("--max-new-tokens", type=int, default=128, help="stop after this many new tokens")
+    g.add_argument("--seed", type=int, default=0, help="random seed (same seed, same output on the same machine)")
+    g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON record (text, ids, summary, per-step records)")
+    _threads(g)
+    g.set_defaults(func=cmd_generate)
+
+
+def _recipe_args(g) -> None:
+    """What a run decodes with: the target and its engine, the draft, the method and its overrides."""
     g.add_argument("--target", default="smollm2-135m",
                    help=f"target model: built-in alias ({BUILTIN}), .gguf file, local folder or hub id")
     g.add_argument("--draft", default="auto", help="the draft: " + DRAFT_HELP)
@@ -102,20 +119,11 @@ def _add_generate(sub):
     g.add_argument("--children", default=None, choices=CHILD_MODES,
                    help="how the children of a tree node are drawn: i.i.d. from q, without replacement, or the top-k "
                         "(default: what the verifier needs; iid for verifiers that take any)")
-    g.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE, help="sampling temperature; 0 means greedy")
-    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1: off)")
-    g.add_argument("--max-new-tokens", type=int, default=128, help="stop after this many new tokens")
-    g.add_argument("--seed", type=int, default=0, help="random seed (same seed, same output on the same machine)")
     g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="model weights dtype")
     g.add_argument("--backend", default="hf", choices=("hf", "llama"),
                    help="the target's engine: hf (Hugging Face transformers) or llama (llama.cpp on the GGUF file, a "
                         "quantised target of its own; bash scripts/install_llama.sh). With llama, drafts are ngram or "
                         "model:SPEC (a GGUF draft run by llama.cpp too)")
-    g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    g.add_argument("--json", action="store_true", help="print one JSON record (text, ids, summary, per-step records)")
-    _threads(g)
-    g.set_defaults(func=cmd_generate)
 
 
 def cmd_generate(args) -> int:
@@ -159,6 +167,73 @@ def cmd_generate(args) -> int:
           f"{s['tokens_per_s']:.1f} tokens/s | drafting {100 * s['draft_s'] / total:.0f}% "
           f"target {100 * s['target_s'] / total:.0f}% verify {100 * s['verify_s'] / total:.0f}% | "
           f"prefill {s['prefill_s']:.2f}s | stop: {s['stop_reason']}]")
+    return 0
+
+
+# ---------------------------------------------------------------- serve
+
+def _add_serve(sub):
+    g = sub.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve one model over an OpenAI-compatible HTTP API (POST /v1/chat/completions and "
+                    "/v1/completions, streaming or not; GET /v1/models, /health, /metrics) on the batched engine: up "
+                    "to --max-batch requests share each target forward, each with its own draft state and seed, the "
+                    "drafted depths chosen for the whole batch. Loads the model at start; stops on Ctrl-C or SIGTERM "
+                    "after the requests in flight end (at most --drain-timeout seconds). docs/serving.md tells more.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _recipe_args(g)
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (0.0.0.0 opens the server to the network: set --api-key then)")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on")
+    g.add_argument("--api-key", default=os.environ.get("VERISPEC_API_KEY"),
+                   help="a key every request but GET /health must send as 'Authorization: Bearer KEY' (default: "
+                        "$VERISPEC_API_KEY; none: no key needed)")
+    g.add_argument("--served-model-name", default=None, help="the model name clients send (default: --target)")
+    g.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (they share each forward)")
+    g.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait for a slot; one more is answered 429 at once")
+    g.add_argument("--max-context", type=int, default=None,
+                   help="prompt + new tokens + draft tree per request (default: the model's context); the batch's "
+                        "caches are sized for --max-batch of these at start")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM or Ctrl-C, seconds to let the requests in flight finish before they are cut")
+    _threads(g)
+    g.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    info = _info(args)
+    if args.max_batch < 1:
+        raise VerispecError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if not 0 <= args.port <= 65535:
+        raise VerispecError(f"--port must lie in 0..65535 (0: any free port), got {args.port}")
+    if args.max_queue < 0:
+        raise VerispecError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if not math.isfinite(args.drain_timeout) or args.drain_timeout < 0:
+        raise VerispecError(f"--drain-timeout must be a finite number >= 0, got {args.drain_timeout}")
+    if args.backend == "llama" and args.max_batch > 1:
+        raise VerispecError("the llama backend decodes one sequence at a time: serve it with --max-batch 1")
+    if args.api_key is not None and not args.api_key.strip():
+        raise VerispecError("--api-key is empty")
+    plan = resolve(args.method, verifier=args.verifier, policy=args.policy, tree=args.tree, children=args.children,
+                   info=info)
+    draft = DraftSpec.parse(args.draft if plan.drafts else "none")
+    sock = bind(args.host, args.port)  # before the model loads: a port in use is one line, at once
+    _set_threads(args)
+    t = time.perf_counter()
+    info(f"loading target {args.target} ({args.backend}) ...")
+    target = load(args.target, dtype=args.dtype, backend=args.backend, threads=args.threads)
+    drafter = build_drafter(draft, target, dtype=args.dtype)
+    service = Service(target, drafter, plan, max_batch=args.max_batch, max_queue=args.max_queue,
+                      max_context=args.max_context)
+    name = args.served_model_name or args.target
+    info(f"loaded in {time.perf_counter() - t:.1f}s; draft {drafter.name}, verifier {plan.verifier.name}, "
+         f"{service.tree.describe()}; up to {args.max_batch} sequences of {service.max_context} tokens")
+    host, port = sock.getsockname()[:2]
+    where = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+    run_server(service, name, sockets=[sock], api_key=args.api_key, drain_s=args.drain_timeout,
+               ready=lambda: info(f"serving {name!r} on {where}/v1 (Ctrl-C or SIGTERM to stop)"))
+    info("stopped")
     return 0
 
 
@@ -569,8 +644,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "Run 'verispec COMMAND --help' for the options of a command.")
     parser.add_argument("--version", action="version", version=f"verispec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for add in (_add_generate, _add_audit, _add_bench, _add_report, _add_plot, _add_train_draft, _add_eval_draft,
-                _add_tune_tree):
+    for add in (_add_generate, _add_serve, _add_audit, _add_bench, _add_report, _add_plot, _add_train_draft,
+                _add_eval_draft, _add_tune_tree):
         add(sub)
     return parser
 

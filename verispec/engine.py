@@ -110,9 +110,10 @@ class Engine:
     and draft depth; given, a batch's caches are allocated once for ``max_batch`` sequences of that length where the
     target can (``Target.state_pool``), so memory is bounded from the start. ``prefill_chunk``: a joining sequence's
     prompt goes through the steps' forwards this many tokens at a time beside the others' trees (decoding rows ride
-    along a compute-bound prefill nearly free) instead of in a forward of its own first. ``isolate``: a sequence whose step raises fails alone (``stop_reason`` "error",
-    ``error`` its message) while the others go on; without it the error propagates (one sequence alone: the caller
-    sees it). ``costs``: the measured forward costs the load-aware plan reads (default: measured on first use and
+    along a compute-bound prefill nearly free) instead of in a forward of its own first. ``isolate``: a sequence
+    whose step raises (its draft, verification or commit) fails alone (``stop_reason`` "error", ``error`` its
+    message) while the others go on, and a failed forward fails the sequences in it; without it the error
+    propagates (one sequence alone: the caller sees it). ``costs``: the measured forward costs the load-aware plan reads (default: measured on first use and
     cached, ``backends.costs.batch_costs``)."""
 
     def __init__(self, target: Target, *, max_batch: int = 8, row_budget: int | None = None,
@@ -145,23 +146,8 @@ class Engine:
         """Queue one sequence (its own ``drafter`` and ``policy``: a batch needs one of each per sequence)."""
         policy = policy or Fixed()
         prompt_ids = list(prompt_ids)
-        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise VerispecError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
-        if not prompt_ids:
-            raise VerispecError("the prompt is empty")
-        if any(not 0 <= t < self.target.vocab_size for t in prompt_ids):
-            raise VerispecError(f"prompt token ids must lie in [0, {self.target.vocab_size})")
-        # positions reach the prompt, the new tokens and a draft's depth; a cache also holds a whole tree
-        need, what = len(prompt_ids) + max_new_tokens + tree.max_depth, f"draft depth ({tree.max_depth})"
-        if self._pool is not None:
-            need, what = len(prompt_ids) + max_new_tokens + tree.size, f"draft tree ({tree.size} tokens)"
-        if need > self.max_context:
-            whose = "the model's" if self.max_context == self.target.max_context else "this engine's"
-            raise VerispecError(
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) + {what} exceeds {whose} "
-                f"context of {self.max_context} tokens")
-        check(verifier, tree, children, policy.name, 0.0 if sampling.greedy else sampling.temperature)
-        drafter.check_compatible(self.target)
+        self.check_request(prompt_ids, max_new_tokens, drafter=drafter, verifier=verifier, tree=tree,
+                           sampling=sampling, children=children, policy=policy)
         others = self.running + self.waiting
         if others and others[0].drafter.feature_layers != drafter.feature_layers:
             raise VerispecError("the sequences of one engine share the target's forward, so their drafts must read the "
@@ -173,6 +159,35 @@ class Engine:
                        submitted=time.perf_counter())
         self.waiting.append(seq)
         return seq
+
+    def check_request(self, prompt_ids: list[int], max_new_tokens: int, *, drafter: Drafter, verifier: VerifierSpec,
+                      tree: Tree | DynamicTree, sampling: Sampling, children: str, policy: Policy) -> None:
+        """Refuse (``VerispecError``, one sentence) a sequence that could not run: what ``submit`` checks first. It
+        reads only the engine's fixed configuration, so any thread may ask it (a server does, to answer at once)."""
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise VerispecError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
+        if not prompt_ids:
+            raise VerispecError("the prompt is empty")
+        if any(not 0 <= t < self.target.vocab_size for t in prompt_ids):
+            raise VerispecError(f"prompt token ids must lie in [0, {self.target.vocab_size})")
+        self.check_length(len(prompt_ids), max_new_tokens, tree)
+        check(verifier, tree, children, policy.name, 0.0 if sampling.greedy else sampling.temperature)
+        drafter.check_compatible(self.target)
+
+    def room(self, tree: Tree | DynamicTree) -> int:
+        """Context left for a prompt and its new tokens: positions reach them and a draft's depth, and a pooled cache
+        also holds a whole tree."""
+        return self.max_context - (tree.size if self._pool is not None else tree.max_depth)
+
+    def check_length(self, prompt_tokens: int, max_new_tokens: int, tree: Tree | DynamicTree) -> None:
+        """Refuse (``VerispecError``, naming the limit) a request that cannot fit this engine's context. It reads
+        only the engine's fixed configuration, so any thread may ask it."""
+        if prompt_tokens + max_new_tokens > self.room(tree):
+            what = f"draft tree ({tree.size} tokens)" if self._pool is not None else f"draft depth ({tree.max_depth})"
+            whose = "the model's" if self.max_context == self.target.max_context else "this engine's"
+            raise VerispecError(
+                f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) + {what} exceeds {whose} "
+                f"context of {self.max_context} tokens")
 
     def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
         """End ``seq`` now (queued or running) and free its slot."""
@@ -205,11 +220,12 @@ class Engine:
                 if source is not None:
                     s.policy.select_source(source)
             planned = self._plan(seqs) if seqs else []
-        drafts = propose_batch([s.drafter for s in seqs], [s.context for s in seqs], planned,
-                               [s.sampling for s in seqs], [s.children for s in seqs], [s.rng for s in seqs],
-                               [DraftControl.of(s.policy) for s in seqs]) if seqs else []
+        kept, drafts = self._draft(seqs, planned)
+        seqs, sources = [seqs[i] for i in kept], [sources[i] for i in kept]
         t1 = time.perf_counter()
         chunks = self._chunks(filling, sum(d.tree.size for d in drafts))
+        if not seqs and not chunks:  # every sequence of the step failed while drafting
+            return []
         states = [s.state for s in seqs] + [s.state for s, _ in chunks]
         tokens = [d.tokens for d in drafts] + [torch.tensor(c) for _, c in chunks]
         positions = [s.state.committed + torch.tensor(d.tree.depths) for s, d in zip(seqs, drafts)] + \
@@ -217,7 +233,14 @@ class Engine:
         attends = [d.tree.ancestors_mask() for d in drafts] + [torch.ones(len(c), len(c), dtype=torch.bool).tril()
                                                                for _, c in chunks]
         features = (seqs or filling)[0].drafter.feature_layers
-        outs = self.target.forward_batch(states, tokens, positions, attends, features=features)
+        try:
+            outs = self.target.forward_batch(states, tokens, positions, attends, features=features)
+        except Exception as exc:  # noqa: BLE001 - the batch's own forward: every sequence in it fails (isolate)
+            if not self.isolate:
+                raise
+            for s in seqs + [s for s, _ in chunks]:
+                self._fail(s, exc)
+            return seqs
         t2 = time.perf_counter()
         for (s, chunk), out in zip(chunks, outs[len(seqs):]):
             self._filled(s, chunk, out)
@@ -227,10 +250,45 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - one sequence's failure is its own (isolate) or the caller's
                 if not self.isolate:
                     raise
-                s.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                self._finish(s, "error")
+                self._fail(s, exc)
         self.steps += 1
         return seqs
+
+    def _draft(self, seqs: list[Sequence], planned: list) -> tuple[list[int], list[Draft]]:
+        """Every sequence's draft, grown together (``propose_batch``). With ``isolate``, a draft that raises fails its
+        own sequence only: the step drafts each sequence alone to find which (those drafts draw fresh random numbers,
+        which leaves each sequence's law as it was, but not its seeded text), and goes on with the others. Returns
+        the indices of the sequences that drafted, and their drafts."""
+        def propose(group: list[int]) -> list[Draft]:
+            return propose_batch([seqs[i].drafter for i in group], [seqs[i].context for i in group],
+                                 [planned[i] for i in group], [seqs[i].sampling for i in group],
+                                 [seqs[i].children for i in group], [seqs[i].rng for i in group],
+                                 [DraftControl.of(seqs[i].policy) for i in group])
+        everyone = list(range(len(seqs)))
+        if not seqs:
+            return [], []
+        try:
+            return everyone, propose(everyone)
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            if not self.isolate:
+                raise
+            if len(seqs) == 1:
+                self._fail(seqs[0], exc)
+                return [], []
+        kept: list[int] = []
+        drafts: list[Draft] = []
+        for i in everyone:
+            try:
+                drafts.extend(propose([i]))
+                kept.append(i)
+            except Exception as exc:  # noqa: BLE001 - see the docstring
+                self._fail(seqs[i], exc)
+        return kept, drafts
+
+    def _fail(self, seq: Sequence, exc: Exception) -> None:
+        """``seq`` ends with ``stop_reason`` "error" and the first line of what went wrong; the others go on."""
+        seq.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        self._finish(seq, "error")
 
     def _chunks(self, filling: list[Sequence], rows: int) -> list[tuple[Sequence, list[int]]]:
         """The next prompt chunk of each prefilling sequence, within the row budget (at least one chunk a step)."""
@@ -261,8 +319,7 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - see step
                 if not self.isolate:
                     raise
-                seq.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                self._finish(seq, "error")
+                self._fail(seq, exc)
                 continue
             self.running.append(seq)
 

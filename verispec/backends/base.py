@@ -25,8 +25,8 @@ class Target(Protocol):
     entries and the pending ones ``attend`` allows, and returns per-token logits (and hidden states of the requested
     ``features`` layers, where the engine has them); ``commit`` keeps the listed pending entries, in order, and drops
     the rest; ``forward_batch`` does the same for several sequences' states in one pass of the model (an engine that
-    cannot refuses more than one with a clear error). ``backend`` says which engine it is (``"hf"`` or ``"llama"``): drafts that need a model's weights or
-    features ask it, never the object's attributes. ``forward_id`` names what a forward computes with (model file,
+    cannot refuses more than one with a clear error). ``backend`` says which engine it is (``"hf"`` or
+    ``"llama"``): drafts that need a model's weights or features ask it, never the object's attributes. ``forward_id`` names what a forward computes with (model file,
     engine, threads, kernels), the key under which its measured costs are kept."""
 
     name: str
@@ -56,22 +56,34 @@ class Target(Protocol):
 
     def commit(self, state, keep: list[int]) -> None: ...
 
-    def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]: ...
+    def encode_prompt(self, prompt: str | list[dict], chat: bool = True) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
 
-def encode_prompt(tokenizer, prompt: str, chat: bool, name: str) -> list[int]:
-    """Token ids for a user prompt, through the chat template when the tokenizer has one (every backend's rule)."""
-    if not isinstance(prompt, str) or not prompt.strip():
+def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool, name: str) -> list[int]:
+    """Token ids for a user prompt, through the chat template when the tokenizer has one (every backend's rule), or
+    for a conversation (a list of ``{"role", "content"}`` messages, which needs a chat template)."""
+    if not isinstance(prompt, list) and (not isinstance(prompt, str) or not prompt.strip()):
         raise VerispecError("the prompt is empty")
     if tokenizer is None:
         raise VerispecError(f"model {name!r} has no tokenizer; pass token ids instead")
-    if chat and getattr(tokenizer, "chat_template", None):  # a Hugging Face tokenizer's optional attribute
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if isinstance(prompt, list):
+        if not getattr(tokenizer, "chat_template", None):  # a Hugging Face tokenizer's optional attribute
+            raise VerispecError(f"model {name!r} has no chat template; send a plain prompt instead")
+        return _templated(tokenizer, prompt)
+    if chat and getattr(tokenizer, "chat_template", None):
+        return _templated(tokenizer, [{"role": "user", "content": prompt}])
     return list(tokenizer(prompt)["input_ids"])
+
+
+def _templated(tokenizer, messages: list[dict]) -> list[int]:
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # noqa: BLE001 - a template may refuse a conversation (jinja raises its own errors)
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise VerispecError(f"the chat template refused these messages: {first}") from None
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def decode(tokenizer, ids: list[int]) -> str:

@@ -57,7 +57,7 @@ class CausalLM:
         return frozenset(ids)
 
     # ---------- text ----------
-    def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
+    def encode_prompt(self, prompt: str | list[dict], chat: bool = True) -> list[int]:
         """Token ids for a user prompt, through the chat template when the tokenizer has one."""
         return encode_prompt(self.tokenizer, prompt, chat, self.name)
 

@@ -1,0 +1,391 @@
+"""The engine behind a server: requests in from any thread, one engine thread stepping the batch, events out.
+
+``Service`` owns an ``engine.Engine`` and the one thread that touches it. ``submit`` checks a request at once in the
+caller's thread (``Engine.check_request`` reads only the engine's fixed configuration), refuses it when the queue is
+full (``QueueFull``), and hands it to the engine thread through an inbox; ``Handle.cancel`` does the same for a
+cancellation, which the engine thread carries out before its next step, so a client that goes away frees its slot
+within one step. After each step the engine thread turns every request's new tokens into text (whole characters
+only, ``decode.TextStream``), cuts it at the first stop string (held back while the text could still be the start
+of one, so a stop string split across tokens never shows), and calls the request's ``on_event`` with:
+
+- ``("text", str, ids)``: new text (possibly empty: a character still incomplete) and the new tokens;
+- ``("done", finish_reason, usage)``: ``"stop"`` (EOS or a stop string) or ``"length"`` (``max_tokens``), with the
+  request's token counts and its speculation figures (drafted and accepted tokens, mean accepted length);
+- ``("error", message)``: the request failed alone (its step raised, or the engine refused it); the others go on.
+
+A sequence's output law is the engine's: the service changes when work is done, never what a sequence computes.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..decode import TextStream
+from ..drafters.base import Drafter
+from ..engine import Engine, Sequence
+from ..errors import VerispecError
+from ..methods import Plan
+from ..probs import Sampling
+
+
+class QueueFull(VerispecError):
+    """The service already holds ``max_queue`` requests waiting for a slot."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """What one client asks for, in token ids (the API layer encodes text)."""
+
+    prompt_ids: list[int]
+    max_tokens: int | None  # None: as many as the context leaves
+    sampling: Sampling
+    seed: int
+    stop: tuple[str, ...] = ()
+
+
+Event = tuple
+
+
+@dataclass(eq=False)
+class Handle:
+    """One request in flight. ``on_event`` is called from the engine thread (see the module docstring)."""
+
+    request: Request
+    on_event: Callable[[Event], None]
+    service: "Service"
+    seq: Sequence | None = None
+    finished: bool = False
+    _text: TextStream | None = None
+    _shown: int = 0  # characters of the text already sent
+    _tokens: int = 0  # tokens already turned into text
+    _started: bool = False  # counted as running (out of the queue)
+    _counted: int = 0  # steps already counted in the metrics
+    created: float = field(default_factory=time.perf_counter)
+
+    def cancel(self) -> None:
+        """End this request (the client went away): its slot is free before the next step."""
+        self.service._inbox.put(("cancel", self))
+
+    def emit(self, event: Event) -> None:
+        """Hand ``event`` to the client; a client that cannot take it any more (its event loop closed) is gone, and
+        its request is cancelled."""
+        try:
+            self.on_event(event)
+        except Exception:  # noqa: BLE001 - whatever the consumer raises, it is not the engine's failure
+            if not self.finished:
+                self.cancel()
+
+
+class Histogram:
+    """A Prometheus histogram: cumulative bucket counts, a sum and a count."""
+
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets, self.counts = buckets, [0] * len(buckets)
+        self.sum, self.count = 0.0, 0
+
+    def observe(self, value: float) -> None:
+        for i, b in enumerate(self.buckets):
+            if value <= b:
+                self.counts[i] += 1
+        self.sum += value
+        self.count += 1
+
+
+_LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0)
+
+
+@dataclass
+class Metrics:
+    """What ``GET /metrics`` reports (``serve.api.prometheus`` renders it), counted by the engine thread."""
+
+    received: int = 0
+    rejected: int = 0  # refused at submission (bad request, full queue)
+    finished: dict = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0, "error": 0})
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    drafts: int = 0  # steps that drafted something
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    steps: int = 0  # sequence steps (one per running sequence per engine step)
+    step_time: Histogram = field(default_factory=lambda: Histogram(_LATENCY))
+    ttft: Histogram = field(default_factory=lambda: Histogram(_LATENCY))
+    tpot: Histogram = field(default_factory=lambda: Histogram(_LATENCY))
+    e2e: Histogram = field(default_factory=lambda: Histogram(_LATENCY))
+
+
+class Service:
+    """A ``Target``, a draft and a method, served to many clients at once (see the module docstring).
+
+    Each request decodes with its own fork of ``drafter`` and the pieces ``plan.build`` makes for it (its own
+    policy and learning state), seeded by the request. ``max_batch`` sequences share each target forward;
+    ``max_queue`` more may wait; ``max_context`` (default: the model's) bounds a request's prompt and new tokens,
+    and sizes the batch's caches once, up front."""
+
+    def __init__(self, target, drafter: Drafter, plan: Plan, *, max_batch: int = 8, max_queue: int = 64,
+                 max_context: int | None = None, prefill_chunk: int | None = 128, load_aware: bool = True):
+        if max_queue < 0:
+            raise VerispecError(f"max_queue must be >= 0, got {max_queue}")
+        self.target, self.drafter, self.plan, self.max_queue = target, drafter, plan, max_queue
+        self.engine = Engine(target, max_batch=max_batch, isolate=True, load_aware=load_aware,
+                             max_context=max_context or target.max_context,
+                             prefill_chunk=prefill_chunk if max_batch > 1 else None)
+        self._recipe = plan.build(target, drafter)  # what a request is checked against (each builds its own)
+        self.tree = self._recipe.tree
+        self.metrics = Metrics()
+        self._inbox: queue.Queue = queue.Queue()
+        self._live: list[Handle] = []  # submitted and not yet finished (engine thread only)
+        self._queued = 0  # submitted and not yet running
+        self._lock = threading.Lock()  # guards _queued and the metrics while they are read
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self.failure: str | None = None  # set if the engine thread itself died (``healthy`` is then False)
+
+    # ------------------------------------------------------------------ any thread
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.max_context
+
+    @property
+    def room(self) -> int:
+        """The most prompt and new tokens one request may have together."""
+        return self.engine.room(self.tree)
+
+    @property
+    def healthy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.failure is None
+
+    def queue_depth(self) -> int:
+        return self._queued
+
+    def running(self) -> int:
+        return len(self.engine.running)
+
+    def start(self) -> "Service":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="verispec-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel whatever is left and end the engine thread (after at most ``timeout`` seconds)."""
+        self._stopping.set()
+        self._inbox.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, request: Request, on_event: Callable[[Event], None]) -> Handle:
+        """Check ``request`` now (``VerispecError`` with one sentence if it cannot run; ``QueueFull`` when
+        ``max_queue`` requests already wait) and queue it; its events go to ``on_event``."""
+        with self._lock:
+            self.metrics.received += 1
+        try:
+            if not self.healthy:
+                raise VerispecError(f"the engine is not running ({self.failure or 'stopped'})")
+            budget = request.max_tokens if request.max_tokens is not None else self.room - len(request.prompt_ids)
+            if budget <= 0:
+                self.engine.check_length(len(request.prompt_ids), 1, self.tree)  # names the limit
+            recipe = self._recipe
+            self.engine.check_request(request.prompt_ids, budget, drafter=self.drafter, verifier=recipe.verifier,
+                                      tree=recipe.tree, sampling=request.sampling, children=recipe.children,
+                                      policy=recipe.policy)
+            with self._lock:
+                if self._queued >= self.max_queue + self.engine.max_batch - len(self.engine.running):
+                    raise QueueFull(f"the queue is full ({self.max_queue} requests waiting); try again later")
+                self._queued += 1
+        except VerispecError:
+            with self._lock:
+                self.metrics.rejected += 1
+            raise
+        handle = Handle(request, on_event, self)
+        self._inbox.put(("submit", handle))
+        return handle
+
+    # ------------------------------------------------------------------ the engine thread
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                self._drain(block=not self.engine.has_work)
+                if self._stopping.is_set():
+                    break
+                if not self.engine.has_work:
+                    continue
+                t0 = time.perf_counter()
+                ran = self.engine.step()
+                dt = time.perf_counter() - t0
+                with self._lock:
+                    if ran:
+                        self.metrics.step_time.observe(dt)
+                self._deliver()
+        except Exception as exc:  # noqa: BLE001 - the thread says why it died (health turns red), in one line
+            self.failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
+            print(f"verispec serve: the engine thread stopped: {self.failure}", file=sys.stderr)
+        finally:
+            for h in list(self._live):  # stopping (or dead): whatever is left ends now
+                if h.seq is not None and not h.seq.done:
+                    self.engine.cancel(h.seq, "cancelled")
+                self._end(h, "error", "the server is shutting down" if self.failure is None else self.failure)
+
+    def _drain(self, block: bool) -> None:
+        """Carry out what the inbox holds (waiting for one message when there is no work)."""
+        try:
+            msg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, handle = msg
+            if kind == "submit":
+                self._admit(handle)
+            elif kind == "cancel" and not handle.finished:
+                if handle.seq is not None:
+                    self.engine.cancel(handle.seq)
+                self._end(handle, None, "cancelled")
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _admit(self, h: Handle) -> None:
+        r = h.request
+        try:
+            mine = self.drafter.fork()
+            recipe = self.plan.build(self.target, mine)
+            budget = r.max_tokens if r.max_tokens is not None else self.room - len(r.prompt_ids)
+            h.seq = self.engine.submit(r.prompt_ids, drafter=mine, verifier=recipe.verifier, tree=recipe.tree,
+                                       sampling=r.sampling, max_new_tokens=budget, children=recipe.children,
+                                       policy=recipe.policy, verifier_state=recipe.verifier_state, seed=r.seed, id=h)
+        except VerispecError as exc:
+            self._end(h, "error", str(exc))
+            return
+        h._text = TextStream(self.target.decode)
+        with self._lock:
+            self.metrics.prompt_tokens += len(r.prompt_ids)
+        self._live.append(h)
+
+    def _deliver(self) -> None:
+        """Each live request's news since the last step: new text, its end, its failure. A request whose news
+        cannot be told (its text does not decode, say) fails alone."""
+        for h in list(self._live):
+            try:
+                self._tell(h)
+            except Exception as exc:  # noqa: BLE001 - one request's failure is its own, never the engine thread's
+                if not h.seq.done:
+                    self.engine.cancel(h.seq, "error")
+                self._end(h, "error", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+
+    def _tell(self, h: Handle) -> None:
+        """One request's news: its text so far, and its end."""
+        seq = h.seq
+        if not h._started and (seq.started is not None or seq.done):
+            h._started = True
+            with self._lock:
+                self._queued -= 1
+        new = seq.token_ids[h._tokens:]
+        if new:
+            h._tokens = len(seq.token_ids)
+            self._count_steps(h)
+            h._text.push(new)
+            text, stopped = self._cut(h)
+            h.emit(("text", text, new))
+            if stopped:
+                self.engine.cancel(seq, "stop")
+                self._end(h, "stop")
+                return
+        if seq.done:
+            if seq.stop_reason == "error":
+                self._end(h, "error", seq.error or "the request failed")
+                return
+            h._text.flush()
+            text, _ = self._cut(h, final=True)
+            if text:
+                h.emit(("text", text, []))
+            self._end(h, "length" if seq.stop_reason == "max_new_tokens" else "stop")
+
+    def _count_steps(self, h: Handle) -> None:
+        with self._lock:
+            for rec in h.seq.steps[h._counted:]:
+                m = self.metrics
+                m.steps += 1
+                m.generation_tokens += len(rec.emitted)
+                if rec.drafted:
+                    m.drafts += 1
+                    m.draft_tokens += rec.drafted
+                    m.accepted_tokens += rec.accepted_length - 1
+        h._counted = len(h.seq.steps)
+
+    def _cut(self, h: Handle, final: bool = False) -> tuple[str, bool]:
+        """The new part of the text that may be shown now: up to the first stop string (and then ``True``), else all
+        but the end that could still grow into one (all of it when ``final``)."""
+        stops, full = h.request.stop, h._text.text
+        if stops:
+            hits = [i for i in (full.find(s, max(0, h._shown - len(s) + 1)) for s in stops) if i >= 0]
+            if hits:
+                end = min(hits)
+                out, h._shown = full[h._shown:end], max(h._shown, end)
+                return out, True
+        end = len(full) if final else len(full) - _held(full, stops)
+        if end <= h._shown:
+            return "", False
+        out, h._shown = full[h._shown:end], end
+        return out, False
+
+    def _end(self, h: Handle, reason: str | None, error: str | None = None) -> None:
+        """Send the request's last event (none for a cancelled one) and forget it."""
+        if h.finished:
+            return
+        h.finished = True
+        if h in self._live:
+            self._live.remove(h)
+        if not h._started:
+            h._started = True
+            with self._lock:
+                self._queued -= 1
+        if reason == "error":
+            with self._lock:
+                self.metrics.finished["error"] += 1
+            h.emit(("error", error or "the request failed"))
+            return
+        if reason is None:
+            with self._lock:
+                self.metrics.finished["abort"] += 1
+            return
+        usage = self.usage(h)
+        with self._lock:
+            m = self.metrics
+            m.finished[reason] += 1
+            seq = h.seq
+            if seq.first_token is not None:
+                m.ttft.observe(seq.first_token - seq.submitted)
+                if usage["completion_tokens"] > 1 and seq.finished is not None:
+                    m.tpot.observe((seq.finished - seq.first_token) / (usage["completion_tokens"] - 1))
+            m.e2e.observe((seq.finished or time.perf_counter()) - seq.submitted)
+        h.emit(("done", reason, usage))
+
+    @staticmethod
+    def usage(h: Handle) -> dict:
+        """A request's token counts and speculation figures (the ``usage`` of its response)."""
+        seq = h.seq
+        steps = seq.steps if seq is not None else []
+        drafted = sum(s.drafted for s in steps)
+        accepted = sum(s.accepted_length - 1 for s in steps)
+        completion = len(seq.token_ids) if seq is not None else 0
+        return {
+            "prompt_tokens": len(h.request.prompt_ids), "completion_tokens": completion,
+            "total_tokens": len(h.request.prompt_ids) + completion,
+            "steps": len(steps), "drafted_tokens": drafted, "accepted_tokens": accepted,
+            "mean_accepted_length": (accepted + len(steps)) / len(steps) if steps else None,
+        }
+
+
+def _held(text: str, stops: tuple[str, ...]) -> int:
+    """How many characters at the end of ``text`` could be the start of a stop string (held back until known)."""
+    for k in range(min(len(text), max((len(s) for s in stops), default=1) - 1), 0, -1):
+        if any(s.startswith(text[-k:]) for s in stops):
+            return k
+    return 0
