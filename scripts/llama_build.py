@@ -173,7 +173,8 @@ def build_and_install(version: str, args: str, rebuild: bool) -> Path:
     else:
         print(f"reusing the wheel built with these options: {wheels[-1]}", flush=True)
     pip("install", "--quiet", "--no-deps", "--force-reinstall", str(wheels[-1]))
-    pip("install", "--quiet", str(wheels[-1]))  # its own dependencies, if any are missing
+    # its own dependencies, if any are missing, and its server's (llama_cpp.server: a benchmark peer of verispec serve)
+    pip("install", "--quiet", f"{wheels[-1]}[server]")
     return wheels[-1]
 
 

@@ -156,6 +156,19 @@ def concurrency_run() -> list[str]:
 
 
 RUNS["concurrency"] = concurrency_run()
+
+
+def serving_run() -> list[str]:
+    """Servers (issue 26): verispec serve beside transformers serve (both modes), llama-cpp-python's server and
+    llama-server, each started per loop and driven by the same client through /v1/chat/completions; `default`
+    in-process too, for what the server adds to a request. Greedy only: one temperature fits the time, and at T = 0
+    the server and the library must give the same tokens."""
+    return ["--methods", "default", "verispec-serve", "transformers-serve", "transformers-serve-cb",
+            "llama-cpp-server", "llama-server-chat", "--drafts", "auto", *spec_bench("0"),
+            "--concurrency", "1", "4", "8"]
+
+
+RUNS["serving"] = serving_run()
 # ResiSpec Table 3 shape (a cell costs ~30 s here): one run per temperature and tree group, two at a time share the
 # two cores
 TOPOLOGY_RUNS = {"topologies": (ISO_TREES[:3], "1.0"), "topologies_chains": (ISO_TREES[3:], "1.0"),
@@ -283,6 +296,42 @@ def concurrency_section(res: Results, figs: Path) -> list[str]:
             "included.", "", table_loops(rows), "",
             "Greedy text against the same method's loop of one request at a time (T = 0): " + "; ".join(same) + ".",
             "", *_loop_work(res), *_server_load_note(res), fig(throughput(res, figs / "throughput.png")), ""]
+
+
+def serving_section(res: Results, figs: Path) -> list[str]:
+    """Servers driven by one client (issue 26): the loop table and plot, and what the server adds to one request."""
+    from verispec.bench.plots import throughput
+    from verispec.bench.report import loop_summary, table_loops
+    from verispec.bench.stats import fmt, ratio_of_sums
+
+    rows = loop_summary(res)
+    alone = {r["cell"]["prompt"]: r for r in res.prompts
+             if r["cell"]["method"] == "default" and r["cell"]["concurrency"] == 1}
+    served = [r for r in res.prompts if r["cell"]["method"] == "verispec-serve" and r["cell"]["concurrency"] == 1
+              and r["cell"]["prompt"] in alone]
+    overhead = []
+    if served:
+        same = [r for r in served if r["token_ids"] == alone[r["cell"]["prompt"]]["token_ids"]]
+        est = ratio_of_sums([r["latency_s"] for r in same], [alone[r["cell"]["prompt"]]["latency_s"] for r in same])
+        overhead = [f"What the server adds to one request (N = 1, T = 0): of {len(served)} prompts, {len(same)} got "
+                    "the same tokens from `verispec serve` as from the library's own loop (`default`); over those, "
+                    "the time from sending the request to its last token is "
+                    f"{fmt(*est, spec='.3f', suffix='x')} the library's time from submission to the last token "
+                    "(a ratio of sums, paired per prompt; HTTP, JSON, the client and the server's process included).",
+                    ""]
+    sources = sorted({r.get("token_source") for r in res.prompts if r.get("token_source")})
+    return ["## Serving: verispec serve beside the servers people run", "", *run_lines(res), "", res.llama_build(), "",
+            "Each server is started on 127.0.0.1 for its loop and stopped after it; one client sends every server the "
+            "same Spec-Bench prompts as chat messages through `POST /v1/chat/completions`, streamed, N in flight, "
+            "with sampling pinned (greedy; top-k and min-p off). `verispec-serve` is `verispec serve` with the "
+            "default method and N slots; `transformers-serve` and `transformers-serve-cb` are `transformers serve` "
+            "on the same float32 weights, without and with `--continuous-batching`; `llama-cpp-server` is "
+            "llama-cpp-python's server (one request at a time) and `llama-server-chat` llama.cpp's own server with N "
+            "slots, both on the Q4_1 GGUF file (another, quantised target, shown for scale). `default` is the "
+            "library's batched engine in the benchmark's own process, no HTTP. Tokens are the ids a server returns "
+            "where it does (verispec), else its text encoded again with the model's tokenizer (" +
+            ", ".join(sources) + " in this run). Ratios and intervals as in the closed loops above.", "",
+            table_loops(rows), "", *overhead, fig(throughput(res, figs / "serving_throughput.png")), ""]
 
 
 def _loop_work(res: Results) -> list[str]:
@@ -619,6 +668,8 @@ def render() -> str:
         out += speed_section(Results.load(path("speed")), figs)
     if path("concurrency").exists():
         out += concurrency_section(Results.load(path("concurrency")), figs)
+    if path("serving").exists():
+        out += serving_section(Results.load(path("serving")), figs)
     if path("hybrid").exists():
         out += hybrid_section(Results.load(path("hybrid")), figs)
     if path("gate").exists():

@@ -25,7 +25,7 @@ from conftest import tiny_text_model
 from verispec import build_drafter, generate, resolve
 from verispec.backends.base import ForwardOutput
 from verispec.drafters import NgramDrafter
-from verispec.serve import Service, bind, server
+from verispec.serve import Service, bind, run, server
 
 pytestmark = pytest.mark.xdist_group("serve")
 HERE = Path(__file__).parent
@@ -429,6 +429,46 @@ def test_metrics_count_what_the_responses_say():
                                                                            for o in outs)
     assert values["verispec:time_to_first_token_seconds_count"] == 3
     assert values['verispec:request_success_total{finished_reason="length"}'] == 3
+
+
+def test_serve_run_steps_the_engine_in_the_calling_thread_and_http_on_another():
+    service, seen = make_service(), set()
+    step = service.engine.step
+    service.engine.step = lambda: (seen.add(threading.current_thread().name), step())[1]
+    sock = bind("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    caller = threading.Thread(target=run, args=(service, "tiny"), kwargs={"sockets": [sock], "drain_s": 1},
+                              name="caller", daemon=True)
+    caller.start()
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            with contextlib.suppress(httpx2.HTTPError):
+                if httpx2.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+        out = client(url).completions.create(model="tiny", prompt="where", max_tokens=6, temperature=0)
+        assert out.choices[0].text == alone("where", 6, chat=False).text
+    finally:
+        service.stop()
+        caller.join(15)
+        sock.close()
+    assert not caller.is_alive() and seen == {"caller"}
+
+
+def test_the_benchmark_client_records_what_the_server_decoded():
+    from verispec.bench.serving import chat_body, chat_loop
+
+    prompts = ["one two", "three", "four four four", "five", "six six"]
+    target = tiny_text_model()
+    with serving(make_service(max_batch=2)) as url:
+        port = int(url.rsplit(":", 1)[1])
+        out = chat_loop(port, lambda i: chat_body(prompts[i], "tiny", 12, 0.0, 0, return_token_ids=True),
+                        prompts, 2, lambda text: target.encode_prompt(text, chat=False))
+    assert [r.problem for r in out] == prompts and all(r.error is None for r in out)
+    assert all(r.token_source == "server" and r.submitted <= r.first_token <= r.finished for r in out)
+    assert [r.token_ids for r in out] == [alone(chat_of(p), 12).token_ids for p in prompts]
 
 
 def test_verispec_serve_refuses_bad_options_before_loading_a_model(capsys, monkeypatch):

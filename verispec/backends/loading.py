@@ -147,6 +147,19 @@ def _save_tokenizer(tokenizer, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def converted_folder(spec: str) -> str | None:
+    """The float32 copy of a built-in GGUF model that ``load`` made (the weights verispec runs), or None before the
+    first load; for servers that load a folder."""
+    if spec not in BUILTIN_MODELS:
+        return None
+    try:
+        folder, gguf = BUILTIN_MODELS[spec]()
+    except VerispecError:
+        return None
+    done = _converted_dir(folder, gguf, "float32")
+    return str(done) if done is not None and (done / "done").exists() else None
+
+
 def _converted_dir(folder: str, name: str, dtype: str) -> Path | None:
     """Where a de-quantised copy of a GGUF model is kept (GGUF de-quantisation takes ~15 s per load).
 

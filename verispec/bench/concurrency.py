@@ -34,6 +34,7 @@ class Request:
     steps: list[StepRecord] = field(default_factory=list)
     prefill_s: float | None = None
     error: str | None = None
+    token_source: str | None = None  # for a server peer: "server" (ids it returned) or "re-encoded" (its text)
 
     @property
     def ttft_s(self) -> float | None:

@@ -18,8 +18,6 @@ import http.client
 import importlib.util
 import json
 import os
-import socket
-import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,10 +28,20 @@ import torch
 from .. import cache
 from ..backends import CausalLM
 from ..backends.llama import INSTALL_HINT, check_engine
-from ..backends.loading import gguf_file
+from ..backends.loading import converted_folder, gguf_file
 from ..drafters import DraftSpec, ModelDrafter
 from ..errors import VerispecError
 from .concurrency import Request, one_at_a_time, static_batches
+from .serving import (
+    chat_body,
+    chat_loop,
+    free_port,
+    llama_cpp_server_command,
+    llama_server_command,
+    server_process,
+    transformers_command,
+    verispec_command,
+)
 
 HF_LOOKUP_TOKENS = 10  # Hugging Face prompt lookup's default number of proposed tokens
 
@@ -262,12 +270,6 @@ def llama_server_binary() -> str | None:
     return path if path and os.access(path, os.X_OK) else None
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _stream_completion(port: int, body: dict, timeout: float) -> tuple[list[int], float | None]:
     """One streamed ``/completion`` request to a local llama-server: its token ids, and seconds to the first."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
@@ -298,32 +300,15 @@ def llama_server_loop(gguf: str, prompts: list[list[int]], problems, concurrency
                       seed: int, max_new_tokens: int, threads: int) -> list[Request]:
     """llama.cpp's ``llama-server`` with ``concurrency`` parallel slots (continuous batching in C++), started on
     127.0.0.1 for this loop and stopped after it, driven by that many clients over loopback with the same prompts
-    (token ids) and sampling matched to verispec's (temperature only; top-k, top-p, min-p and penalties off)."""
+    (token ids, its own ``/completion`` route) and sampling matched to verispec's (temperature only; top-k, top-p,
+    min-p and penalties off)."""
     binary = llama_server_binary()
     if binary is None:
         raise VerispecError("no llama-server binary: build it with .venv/bin/python scripts/llama_build.py server")
-    port = _free_port()
+    port = free_port()
     per_slot = max(len(p) for p in prompts) + max_new_tokens + 16
-    log = open(cache.path("llama-server", f"server-{port}.log"), "w")  # noqa: SIM115 - closed in finally
-    proc = subprocess.Popen([binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(concurrency),
-                             "-c", str(per_slot * concurrency), "-t", str(threads), "-tb", str(threads), "-fa", "on",
-                             "--no-webui"], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.perf_counter() + 120
-        while True:
-            if proc.poll() is not None:
-                raise VerispecError(f"llama-server exited with status {proc.returncode} (log: {log.name})")
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
-            if time.perf_counter() > deadline:
-                raise VerispecError(f"llama-server did not come up within 120 s (log: {log.name})")
-            time.sleep(0.2)
-
+    with server_process("llama-server", llama_server_command(binary, gguf, port, concurrency, threads, per_slot),
+                        port):
         def body(i: int, budget: int) -> dict:
             return {"prompt": prompts[i], "n_predict": budget, "temperature": float(temperature), "top_k": 0,
                     "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0, "seed": seed,
@@ -357,14 +342,23 @@ def llama_server_loop(gguf: str, prompts: list[list[int]], problems, concurrency
         if len(out) != len(prompts):
             raise VerispecError("the llama-server closed loop did not finish within an hour")
         return [out[i] for i in range(len(prompts))]
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+
+
+def _served(name: str, command: Callable[["ConcurrentRun", int], list[str]], model: Callable[["ConcurrentRun"], str],
+            ready: str = "/health", **extra) -> Callable[["ConcurrentRun"], list[Request]]:
+    """A server peer (``bench.serving``): started for the loop with its threads pinned to the run's, then driven
+    through ``/v1/chat/completions`` by the client every server gets, ``extra`` fields added to each request."""
+    def concurrent(c: ConcurrentRun) -> list[Request]:
+        port = free_port()
+        threads = str(c.threads)
+        with server_process(name, command(c, port), port, ready, env={"OMP_NUM_THREADS": threads}):
+            tokenizer = c.target.tokenizer
+            return chat_loop(port, lambda i: chat_body(c.problems[i].prompt, model(c), c.max_new_tokens,
+                                                       c.temperature, c.seed, **extra),
+                             c.problems, c.concurrency,
+                             lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"]))
+
+    return concurrent
 
 
 # ---------------------------------------------------------------- the registry
@@ -460,6 +454,21 @@ def _hf_only(config) -> str | None:
     return None if config.backend == "hf" else "it runs the Hugging Face model only; left out with the llama backend"
 
 
+def _needs_converted(config) -> str | None:
+    if config.backend != "hf" or not config.concurrency:
+        return "it runs closed loops of the Hugging Face model only (--concurrency)"
+    if converted_folder(config.target) is None:
+        return f"no float32 folder of {config.target!r} (a built-in GGUF model writes one on its first load)"
+    return None
+
+
+def _needs_llama_server_module(config) -> str | None:
+    why = _needs_gguf(config)
+    if why is None and importlib.util.find_spec("sse_starlette") is None:
+        why = "llama_cpp.server's own dependencies are missing (bash scripts/install_llama.sh installs them)"
+    return why or (None if config.concurrency else "it runs closed loops only (--concurrency)")
+
+
 def _needs_gguf(config) -> str | None:
     if not llama_available():
         return f"llama-cpp-python is not installed ({INSTALL_HINT})"
@@ -519,5 +528,38 @@ PEERS = {p.name: p for p in [
          concurrent=lambda c: llama_server_loop(gguf_path(c.target_spec), c.prompt_ids, c.problems, c.concurrency,
                                                 c.temperature, c.seed, c.max_new_tokens, c.threads),
          baselines=(Baseline("vs_llama_server", "vs llama-server", "llama-server", optional=True),)),
+    # servers, each started for its loop and driven by the same client through /v1/chat/completions (bench.serving)
+    Peer("verispec-serve", "verispec serve (the default method, N slots), driven over loopback by the client every "
+         "server gets (closed loops only)", None, missing=_closed_loops_only,
+         concurrent=_served("verispec-serve", lambda c, port: verispec_command(c.target_spec, port, c.concurrency,
+                                                                                 c.threads),
+                            lambda c: c.target_spec, top_k=0, return_token_ids=True),
+         baselines=(Baseline("vs_verispec_serve", "vs verispec serve", "verispec-serve", optional=True),)),
+    Peer("transformers-serve", "transformers serve on the same float32 weights, one request at a time as it "
+         "serves without continuous batching (closed loops only)", None, missing=_needs_converted,
+         concurrent=_served("transformers-serve", lambda c, port: transformers_command(
+             converted_folder(c.target_spec), port, continuous=False), lambda c: converted_folder(c.target_spec)),
+         baselines=(Baseline("vs_transformers_serve", "vs transformers serve", "transformers-serve",
+                             optional=True),)),
+    Peer("transformers-serve-cb", "transformers serve --continuous-batching on the same float32 weights (closed "
+         "loops only)", None, missing=_needs_converted,
+         concurrent=_served("transformers-serve-cb", lambda c, port: transformers_command(
+             converted_folder(c.target_spec), port, continuous=True), lambda c: converted_folder(c.target_spec)),
+         baselines=(Baseline("vs_transformers_serve_cb", "vs transformers serve CB", "transformers-serve-cb",
+                             optional=True),)),
+    Peer("llama-cpp-server", "llama-cpp-python's server (llama_cpp.server) on the GGUF file, which serves one "
+         "request at a time (closed loops only)", None, missing=_needs_llama_server_module, scores_text=False,
+         concurrent=_served("llama-cpp-server", lambda c, port: llama_cpp_server_command(
+             gguf_path(c.target_spec), port, c.threads, 4096), lambda c: gguf_path(c.target_spec),
+             ready="/v1/models", top_k=0, min_p=0.0),
+         baselines=(Baseline("vs_llama_cpp_server", "vs llama-cpp-python server", "llama-cpp-server",
+                             optional=True),)),
+    Peer("llama-server-chat", "llama.cpp's llama-server with N slots, driven through /v1/chat/completions by the "
+         "client every server gets (closed loops only)", None, missing=_needs_server, scores_text=False,
+         concurrent=_served("llama-server-chat", lambda c, port: llama_server_command(
+             llama_server_binary(), gguf_path(c.target_spec), port, c.concurrency, c.threads,
+             max(map(len, c.prompt_ids)) + c.max_new_tokens + 64), lambda c: "model", top_k=0, min_p=0.0),
+         baselines=(Baseline("vs_llama_server_chat", "vs llama-server (chat route)", "llama-server-chat",
+                             optional=True),)),
 ]}
 BASELINES = (Baseline("speedup_ar", "vs ar", "ar"), *(b for p in PEERS.values() for b in p.baselines))

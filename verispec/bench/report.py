@@ -517,7 +517,12 @@ class LoopRow:
 LOOP_BASELINES = (("vs_ar", "vs ar (same N)", "ar"), ("vs_hf_generate", "vs HF static batches", "hf-generate"),
                   ("vs_hf_continuous", "vs HF continuous batching", "hf-continuous"),
                   ("vs_llama_cpp", "vs llama.cpp one at a time", "llama-cpp"),
-                  ("vs_llama_server", "vs llama-server", "llama-server"))
+                  ("vs_llama_server", "vs llama-server", "llama-server"),
+                  ("vs_default", "vs default (same N)", "default"),
+                  ("vs_transformers_serve", "vs transformers serve", "transformers-serve"),
+                  ("vs_transformers_serve_cb", "vs transformers serve CB", "transformers-serve-cb"),
+                  ("vs_llama_cpp_server", "vs llama-cpp-python server", "llama-cpp-server"),
+                  ("vs_llama_server_chat", "vs llama-server (chat route)", "llama-server-chat"))
 
 
 def _quantiles(xs: list[float]) -> tuple[float, float]:

@@ -351,7 +351,7 @@ class Runner:
                             "stop": "eos" if req.token_ids and req.token_ids[-1] in self.target.eos_token_ids
                             else "max_new_tokens" if req.error is None else "error",
                             "error": req.error, "correct": correct, "token_ids": req.token_ids, "text": text,
-                            "load": load})
+                            "load": load, **({"token_source": req.token_source} if req.token_source else {})})
         tokens = sum(len(r.token_ids) for r in requests)
         wall = max(r.finished for r in requests) - min(r.submitted for r in requests)
         records.append({"type": "cell", "cell": group.key, "requests": len(requests), "tokens": tokens,

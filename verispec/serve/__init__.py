@@ -1,8 +1,10 @@
 """``verispec serve``: the batched engine behind an OpenAI-compatible HTTP server.
 
-``service.Service`` runs the engine on a thread of its own and takes requests from any thread; ``api.create_app``
-is the HTTP layer (FastAPI) over it; ``server`` puts it in a uvicorn server, and ``run`` serves until SIGINT or
-SIGTERM, draining the requests in flight for at most ``drain_s`` seconds. docs/serving.md tells how to run and query it.
+``service.Service`` steps the engine in one thread and takes requests from any thread; ``api.create_app`` is the
+HTTP layer (FastAPI) over it; ``server`` puts it in a uvicorn server, and ``run`` serves until SIGINT or SIGTERM,
+draining the requests in flight for at most ``drain_s`` seconds. ``run`` keeps the engine in the main thread and
+the HTTP server on another: on this CPU torch's small matrix products ran about twice as slowly in a thread other
+than the one that first used OpenMP (docs/design.md, Serving). docs/serving.md tells how to run and query it.
 """
 
 from __future__ import annotations
@@ -30,23 +32,49 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def server(service: Service, model: str, *, api_key: str | None = None, drain_s: float = 30.0, ready=None):
-    """A uvicorn server of ``service`` as ``model`` (``.run(sockets=[bind(...)])`` serves until SIGINT or SIGTERM,
-    letting the requests in flight finish for at most ``drain_s`` seconds; ``should_exit = True`` stops it from
-    another thread); ``ready()`` is called once the engine runs."""
+def server(service: Service, model: str, *, api_key: str | None = None, drain_s: float = 30.0, ready=None,
+           manage: bool = True):
+    """A uvicorn server of ``service`` as ``model`` (``.run(sockets=[bind(...)])`` serves until ``should_exit``
+    is set, letting the requests in flight finish for at most ``drain_s`` seconds); with ``manage`` it starts and
+    stops the service itself, on a thread of its own; ``ready()`` is called once it takes requests."""
     import uvicorn  # noqa: PLC0415 - the server's own dependency, a 0.3 s import needed here only
 
     from .api import create_app  # noqa: PLC0415 - imports FastAPI (0.5 s), needed here only
 
-    app = create_app(service, model, api_key=api_key, ready=ready)
+    app = create_app(service, model, api_key=api_key, ready=ready, manage=manage)
     return uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                                          timeout_graceful_shutdown=max(int(round(drain_s)), 1)))
 
 
 def run(service: Service, model: str, *, sockets: list[socket.socket], **kwargs) -> None:
-    """Serve ``service`` on bound ``sockets`` until SIGINT or SIGTERM (``server`` tells the options). After a
-    SIGTERM the drained server returns normally (uvicorn raises the signal again once it has shut down: here it
-    finds a handler that lets the process exit with status 0); after a SIGINT, ``KeyboardInterrupt``."""
+    """Serve ``service`` on bound ``sockets`` until SIGINT or SIGTERM (``server`` tells the options), then return
+    once the requests in flight have drained (a second signal cuts the drain short). The engine runs in the
+    calling thread, the HTTP server on a thread of its own; signals are caught when called in the main thread."""
+    srv = server(service, model, manage=False, **kwargs)
+
+    def on_signal(sig, frame):
+        if srv.should_exit:
+            srv.force_exit = True
+        srv.should_exit = True
+
+    def serve_http():
+        try:
+            srv.run(sockets=sockets)
+        finally:
+            service.stop(timeout=0)  # the engine loop ends once the server has drained
+
+    previous = {}
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: None)
-    server(service, model, **kwargs).run(sockets=sockets)
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    http = threading.Thread(target=serve_http, name="verispec-http", daemon=True)
+    try:
+        service.run(started=http.start)
+    finally:
+        srv.should_exit = True
+        http.join(5)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if service.failure is not None:
+        raise VerispecError(f"the engine stopped: {service.failure}")
+    if not srv.started:
+        raise VerispecError("the HTTP server did not start (see the lines above)")

@@ -120,7 +120,8 @@ def _refuse_unserved(body: _Sampled) -> None:
         fmt = body.response_format
         unserved["response_format"] = fmt is not None and fmt != {"type": "text"}
     else:
-        unserved.update({"echo": body.echo, "suffix": body.suffix is not None, "best_of": body.best_of not in (None, 1)})
+        unserved.update({"echo": body.echo, "suffix": body.suffix is not None,
+                         "best_of": body.best_of not in (None, 1)})
     for name, used in unserved.items():
         if used:
             raise ApiError(400, f"{name} is not supported by this server (one choice per request, sampled from the "
@@ -139,17 +140,21 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
 
 # ---------------------------------------------------------------------- the app
 
-def create_app(service, model: str, api_key: str | None = None, max_body: int = MAX_BODY, ready=None) -> FastAPI:
-    """The server's ASGI app for ``service`` (started with the app, stopped with it), serving it as ``model``;
-    ``ready()`` is called once the engine runs."""
+def create_app(service, model: str, api_key: str | None = None, max_body: int = MAX_BODY, ready=None,
+               manage: bool = True) -> FastAPI:
+    """The server's ASGI app for ``service``, serving it as ``model``: with ``manage`` the app starts the service
+    on a thread of its own and stops it when the app stops (otherwise the caller runs it); ``ready()`` is called
+    once the app takes requests."""
 
     @asynccontextmanager
     async def lifespan(app):
-        service.start()
+        if manage:
+            service.start()
         if ready is not None:
             ready()
         yield
-        service.stop()
+        if manage:
+            service.stop()
 
     app = FastAPI(title="verispec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())

@@ -1,6 +1,8 @@
 """The engine behind a server: requests in from any thread, one engine thread stepping the batch, events out.
 
-``Service`` owns an ``engine.Engine`` and the one thread that touches it. ``submit`` checks a request at once in the
+``Service`` owns an ``engine.Engine`` and the one thread that touches it: ``run`` steps the engine in the caller's
+thread until ``stop`` (``serve.run`` calls it in the main thread, see there why), ``start`` runs it on a thread of
+its own. ``submit`` checks a request at once in the
 caller's thread (``Engine.check_request`` reads only the engine's fixed configuration), refuses it when the queue is
 full (``QueueFull``), and hands it to the engine thread through an inbox; ``Handle.cancel`` does the same for a
 cancellation, which the engine thread carries out before its next step, so a client that goes away frees its slot
@@ -141,7 +143,8 @@ class Service:
         self._live: list[Handle] = []  # submitted and not yet finished (engine thread only)
         self._queued = 0  # submitted and not yet running
         self._lock = threading.Lock()  # guards _queued and the metrics while they are read
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # the engine's own thread, if ``start`` made one
+        self._running = False  # ``run`` has begun and not yet ended
         self._stopping = threading.Event()
         self.failure: str | None = None  # set if the engine thread itself died (``healthy`` is then False)
 
@@ -158,7 +161,7 @@ class Service:
 
     @property
     def healthy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.failure is None
+        return self._running and self.failure is None
 
     def queue_depth(self) -> int:
         return self._queued
@@ -167,13 +170,18 @@ class Service:
         return len(self.engine.running)
 
     def start(self) -> "Service":
+        """Run the engine on a thread of its own (``run`` there); returns once it takes requests."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="verispec-engine", daemon=True)
+            up = threading.Event()
+            self._thread = threading.Thread(target=self.run, kwargs={"started": up.set}, name="verispec-engine",
+                                            daemon=True)
             self._thread.start()
+            up.wait()
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Cancel whatever is left and end the engine thread (after at most ``timeout`` seconds)."""
+        """Cancel whatever is left and end ``run`` (waiting at most ``timeout`` seconds for a thread of
+        ``start``)."""
         self._stopping.set()
         self._inbox.put(("wake", None))
         if self._thread is not None:
@@ -208,8 +216,15 @@ class Service:
 
     # ------------------------------------------------------------------ the engine thread
 
-    def _loop(self) -> None:
+    def run(self, started: Callable[[], None] | None = None) -> None:
+        """Step the engine in this thread until ``stop`` (or until the engine itself fails: ``failure`` says why);
+        ``started()`` is called once requests are taken. What is still running at the end fails with an error."""
+        if self._running:
+            raise VerispecError("the service is already running")
+        self._running = True
         try:
+            if started is not None:
+                started()
             while True:
                 self._drain(block=not self.engine.has_work)
                 if self._stopping.is_set():
@@ -227,10 +242,19 @@ class Service:
             self.failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
             print(f"verispec serve: the engine thread stopped: {self.failure}", file=sys.stderr)
         finally:
+            why = "the server is shutting down" if self.failure is None else self.failure
             for h in list(self._live):  # stopping (or dead): whatever is left ends now
                 if h.seq is not None and not h.seq.done:
                     self.engine.cancel(h.seq, "cancelled")
-                self._end(h, "error", "the server is shutting down" if self.failure is None else self.failure)
+                self._end(h, "error", why)
+            self._running = False
+            while True:  # and so does what was submitted and never admitted
+                try:
+                    kind, h = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "submit":
+                    self._end(h, "error", why)
 
     def _drain(self, block: bool) -> None:
         """Carry out what the inbox holds (waiting for one message when there is no work)."""
