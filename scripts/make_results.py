@@ -334,6 +334,27 @@ def serving_section(res: Results, figs: Path) -> list[str]:
             table_loops(rows), "", *overhead, fig(throughput(res, figs / "serving_throughput.png")), ""]
 
 
+DRILLS = ROOT / "results" / "serve_drills.json"
+
+
+def drills_section() -> list[str]:
+    """The server under faults and bad input (issue 26): what scripts/serve_drills.py sent and saw."""
+    from verispec.bench.report import markdown
+
+    if not DRILLS.exists():
+        return []
+    rep = json.loads(DRILLS.read_text())
+    rows = [[r["drill"], str(r["sent"]), r["expected"], r["seen"], "yes" if r["ok"] else "**no**"]
+            for r in rep["drills"]]
+    cpu = rep.get("machine", {}).get("cpu", "")
+    return ["## Serving under faults and bad input", "",
+            f"Made by {provenance(DRILLS, 'python scripts/serve_drills.py', rep)} ({cpu}), against "
+            f"`{rep['server']}` on the default model and draft; {rep['wall_s']:.0f} s in all. 'Alone' is the same "
+            "greedy request sent to the same server with nothing else in flight. A failure inside one request's step "
+            "cannot be provoked from outside a real server: tests/test_serve.py tests it (a 500 for that request, the "
+            "others finish).", "", markdown(["drill", "requests", "expected", "seen", "as expected"], rows), ""]
+
+
 def _loop_work(res: Results) -> list[str]:
     """What verispec's loops did: steps, drafted and accepted tokens, and the seconds of target forwards summed over
     requests -- the same work done in more forward time is the machine, not the method."""
@@ -670,6 +691,7 @@ def render() -> str:
         out += concurrency_section(Results.load(path("concurrency")), figs)
     if path("serving").exists():
         out += serving_section(Results.load(path("serving")), figs)
+    out += drills_section()
     if path("hybrid").exists():
         out += hybrid_section(Results.load(path("hybrid")), figs)
     if path("gate").exists():

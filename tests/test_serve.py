@@ -25,7 +25,8 @@ from conftest import tiny_text_model
 from verispec import build_drafter, generate, resolve
 from verispec.backends.base import ForwardOutput
 from verispec.drafters import NgramDrafter
-from verispec.serve import Service, bind, run, server
+from verispec.probs import Sampling
+from verispec.serve import QueueFull, Request, Service, bind, run, server
 
 pytestmark = pytest.mark.xdist_group("serve")
 HERE = Path(__file__).parent
@@ -264,6 +265,38 @@ def test_a_full_queue_answers_429_at_once():
         assert [f.result().status_code for f in held] == [200, 200]
 
 
+def test_a_prompt_prefilled_by_chunks_holds_one_place_not_two():
+    """A request whose prompt is still being prefilled (by chunks, over several steps) is running: it must not count
+    against the queue as well (a bug once refused requests there was room for)."""
+    service = make_service(max_batch=2, max_queue=1)
+    steps, step = threading.Semaphore(1), service.engine.step
+    service.engine.step = lambda: (steps.acquire(timeout=30), step())[1]  # one step, then each one let through
+    ends = []
+    service.start()
+    try:
+        ids = service.target.encode_prompt("a long prompt " * 15, chat=False)  # 210 tokens: two prefill chunks
+        for _ in range(2):
+            service.submit(Request(ids, 4, Sampling(0.0), 0), ends.append)
+        deadline = time.monotonic() + 10
+        while len(service.engine.running) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert all(s.started is None for s in service.engine.running)  # still prefilling
+        assert service.queue_depth() == 0
+        service.submit(Request(ids, 4, Sampling(0.0), 0), ends.append)  # the one place in the queue
+        with pytest.raises(QueueFull):
+            service.submit(Request(ids, 4, Sampling(0.0), 0), ends.append)
+        for _ in range(200):
+            steps.release()
+        deadline = time.monotonic() + 30
+        while sum(e[0] == "done" for e in ends) < 3:
+            assert time.monotonic() < deadline, ends
+            time.sleep(0.01)
+    finally:
+        steps.release(1000)
+        service.stop()
+
+
 class Faulty(NgramDrafter):
     """Prompt lookup that raises inside its step for a prompt with a '!' in it."""
 
@@ -481,7 +514,8 @@ def test_verispec_serve_refuses_bad_options_before_loading_a_model(capsys, monke
                            (["--max-queue", "-1"], "--max-queue"), (["--backend", "llama", "--max-batch", "2"],
                                                                      "one sequence at a time"),
                            (["--drain-timeout", "nan"], "--drain-timeout"), (["--api-key", " "], "empty"),
-                           (["--method", "nope"], "unknown method"),
+                           (["--method", "nope"], "unknown method"), (["--ray", "--replicas", "0"], "--replicas"),
+                           (["--replicas", "3"], "go with --ray"), (["--ray", "--port", "0"], "fixed --port"),
                            (["--port", str(taken.getsockname()[1])], "cannot listen")):
             assert cli.main(["serve", *args]) == 2
             err = capsys.readouterr().err

@@ -41,7 +41,7 @@ from .errors import VerispecError
 from .methods import DEFAULT_TREE, METHODS, METHODS_HELP, resolve
 from .policies import POLICIES
 from .probs import DEFAULT_TEMPERATURE, Sampling
-from .serve import Service, bind
+from .serve import ServiceRecipe, bind
 from .serve import run as run_server
 from .tree import MAX_NODES
 from .tune import tune_tree
@@ -197,6 +197,12 @@ def _add_serve(sub):
                         "caches are sized for --max-batch of these at start")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM or Ctrl-C, seconds to let the requests in flight finish before they are cut")
+    g.add_argument("--ray", action="store_true",
+                   help="serve --replicas copies of the engine as a Ray Serve application behind the same routes (the "
+                        "[ray] extra), on the cluster at --ray-address or a local Ray instance on 127.0.0.1")
+    g.add_argument("--replicas", type=int, default=2, help="with --ray: engine replicas (a process each)")
+    g.add_argument("--ray-address", default=None,
+                   help="with --ray: a running Ray cluster ('auto', or HOST:PORT; default: start a local instance)")
     _threads(g)
     g.set_defaults(func=cmd_serve)
 
@@ -215,20 +221,31 @@ def cmd_serve(args) -> int:
         raise VerispecError("the llama backend decodes one sequence at a time: serve it with --max-batch 1")
     if args.api_key is not None and not args.api_key.strip():
         raise VerispecError("--api-key is empty")
-    plan = resolve(args.method, verifier=args.verifier, policy=args.policy, tree=args.tree, children=args.children,
-                   info=info)
-    draft = DraftSpec.parse(args.draft if plan.drafts else "none")
+    if args.replicas < 1:
+        raise VerispecError(f"--replicas must be >= 1, got {args.replicas}")
+    if not args.ray and (args.ray_address is not None or args.replicas != 2):
+        raise VerispecError("--replicas and --ray-address go with --ray")
+    recipe = ServiceRecipe(args.target, backend=args.backend, dtype=args.dtype, threads=args.threads,
+                           draft=args.draft, method=args.method, verifier=args.verifier, policy=args.policy,
+                           tree=args.tree, children=args.children, max_batch=args.max_batch,
+                           max_queue=args.max_queue, max_context=args.max_context)
+    recipe.plan(info=info)  # a wrong method is one line now, before any model loads
+    name = args.served_model_name or args.target
+    if args.ray:
+        from .serve.ray_serve import deploy  # noqa: PLC0415 - the optional extra's module, for --ray only
+
+        if args.port == 0:
+            raise VerispecError("--ray needs a fixed --port (Ray Serve's proxy binds it)")
+        info(f"starting Ray Serve with {args.replicas} replicas of {args.target} ...")
+        deploy(recipe, name, address=args.ray_address, host=args.host, port=args.port, replicas=args.replicas,
+               api_key=args.api_key, max_ongoing=args.max_batch + args.max_queue,
+               ready=lambda: info(f"serving {name!r} on http://{args.host}:{args.port}/v1 through Ray Serve "
+                                  f"({args.replicas} replicas; Ctrl-C or SIGTERM to stop)"))
+        info("stopped")
+        return 0
     sock = bind(args.host, args.port)  # before the model loads: a port in use is one line, at once
     _set_threads(args)
-    t = time.perf_counter()
-    info(f"loading target {args.target} ({args.backend}) ...")
-    target = load(args.target, dtype=args.dtype, backend=args.backend, threads=args.threads)
-    drafter = build_drafter(draft, target, dtype=args.dtype)
-    service = Service(target, drafter, plan, max_batch=args.max_batch, max_queue=args.max_queue,
-                      max_context=args.max_context)
-    name = args.served_model_name or args.target
-    info(f"loaded in {time.perf_counter() - t:.1f}s; draft {drafter.name}, verifier {plan.verifier.name}, "
-         f"{service.tree.describe()}; up to {args.max_batch} sequences of {service.max_context} tokens")
+    service = recipe(info)
     host, port = sock.getsockname()[:2]
     where = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
     run_server(service, name, sockets=[sock], api_key=args.api_key, drain_s=args.drain_timeout,

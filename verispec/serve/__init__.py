@@ -14,9 +14,9 @@ import socket
 import threading
 
 from ..errors import VerispecError
-from .service import Handle, QueueFull, Request, Service
+from .service import Handle, QueueFull, Request, Service, ServiceRecipe
 
-__all__ = ["Handle", "QueueFull", "Request", "Service", "bind", "run", "server"]
+__all__ = ["Handle", "QueueFull", "Request", "Service", "ServiceRecipe", "bind", "run", "server"]
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import os
 import secrets
 import time
 import uuid
@@ -141,10 +142,10 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
 # ---------------------------------------------------------------------- the app
 
 def create_app(service, model: str, api_key: str | None = None, max_body: int = MAX_BODY, ready=None,
-               manage: bool = True) -> FastAPI:
+               manage: bool = True, instance: str | None = None) -> FastAPI:
     """The server's ASGI app for ``service``, serving it as ``model``: with ``manage`` the app starts the service
     on a thread of its own and stops it when the app stops (otherwise the caller runs it); ``ready()`` is called
-    once the app takes requests."""
+    once the app takes requests; ``instance`` (a replica's name) is told by ``/health``."""
 
     @asynccontextmanager
     async def lifespan(app):
@@ -175,12 +176,14 @@ def create_app(service, model: str, api_key: str | None = None, max_body: int = 
 
     if api_key:
         app.add_middleware(_KeyCheck, key=api_key.encode())
+    if instance is not None:
+        app.add_middleware(_Tagged, tag=instance.encode())
 
     @app.get("/health")
     async def health():
         if not service.healthy:
             return _error(503, f"the engine is not running ({service.failure or 'stopped'})", "server_error")
-        return {"status": "ok"}
+        return {"status": "ok"} if instance is None else {"status": "ok", "instance": instance, "pid": os.getpid()}
 
     @app.get("/v1/models")
     async def models():
@@ -326,6 +329,24 @@ class _KeyCheck:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class _Tagged:
+    """Every response says which instance answered (header ``X-Verispec-Instance``: a replica behind Ray Serve)."""
+
+    def __init__(self, app, tag: bytes):
+        self.app, self.tag = app, tag
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def tagged(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-verispec-instance", self.tag)]}
+            await send(message)
+
+        await self.app(scope, receive, tagged)
 
 
 def _no_constant(name: str):

@@ -31,7 +31,7 @@ from ..decode import TextStream
 from ..drafters.base import Drafter
 from ..engine import Engine, Sequence
 from ..errors import VerispecError
-from ..methods import Plan
+from ..methods import Plan, resolve
 from ..probs import Sampling
 
 
@@ -65,7 +65,6 @@ class Handle:
     _text: TextStream | None = None
     _shown: int = 0  # characters of the text already sent
     _tokens: int = 0  # tokens already turned into text
-    _started: bool = False  # counted as running (out of the queue)
     _counted: int = 0  # steps already counted in the metrics
     created: float = field(default_factory=time.perf_counter)
 
@@ -141,8 +140,8 @@ class Service:
         self.metrics = Metrics()
         self._inbox: queue.Queue = queue.Queue()
         self._live: list[Handle] = []  # submitted and not yet finished (engine thread only)
-        self._queued = 0  # submitted and not yet running
-        self._lock = threading.Lock()  # guards _queued and the metrics while they are read
+        self._outstanding = 0  # submitted and not yet finished (running or waiting)
+        self._lock = threading.Lock()  # guards _outstanding and the metrics while they are read
         self._thread: threading.Thread | None = None  # the engine's own thread, if ``start`` made one
         self._running = False  # ``run`` has begun and not yet ended
         self._stopping = threading.Event()
@@ -164,7 +163,8 @@ class Service:
         return self._running and self.failure is None
 
     def queue_depth(self) -> int:
-        return self._queued
+        """Requests submitted and not yet decoding (a prompt still being prefilled by chunks is decoding)."""
+        return max(self._outstanding - len(self.engine.running), 0)
 
     def running(self) -> int:
         return len(self.engine.running)
@@ -203,9 +203,9 @@ class Service:
                                       tree=recipe.tree, sampling=request.sampling, children=recipe.children,
                                       policy=recipe.policy)
             with self._lock:
-                if self._queued >= self.max_queue + self.engine.max_batch - len(self.engine.running):
+                if self._outstanding >= self.max_queue + self.engine.max_batch:
                     raise QueueFull(f"the queue is full ({self.max_queue} requests waiting); try again later")
-                self._queued += 1
+                self._outstanding += 1
         except VerispecError:
             with self._lock:
                 self.metrics.rejected += 1
@@ -306,10 +306,6 @@ class Service:
     def _tell(self, h: Handle) -> None:
         """One request's news: its text so far, and its end."""
         seq = h.seq
-        if not h._started and (seq.started is not None or seq.done):
-            h._started = True
-            with self._lock:
-                self._queued -= 1
         new = seq.token_ids[h._tokens:]
         if new:
             h._tokens = len(seq.token_ids)
@@ -366,10 +362,8 @@ class Service:
         h.finished = True
         if h in self._live:
             self._live.remove(h)
-        if not h._started:
-            h._started = True
-            with self._lock:
-                self._queued -= 1
+        with self._lock:
+            self._outstanding -= 1
         if reason == "error":
             with self._lock:
                 self.metrics.finished["error"] += 1
@@ -413,3 +407,48 @@ def _held(text: str, stops: tuple[str, ...]) -> int:
         if any(s.startswith(text[-k:]) for s in stops):
             return k
     return 0
+
+
+@dataclass(frozen=True)
+class ServiceRecipe:
+    """What ``verispec serve`` serves, as plain values (picklable: a Ray replica builds its own service from it).
+    ``plan()`` checks the method without loading anything; ``recipe(info)`` loads the model and draft and makes the
+    ``Service``, telling its progress to ``info``."""
+
+    target: str
+    backend: str = "hf"
+    dtype: str = "float32"
+    threads: int | None = None
+    draft: str = "auto"
+    method: str | None = None
+    verifier: str | None = None
+    policy: str | None = None
+    tree: str | None = None
+    children: str | None = None
+    max_batch: int = 8
+    max_queue: int = 64
+    max_context: int | None = None
+
+    def plan(self, info: Callable[[str], None] | None = None) -> Plan:
+        return resolve(self.method, verifier=self.verifier, policy=self.policy, tree=self.tree,
+                       children=self.children, info=info)
+
+    def __call__(self, info: Callable[[str], None] = lambda msg: None) -> Service:
+        import torch  # noqa: PLC0415
+
+        from ..backends import default_threads, load  # noqa: PLC0415 - loading is this method's whole job
+        from ..drafters import DraftSpec, build_drafter  # noqa: PLC0415
+
+        plan = self.plan()
+        draft = DraftSpec.parse(self.draft if plan.drafts else "none")
+        torch.set_num_threads(self.threads or default_threads())
+        t = time.perf_counter()
+        info(f"loading target {self.target} ({self.backend}) ...")
+        target = load(self.target, dtype=self.dtype, backend=self.backend, threads=self.threads)
+        drafter = build_drafter(draft, target, dtype=self.dtype)
+        service = Service(target, drafter, plan, max_batch=self.max_batch, max_queue=self.max_queue,
+                          max_context=self.max_context)
+        info(f"loaded in {time.perf_counter() - t:.1f}s; draft {drafter.name}, verifier {plan.verifier.name}, "
+             f"{service.tree.describe()}; up to {self.max_batch} sequences of {service.max_context} tokens")
+        return service
+

@@ -1,0 +1,123 @@
+"""``verispec serve --ray``: replicas of a tiny model behind Ray Serve on a local Ray instance bound to 127.0.0.1.
+
+Needs the ``[ray]`` extra; without it every test here is skipped with that reason. To run them:
+``.venv/bin/pip install -e '.[ray]' && .venv/bin/python -m pytest -q tests/test_ray_serve.py``.
+"""
+
+import concurrent.futures as cf
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray.serve", reason="the [ray] extra is not installed: pip install -e '.[ray]'")
+
+import httpx2  # noqa: E402
+import openai  # noqa: E402
+from test_serve import alone, chat_of  # noqa: E402
+
+from verispec.bench.serving import free_port  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("ray")
+HERE = Path(__file__).parent
+
+
+@contextlib.contextmanager
+def ray_server(*args):
+    """tests/tiny_server.py --ray on a free port: yields (process, base URL); SIGTERM and a wait when done."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(HERE / "tiny_server.py"), "--ray", "--port", str(port), *args],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            line = proc.stdout.readline()
+            assert line, f"the Ray server ended before it served (status {proc.poll()})"
+            if line.strip() == f"port {port}":
+                break
+            assert time.monotonic() < deadline, "the Ray server did not come up"
+        yield proc, f"http://127.0.0.1:{port}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+
+
+def instances(url: str, tries: int = 60) -> dict[str, int]:
+    """The replicas /health reaches (instance -> pid), asked ``tries`` times."""
+    seen = {}
+    for _ in range(tries):
+        with contextlib.suppress(httpx2.HTTPError):
+            r = httpx2.get(url + "/health", timeout=10)
+            if r.status_code == 200:
+                seen[r.json()["instance"]] = r.json()["pid"]
+    return seen
+
+
+def stream(url: str, prompt: str, max_tokens: int):
+    """A streamed chat completion: (the instance that served it, its text, whether it ended with [DONE])."""
+    text, done, who = [], False, None
+    try:
+        with httpx2.stream("POST", url + "/v1/chat/completions", timeout=120, json={
+                "model": "tiny", "messages": chat_of(prompt), "max_tokens": max_tokens, "temperature": 0,
+                "stream": True}) as r:
+            who = r.headers.get("x-verispec-instance")
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        break
+                    text.append(chunk["choices"][0]["delta"].get("content") or "")
+    except httpx2.HTTPError:
+        pass
+    return who, "".join(text), done
+
+
+def test_two_replicas_answer_and_one_replicas_death_is_survived():
+    with ray_server("--replicas", "2", "--max-batch", "2", "--max-queue", "1", "--step-delay", "0.05") as (_, url):
+        pids = instances(url)
+        assert len(pids) == 2, pids  # both replicas answer
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        prompts = ["alpha", "beta beta", "gamma", "delta delta delta"]
+        for p in prompts:
+            out = c.chat.completions.create(model="tiny", messages=chat_of(p), max_tokens=12, temperature=0)
+            assert out.choices[0].message.content == alone(chat_of(p), 12).text
+
+        # six long streams, three per replica (each takes at most 3 at once), then one replica is killed
+        long = [f"stream {k}" for k in range(6)]
+        expected = {p: alone(chat_of(p), 120).text for p in long}
+        with cf.ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(stream, url, p, 120) for p in long]
+            time.sleep(2.0)  # every stream has started
+            victim = sorted(pids)[0]
+            os.kill(pids[victim], signal.SIGKILL)
+            results = [f.result(timeout=180) for f in futures]
+        on_victim = [(p, r) for p, r in zip(long, results) if r[0] == victim]
+        on_other = [(p, r) for p, r in zip(long, results) if r[0] != victim]
+        assert on_other, results  # the other replica served some
+        assert all(r[2] and r[1] == expected[p] for p, r in on_other)  # ... and they finished as if alone
+        assert all(not (r[2] and r[1] == expected[p]) for p, r in on_victim)  # those in flight on it failed
+
+        # Ray restarts the dead replica; afterwards every request succeeds again
+        deadline = time.monotonic() + 120
+        while True:
+            now = instances(url, tries=20)
+            if len(now) == 2 and pids[victim] not in now.values():
+                break
+            assert time.monotonic() < deadline, now
+            time.sleep(1)
+        for p in prompts:
+            out = c.chat.completions.create(model="tiny", messages=chat_of(p), max_tokens=12, temperature=0)
+            assert out.choices[0].message.content == alone(chat_of(p), 12).text
+

@@ -1,0 +1,90 @@
+"""``verispec serve --ray``: N replicas of the served engine as a Ray Serve application, behind the same routes.
+
+Each replica is a Ray actor (a process of its own) that builds its ``Service`` with ``make_service`` (a picklable
+callable: the model is loaded in the replica, never shipped) and serves the very ASGI app ``verispec serve`` serves
+(``api.create_app``), so routes, errors, the API key and streaming are the same; Ray Serve's HTTP proxy spreads
+requests over the replicas and restarts a replica that dies. A request in flight on a replica that dies fails (the
+proxy answers 500, or a stream is cut); the others go on. Inside a replica the engine steps on a thread of its own,
+which costs speed on CPUs where torch's small matrix products are slower off the first thread (docs/design.md).
+
+Needs the ``[ray]`` extra (``pip install 'verispec[ray]'``). ``application`` makes the Ray Serve application;
+``deploy`` runs it on a running cluster (``address``) or a local Ray instance bound to 127.0.0.1, until SIGINT or
+SIGTERM. docs/serving.md tells how to run it on a cluster and what was tested here.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+from typing import Callable
+
+from ..errors import VerispecError
+from .service import Service
+
+
+def _ray():
+    try:
+        import ray  # noqa: PLC0415 - the optional extra, imported only when asked for
+        from ray import serve  # noqa: PLC0415
+    except ImportError:
+        raise VerispecError("--ray needs Ray Serve: pip install 'verispec[ray]'") from None
+    return ray, serve
+
+
+def application(make_service: Callable[[], Service], model: str, *, replicas: int = 2, api_key: str | None = None,
+                cpus_per_replica: float = 1.0, max_ongoing: int = 64):
+    """The Ray Serve application: ``replicas`` copies of ``verispec serve``'s app, each over
+    ``make_service()`` (called in the replica), serving it as ``model``; a replica takes at most ``max_ongoing``
+    requests at once (its batch and queue; the proxy holds the rest)."""
+    if replicas < 1:
+        raise VerispecError(f"replicas must be >= 1, got {replicas}")
+    _, serve = _ray()
+
+    def build():
+        from .api import create_app  # noqa: PLC0415 - in the replica
+
+        return create_app(make_service(), model, api_key=api_key, instance=f"{socket.gethostname()}:{os.getpid()}")
+
+    deployment = serve.deployment(serve.ingress(build)(), name="verispec", num_replicas=replicas,
+                                  max_ongoing_requests=max_ongoing,
+                                  ray_actor_options={"num_cpus": cpus_per_replica})
+    return deployment.bind()
+
+
+def deploy(make_service: Callable[[], Service], model: str, *, address: str | None = None, host: str = "127.0.0.1",
+           port: int = 8000, ready=None, **kwargs) -> None:
+    """Run ``application(...)`` with Ray Serve's proxy on ``host:port``, on the cluster at ``address`` (else a
+    local Ray instance on 127.0.0.1), until SIGINT or SIGTERM; then delete it (and stop a local instance)."""
+    ray, serve = _ray()
+    app = application(make_service, model, **kwargs)
+    local = address is None
+    try:
+        if local:
+            ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+        else:
+            ray.init(address=address, log_to_driver=False)
+    except Exception as exc:  # noqa: BLE001 - Ray's own errors, told in one line
+        raise VerispecError(f"cannot reach Ray at {address or 'a new local instance'}: {exc}") from None
+    stop = threading.Event()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(app, name="verispec", route_prefix="/")
+        if ready is not None:
+            ready()
+        while not stop.wait(0.5):  # woken by the signal handler
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        try:
+            serve.delete("verispec")
+            if local:
+                serve.shutdown()
+        finally:
+            if local:
+                ray.shutdown()
