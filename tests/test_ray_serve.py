@@ -64,13 +64,14 @@ def instances(url: str, tries: int = 60) -> dict[str, int]:
 
 
 def stream(url: str, prompt: str, max_tokens: int):
-    """A streamed chat completion: (the instance that served it, its text, whether it ended with [DONE])."""
-    text, done, who = [], False, None
+    """A streamed chat completion: (its HTTP status or None if the connection failed, the instance that served it,
+    its text, whether it ended with [DONE])."""
+    status, text, done, who = None, [], False, None
     try:
         with httpx2.stream("POST", url + "/v1/chat/completions", timeout=120, json={
                 "model": "tiny", "messages": chat_of(prompt), "max_tokens": max_tokens, "temperature": 0,
                 "stream": True}) as r:
-            who = r.headers.get("x-verispec-instance")
+            status, who = r.status_code, r.headers.get("x-verispec-instance")
             for line in r.iter_lines():
                 if line == "data: [DONE]":
                     done = True
@@ -81,7 +82,7 @@ def stream(url: str, prompt: str, max_tokens: int):
                     text.append(chunk["choices"][0]["delta"].get("content") or "")
     except httpx2.HTTPError:
         pass
-    return who, "".join(text), done
+    return status, who, "".join(text), done
 
 
 def test_two_replicas_answer_and_one_replicas_death_is_survived():
@@ -103,11 +104,15 @@ def test_two_replicas_answer_and_one_replicas_death_is_survived():
             victim = sorted(pids)[0]
             os.kill(pids[victim], signal.SIGKILL)
             results = [f.result(timeout=180) for f in futures]
-        on_victim = [(p, r) for p, r in zip(long, results) if r[0] == victim]
-        on_other = [(p, r) for p, r in zip(long, results) if r[0] != victim]
-        assert on_other, results  # the other replica served some
-        assert all(r[2] and r[1] == expected[p] for p, r in on_other)  # ... and they finished as if alone
-        assert all(not (r[2] and r[1] == expected[p]) for p, r in on_victim)  # those in flight on it failed
+        whole = [r[0] == 200 and r[3] and r[2] == expected[p] for p, r in zip(long, results)]
+        for ok, r in zip(whole, results):
+            if r[1] is not None and r[1] != victim:
+                assert ok, (victim, results)  # the other replica's streams finished as if alone
+            elif r[1] == victim:
+                assert not ok, (victim, results)  # those in flight on the dead one failed (cut short)
+            else:
+                assert r[0] is None or r[0] >= 500, (victim, results)  # or were answered an error by the proxy
+        assert any(whole), results  # the other replica served some
 
         # Ray restarts the dead replica; afterwards every request succeeds again
         deadline = time.monotonic() + 120

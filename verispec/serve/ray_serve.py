@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sys
 import threading
 from typing import Callable
 
@@ -34,16 +35,20 @@ def _ray():
 
 
 def application(make_service: Callable[[], Service], model: str, *, replicas: int = 2, api_key: str | None = None,
-                cpus_per_replica: float = 1.0, max_ongoing: int = 64):
+                cpus_per_replica: float = 1.0, max_ongoing: int = 64, loopback: bool = False):
     """The Ray Serve application: ``replicas`` copies of ``verispec serve``'s app, each over
     ``make_service()`` (called in the replica), serving it as ``model``; a replica takes at most ``max_ongoing``
-    requests at once (its batch and queue; the proxy holds the rest)."""
+    requests at once (its batch and queue; the proxy holds the rest). ``loopback``: a one-machine instance, whose
+    replicas open their inter-deployment gRPC server on 127.0.0.1 instead of every interface."""
     if replicas < 1:
         raise VerispecError(f"replicas must be >= 1, got {replicas}")
     _, serve = _ray()
 
     def build():
         from .api import create_app  # noqa: PLC0415 - in the replica
+
+        if loopback:
+            _replica_grpc_on_loopback()
 
         return create_app(make_service(), model, api_key=api_key, instance=f"{socket.gethostname()}:{os.getpid()}")
 
@@ -53,13 +58,41 @@ def application(make_service: Callable[[], Service], model: str, *, replicas: in
     return deployment.bind()
 
 
+def _within(seconds: float, fn, *args) -> bool:
+    """``fn(*args)`` on a thread of its own; whether it returned within ``seconds``."""
+    t = threading.Thread(target=fn, args=args, daemon=True)
+    t.start()
+    t.join(seconds)
+    return not t.is_alive()
+
+
+def _replica_grpc_on_loopback() -> None:
+    """Ray Serve (2.60) opens each replica's inter-deployment gRPC server on ``[::]`` whatever the node's address;
+    on a one-machine instance nothing but loopback needs it. Called while the replica builds its app, before Ray
+    adds that port; a Ray without the hook is left as it is."""
+    try:
+        from ray.serve._private import replica  # noqa: PLC0415 - Ray's internals, guarded
+    except ImportError:
+        return
+    add = getattr(replica, "add_port_to_grpc_server", None)
+    if add is not None and not getattr(add, "loopback", False):
+        def on_loopback(server, address):
+            return add(server, address.replace("[::]", "127.0.0.1"))
+
+        on_loopback.loopback = True
+        replica.add_port_to_grpc_server = on_loopback
+
+
 def deploy(make_service: Callable[[], Service], model: str, *, address: str | None = None, host: str = "127.0.0.1",
            port: int = 8000, ready=None, **kwargs) -> None:
     """Run ``application(...)`` with Ray Serve's proxy on ``host:port``, on the cluster at ``address`` (else a
     local Ray instance on 127.0.0.1), until SIGINT or SIGTERM; then delete it (and stop a local instance)."""
-    ray, serve = _ray()
-    app = application(make_service, model, **kwargs)
     local = address is None
+    if local:  # a single-node instance on loopback: Ray's own servers bind 127.0.0.1, not every interface (Ray
+        # reads this before it starts; it is the switch Ray itself uses for the one-machine clusters of macOS)
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray, serve = _ray()
+    app = application(make_service, model, loopback=local, **kwargs)
     try:
         if local:
             ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
@@ -81,10 +114,9 @@ def deploy(make_service: Callable[[], Service], model: str, *, address: str | No
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        try:
-            serve.delete("verispec")
-            if local:
-                serve.shutdown()
-        finally:
-            if local:
-                ray.shutdown()
+        # bounded: a Ray whose own processes got the signal too (Ctrl-C reaches the whole process group) may
+        # never answer; the drain of the replicas (Ray Serve's graceful shutdown) is within the first bound
+        if not _within(45, serve.delete, "verispec") or (local and not _within(15, serve.shutdown)):
+            print("verispec serve: Ray did not stop its application in time; stopping Ray", file=sys.stderr)
+        if local:
+            _within(30, ray.shutdown)
