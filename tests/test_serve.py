@@ -516,7 +516,8 @@ def test_verispec_serve_refuses_bad_options_before_loading_a_model(capsys, monke
                            (["--drain-timeout", "nan"], "--drain-timeout"), (["--api-key", " "], "empty"),
                            (["--method", "nope"], "unknown method"), (["--ray", "--replicas", "0"], "--replicas"),
                            (["--replicas", "3"], "go with --ray"), (["--ray", "--port", "0"], "fixed --port"),
-                           (["--port", str(taken.getsockname()[1])], "cannot listen")):
+                           (["--port", str(taken.getsockname()[1])], "cannot listen"),
+                           (["--ray", "--port", str(taken.getsockname()[1])], "cannot listen")):
             assert cli.main(["serve", *args]) == 2
             err = capsys.readouterr().err
             assert says in err and len(err.strip().splitlines()) == 1, (args, err)

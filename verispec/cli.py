@@ -236,6 +236,7 @@ def cmd_serve(args) -> int:
 
         if args.port == 0:
             raise VerispecError("--ray needs a fixed --port (Ray Serve's proxy binds it)")
+        bind(args.host, args.port).close()  # a port in use is one line now, not a failed Ray proxy later
         info(f"starting Ray Serve with {args.replicas} replicas of {args.target} ...")
         deploy(recipe, name, address=args.ray_address, host=args.host, port=args.port, replicas=args.replicas,
                api_key=args.api_key, max_ongoing=args.max_batch + args.max_queue,

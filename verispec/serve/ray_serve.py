@@ -15,6 +15,7 @@ SIGTERM. docs/serving.md tells how to run it on a cluster and what was tested he
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import sys
@@ -60,7 +61,13 @@ def application(make_service: Callable[[], Service], model: str, *, replicas: in
 
 def _within(seconds: float, fn, *args) -> bool:
     """``fn(*args)`` on a thread of its own; whether it returned within ``seconds``."""
-    t = threading.Thread(target=fn, args=args, daemon=True)
+    def call():
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 - shutting down: what Ray says then changes nothing
+            pass
+
+    t = threading.Thread(target=call, daemon=True)
     t.start()
     t.join(seconds)
     return not t.is_alive()
@@ -105,8 +112,13 @@ def deploy(make_service: Callable[[], Service], model: str, *, address: str | No
     if threading.current_thread() is threading.main_thread():
         previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        serve.start(http_options={"host": host, "port": port})
-        serve.run(app, name="verispec", route_prefix="/")
+        try:
+            serve.start(http_options={"host": host, "port": port})
+            serve.run(app, name="verispec", route_prefix="/")
+        except Exception as exc:  # noqa: BLE001 - Ray's own errors (a port in use, a replica that fails), one line
+            text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()  # Ray colours its messages
+            first = text.splitlines()[0] if text else type(exc).__name__
+            raise VerispecError(f"Ray Serve could not start the application: {first}") from None
         if ready is not None:
             ready()
         while not stop.wait(0.5):  # woken by the signal handler

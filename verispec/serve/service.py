@@ -27,7 +27,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
+from ..backends import default_threads, load
 from ..decode import TextStream
+from ..drafters import DraftSpec, build_drafter
 from ..drafters.base import Drafter
 from ..engine import Engine, Sequence
 from ..errors import VerispecError
@@ -434,11 +438,6 @@ class ServiceRecipe:
                        children=self.children, info=info)
 
     def __call__(self, info: Callable[[str], None] = lambda msg: None) -> Service:
-        import torch  # noqa: PLC0415
-
-        from ..backends import default_threads, load  # noqa: PLC0415 - loading is this method's whole job
-        from ..drafters import DraftSpec, build_drafter  # noqa: PLC0415
-
         plan = self.plan()
         draft = DraftSpec.parse(self.draft if plan.drafts else "none")
         torch.set_num_threads(self.threads or default_threads())
