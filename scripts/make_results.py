@@ -169,6 +169,10 @@ def serving_run() -> list[str]:
 
 
 RUNS["serving"] = serving_run()
+# the goals at N = 8 against the llama.cpp servers, whose one-at-a-time or slot latencies spread widely: more prompts
+RUNS["serving_n8"] = ["--methods", "verispec-serve", "llama-cpp-server", "llama-server-chat", "--drafts", "auto",
+                      "--datasets", "spec-bench", "--limit", "8", "--temperatures", "0", "--max-new-tokens", "128",
+                      "--concurrency", "8"]
 # ResiSpec Table 3 shape (a cell costs ~30 s here): one run per temperature and tree group, two at a time share the
 # two cores
 TOPOLOGY_RUNS = {"topologies": (ISO_TREES[:3], "1.0"), "topologies_chains": (ISO_TREES[3:], "1.0"),
@@ -332,6 +336,17 @@ def serving_section(res: Results, figs: Path) -> list[str]:
             "where it does (verispec), else its text encoded again with the model's tokenizer (" +
             ", ".join(sources) + " in this run). Ratios and intervals as in the closed loops above.", "",
             table_loops(rows), "", *overhead, fig(throughput(res, figs / "serving_throughput.png")), ""]
+
+
+def serving_n8_section(res: Results) -> list[str]:
+    """Eight requests in flight with more prompts: the N = 8 goals against the llama.cpp servers, with narrower
+    intervals than the serving run's 18 prompts give."""
+    from verispec.bench.report import loop_summary, table_loops
+
+    return ["### Eight requests in flight, more prompts", "", *run_lines(res), "",
+            "The same client and servers as above at N = 8 only, on 48 Spec-Bench prompts (8 a category): the "
+            "llama.cpp servers' latencies spread widely from prompt to prompt, so the 18 prompts above leave wide "
+            "intervals there.", "", table_loops(loop_summary(res)), ""]
 
 
 DRILLS = ROOT / "results" / "serve_drills.json"
@@ -691,6 +706,8 @@ def render() -> str:
         out += concurrency_section(Results.load(path("concurrency")), figs)
     if path("serving").exists():
         out += serving_section(Results.load(path("serving")), figs)
+    if path("serving_n8").exists():
+        out += serving_n8_section(Results.load(path("serving_n8")))
     out += drills_section()
     if path("hybrid").exists():
         out += hybrid_section(Results.load(path("hybrid")), figs)
