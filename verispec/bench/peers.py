@@ -18,7 +18,6 @@ import http.client
 import importlib.util
 import json
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -35,6 +34,7 @@ from .concurrency import Request, one_at_a_time, static_batches
 from .serving import (
     chat_body,
     chat_loop,
+    closed_loop,
     free_port,
     llama_cpp_server_command,
     llama_server_command,
@@ -315,33 +315,16 @@ def llama_server_loop(gguf: str, prompts: list[list[int]], problems, concurrency
                     "stream": True, "return_tokens": True, "cache_prompt": False}
 
         _stream_completion(port, body(0, 4), 300)  # warm-up
-        t0 = time.perf_counter()
-        queue, lock, out = list(range(len(prompts))), threading.Lock(), {}
 
-        def client() -> None:
-            while True:
-                with lock:
-                    if not queue:
-                        return
-                    i = queue.pop(0)
-                submitted = time.perf_counter() - t0
-                try:
-                    tokens, first = _stream_completion(port, body(i, max_new_tokens), 600)
-                    error = None
-                except (OSError, VerispecError, ValueError) as exc:
-                    tokens, first, error = [], None, str(exc)
-                end = time.perf_counter() - t0
-                out[i] = Request(problems[i], tokens, submitted, None if first is None else submitted + first, end,
-                                 error=error)
+        def send(i: int):
+            try:
+                return (*_stream_completion(port, body(i, max_new_tokens), 600), None)
+            except (OSError, VerispecError, ValueError) as exc:
+                return [], None, str(exc)
 
-        workers = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join(timeout=3600)
-        if len(out) != len(prompts):
-            raise VerispecError("the llama-server closed loop did not finish within an hour")
-        return [out[i] for i in range(len(prompts))]
+        loop = closed_loop(len(prompts), concurrency, send)
+        return [Request(problems[i], tokens, submitted, None if first is None else submitted + first, end,
+                        error=error) for i, (submitted, (tokens, first, error), end) in enumerate(loop)]
 
 
 def _served(name: str, command: Callable[["ConcurrentRun", int], list[str]], model: Callable[["ConcurrentRun"], str],

@@ -115,13 +115,11 @@ def stream_chat(port: int, body: dict, timeout: float = 600) -> Reply:
         conn.close()
 
 
-def chat_loop(port: int, body: Callable[[int], dict], problems: list, concurrency: int,
-              encode: Callable[[str], list[int]], limit_s: float = 3600) -> list[Request]:
-    """A closed loop of ``len(problems)`` streamed chat requests (``body(i)`` the i-th), ``concurrency`` in flight,
-    one client thread each; a new request starts as one finishes."""
-    stream_chat(port, {**body(0), "max_tokens": 4})  # warm-up: the first request of a process pays for its set-up
+def closed_loop(n: int, concurrency: int, send: Callable[[int], object], limit_s: float = 3600) -> list[tuple]:
+    """``send(0)`` ... ``send(n - 1)`` from ``concurrency`` client threads, a new one starting as one finishes; in
+    order, ``(submitted, result, ended)`` with the times in seconds since the loop started."""
     t0 = time.perf_counter()
-    queue, lock, replies = list(range(len(problems))), threading.Lock(), {}
+    queue, lock, done = list(range(n)), threading.Lock(), {}
 
     def client() -> None:
         while True:
@@ -130,18 +128,27 @@ def chat_loop(port: int, body: Callable[[int], dict], problems: list, concurrenc
                     return
                 i = queue.pop(0)
             submitted = time.perf_counter() - t0
-            replies[i] = (submitted, stream_chat(port, body(i)))
+            result = send(i)
+            done[i] = (submitted, result, time.perf_counter() - t0)
 
     workers = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
     for w in workers:
         w.start()
+    deadline = time.perf_counter() + limit_s
     for w in workers:
-        w.join(timeout=limit_s)
-    if len(replies) != len(problems) or any(w.is_alive() for w in workers):
+        w.join(timeout=max(deadline - time.perf_counter(), 0))
+    if len(done) != n or any(w.is_alive() for w in workers):
         raise VerispecError(f"the closed loop did not finish within {limit_s:.0f} s")
+    return [done[i] for i in range(n)]
+
+
+def chat_loop(port: int, body: Callable[[int], dict], problems: list, concurrency: int,
+              encode: Callable[[str], list[int]], limit_s: float = 3600) -> list[Request]:
+    """A closed loop (``closed_loop``) of ``len(problems)`` streamed chat requests, ``body(i)`` the i-th."""
+    stream_chat(port, {**body(0), "max_tokens": 4})  # warm-up: the first request of a process pays for its set-up
     out = []
-    for i, problem in enumerate(problems):
-        submitted, r = replies[i]
+    for problem, (submitted, r, _) in zip(problems, closed_loop(len(problems), concurrency,
+                                                                 lambda i: stream_chat(port, body(i)), limit_s)):
         if r.error is None and not r.text and not r.token_ids:
             r.error = "the server sent no text"  # a stream cut short without an error says so here
         ids, source = (r.token_ids, "server") if r.token_ids is not None else (encode(r.text), "re-encoded")
