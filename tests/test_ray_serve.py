@@ -63,15 +63,17 @@ def instances(url: str, tries: int = 60) -> dict[str, int]:
     return seen
 
 
-def stream(url: str, prompt: str, max_tokens: int):
+def stream(url: str, prompt: str, max_tokens: int, started=None):
     """A streamed chat completion: (its HTTP status or None if the connection failed, the instance that served it,
-    its text, whether it ended with [DONE])."""
+    its text, whether it ended with [DONE], when it ended); ``started`` gets the instance once the answer begins."""
     status, text, done, who = None, [], False, None
     try:
         with httpx2.stream("POST", url + "/v1/chat/completions", timeout=120, json={
                 "model": "tiny", "messages": chat_of(prompt), "max_tokens": max_tokens, "temperature": 0,
                 "stream": True}) as r:
             status, who = r.status_code, r.headers.get("x-verispec-instance")
+            if started is not None:
+                started.append(who)
             for line in r.iter_lines():
                 if line == "data: [DONE]":
                     done = True
@@ -82,7 +84,7 @@ def stream(url: str, prompt: str, max_tokens: int):
                     text.append(chunk["choices"][0]["delta"].get("content") or "")
     except httpx2.HTTPError:
         pass
-    return status, who, "".join(text), done
+    return status, who, "".join(text), done, time.monotonic()
 
 
 def test_two_replicas_answer_and_one_replicas_death_is_survived():
@@ -99,19 +101,24 @@ def test_two_replicas_answer_and_one_replicas_death_is_survived():
         long = [f"stream {k}" for k in range(6)]
         expected = {p: alone(chat_of(p), 120).text for p in long}
         with cf.ThreadPoolExecutor(6) as pool:
-            futures = [pool.submit(stream, url, p, 120) for p in long]
-            time.sleep(2.0)  # every stream has started
+            started = []
+            futures = [pool.submit(stream, url, p, 120, started) for p in long]
             victim = sorted(pids)[0]
+            deadline = time.monotonic() + 60
+            while len(set(started)) < 2 and time.monotonic() < deadline:  # both replicas are answering a stream
+                time.sleep(0.02)
+            killed = time.monotonic()
             os.kill(pids[victim], signal.SIGKILL)
             results = [f.result(timeout=180) for f in futures]
         whole = [r[0] == 200 and r[3] and r[2] == expected[p] for p, r in zip(long, results)]
         for ok, r in zip(whole, results):
             if r[1] is not None and r[1] != victim:
                 assert ok, (victim, results)  # the other replica's streams finished as if alone
-            elif r[1] == victim:
+            elif r[1] == victim and r[4] > killed:
                 assert not ok, (victim, results)  # those in flight on the dead one failed (cut short)
-            else:
+            elif r[1] is None:
                 assert r[0] is None or r[0] >= 500, (victim, results)  # or were answered an error by the proxy
+        assert any(r[1] == victim and r[4] > killed for r in results), results  # one was in flight when it died
         assert any(whole), results  # the other replica served some
 
         # Ray restarts the dead replica; afterwards every request succeeds again

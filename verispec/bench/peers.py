@@ -344,6 +344,16 @@ def _served(name: str, command: Callable[["ConcurrentRun", int], list[str]], mod
     return concurrent
 
 
+def _transformers_serve(continuous: bool, note: str, label: str) -> "Peer":
+    """``transformers serve`` on the float32 copy verispec loads, without or with its continuous batching."""
+    name = "transformers-serve-cb" if continuous else "transformers-serve"
+    return Peer(name, note, None, missing=_needs_converted,
+                concurrent=_served(name, lambda c, port: transformers_command(converted_folder(c.target_spec), port,
+                                                                              continuous=continuous),
+                                   lambda c: converted_folder(c.target_spec)),
+                baselines=(Baseline("vs_" + name.replace("-", "_"), label, name, optional=True),))
+
+
 # ---------------------------------------------------------------- the registry
 
 
@@ -518,18 +528,10 @@ PEERS = {p.name: p for p in [
                                                                                  c.threads),
                             lambda c: c.target_spec, top_k=0, return_token_ids=True),
          baselines=(Baseline("vs_verispec_serve", "vs verispec serve", "verispec-serve", optional=True),)),
-    Peer("transformers-serve", "transformers serve on the same float32 weights, one request at a time as it "
-         "serves without continuous batching (closed loops only)", None, missing=_needs_converted,
-         concurrent=_served("transformers-serve", lambda c, port: transformers_command(
-             converted_folder(c.target_spec), port, continuous=False), lambda c: converted_folder(c.target_spec)),
-         baselines=(Baseline("vs_transformers_serve", "vs transformers serve", "transformers-serve",
-                             optional=True),)),
-    Peer("transformers-serve-cb", "transformers serve --continuous-batching on the same float32 weights (closed "
-         "loops only)", None, missing=_needs_converted,
-         concurrent=_served("transformers-serve-cb", lambda c, port: transformers_command(
-             converted_folder(c.target_spec), port, continuous=True), lambda c: converted_folder(c.target_spec)),
-         baselines=(Baseline("vs_transformers_serve_cb", "vs transformers serve CB", "transformers-serve-cb",
-                             optional=True),)),
+    _transformers_serve(False, "transformers serve on the same float32 weights, one request at a time as it serves "
+                        "without continuous batching (closed loops only)", "vs transformers serve"),
+    _transformers_serve(True, "transformers serve --continuous-batching on the same float32 weights (closed loops "
+                        "only)", "vs transformers serve CB"),
     Peer("llama-cpp-server", "llama-cpp-python's server (llama_cpp.server) on the GGUF file, which serves one "
          "request at a time (closed loops only)", None, missing=_needs_llama_server_module, scores_text=False,
          concurrent=_served("llama-cpp-server", lambda c, port: llama_cpp_server_command(

@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import VerispecError
 from ..probs import Sampling
-from .service import Handle, QueueFull
+from .service import Handle, QueueFull, one_line
 from .service import Request as EngineRequest
 
 MAX_BODY = 1 << 20  # bytes of a request body (a prompt of the longest context is far smaller)
@@ -171,8 +171,7 @@ def create_app(service, model: str, api_key: str | None = None, max_body: int = 
 
     @app.exception_handler(Exception)
     async def _internal(request, exc: Exception):  # a bug: one line, no traceback, and the server goes on
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        return _error(500, f"internal error: {type(exc).__name__}{': ' + first if first else ''}", "server_error")
+        return _error(500, f"internal error: {one_line(exc)}", "server_error")
 
     if api_key:
         app.add_middleware(_KeyCheck, key=api_key.encode())

@@ -243,7 +243,7 @@ class Service:
                         self.metrics.step_time.observe(dt)
                 self._deliver()
         except Exception as exc:  # noqa: BLE001 - the thread says why it died (health turns red), in one line
-            self.failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
+            self.failure = one_line(exc)
             print(f"verispec serve: the engine thread stopped: {self.failure}", file=sys.stderr)
         finally:
             why = "the server is shutting down" if self.failure is None else self.failure
@@ -305,7 +305,7 @@ class Service:
             except Exception as exc:  # noqa: BLE001 - one request's failure is its own, never the engine thread's
                 if not h.seq.done:
                     self.engine.cancel(h.seq, "error")
-                self._end(h, "error", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+                self._end(h, "error", one_line(exc))
 
     def _tell(self, h: Handle) -> None:
         """One request's news: its text so far, and its end."""
@@ -403,6 +403,12 @@ class Service:
             "steps": len(steps), "drafted_tokens": drafted, "accepted_tokens": accepted,
             "mean_accepted_length": (accepted + len(steps)) / len(steps) if steps else None,
         }
+
+
+def one_line(exc: BaseException) -> str:
+    """What went wrong, as one line: the exception's type and the first line of its message."""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 def _held(text: str, stops: tuple[str, ...]) -> int:
