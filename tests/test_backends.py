@@ -184,3 +184,38 @@ def test_the_kernel_plan_computes_what_a_linear_layer_does():
         assert layer._verispec_plan == DEFAULT_PLAN
         undo()
     assert "forward" not in layer.__dict__
+
+
+def test_bfloat16_layers_run_on_prepacked_weights_bitwise_as_a_linear_layer_and_whatever_the_row_count():
+    """A bfloat16 layer under ``use_fast_linear``: oneDNN on a prepacked copy of the weight gives ``F.linear``'s
+    products bit for bit, each row the same whatever rows it comes with, and a changed weight is packed again."""
+    from verispec.backends.kernels import packing_available, use_fast_linear
+
+    if not packing_available():
+        pytest.skip("this torch or CPU has no oneDNN bfloat16 linear")
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 72).bfloat16()
+    x = torch.randn(33, 48).bfloat16()
+    with torch.no_grad():
+        ref = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        undo = use_fast_linear(layer)
+        assert torch.equal(layer(x), ref) and "_verispec_packed" in layer.__dict__
+        for rows in (1, 2, 3, 5, 8, 16, 17):
+            assert torch.equal(layer(x[:rows]), ref[:rows]), rows
+        assert torch.equal(layer(x.view(3, 11, 48)), ref.view(3, 11, 72))
+        layer.weight.mul_(2)  # in place: the packed copy is stale and must be made again
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+        undo()
+    assert "forward" not in layer.__dict__ and "_verispec_packed" not in layer.__dict__
+
+
+def test_auto_dtype_is_bfloat16_only_where_the_cpu_has_bfloat16_arithmetic(monkeypatch):
+    from verispec.backends import loading
+    from verispec.errors import VerispecError
+
+    monkeypatch.setattr(loading, "native_bfloat16", lambda: True)
+    assert loading.resolve_dtype("auto") == "bfloat16"
+    monkeypatch.setattr(loading, "native_bfloat16", lambda: False)
+    assert loading.resolve_dtype("auto") == "float32" and loading.resolve_dtype("bfloat16") == "bfloat16"
+    with pytest.raises(VerispecError, match="unknown dtype 'int3'"):
+        loading.resolve_dtype("int3")

@@ -195,3 +195,25 @@ def test_shipped_head_reproduces_its_recorded_acceptance_and_fits_the_budget(smo
         assert out.token_ids == ref, tree.describe()
     out = generate(smollm, default, get_verifier("chain"), prompt, tree="auto", policy="auto", **kw)
     assert out.token_ids == ref and {s.source for s in out.steps} == {"ngram", "eagle"}
+
+
+@pytest.mark.slow
+def test_bfloat16_default_model_decodes_the_same_tokens_whatever_its_rows_and_batch():
+    """In bfloat16 every layer's output is rounded coarsely, so a last-bit difference anywhere moves logits by a
+    bfloat16 step: the lean forward is made row- and batch-invariant, and greedy decoding with a draft, and in a
+    batch, equals plain greedy decoding token for token on the real model."""
+    from verispec import Tree, generate, generate_batch, get_verifier, load
+    from verispec.backends.kernels import packing_available
+    from verispec.drafters import NoDrafter, build_drafter
+
+    if not packing_available():
+        pytest.skip("this torch or CPU has no oneDNN bfloat16 linear")
+    target = load(dtype="bfloat16")
+    prompts = ["Name two planets.", "Write a Python function that reverses a string.", "What is 17 times 23?"]
+    kw = dict(max_new_tokens=24, temperature=0.0)
+    ref = [generate(target, NoDrafter(), get_verifier("chain"), p, tree=Tree.root_only(), **kw).token_ids
+           for p in prompts]
+    draft = build_drafter("auto", target, dtype="bfloat16")
+    alone = [generate(target, draft, "chain", p, tree=Tree.chain(4), **kw).token_ids for p in prompts]
+    batch = [r.token_ids for r in generate_batch(target, draft, "chain", prompts, tree="chain:4", **kw)]
+    assert alone == ref and batch == ref

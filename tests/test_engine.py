@@ -11,6 +11,7 @@ from conftest import Contrarian, tiny_model
 from verispec import Tree, VerispecError, generate, generate_batch, get_verifier
 from verispec.audit.law import batch_loop_law, random_tables, target_law, tv_and_kl
 from verispec.backends.costs import BatchCosts
+from verispec.backends.kernels import packing_available, use_fast_linear
 from verispec.drafters import HybridDrafter, ModelDrafter, NgramDrafter, layer_skip_drafter
 from verispec.drafters.eagle import EagleDrafter
 from verispec.eagle import EagleHead
@@ -21,13 +22,18 @@ from verispec.probs import Sampling
 PROMPTS = [[5, 17, 33, 8, 61, 42], [7, 8, 9, 10, 7, 8], [44, 3, 90], [1, 2, 3, 4, 5, 6, 7, 8, 9], [61]]
 
 
-@pytest.fixture(params=["lean", "stock"])
+@pytest.fixture(params=["lean", "stock", "lean-bf16"])
 def target(request):
+    from verispec.backends import CausalLM
+
     t = tiny_model("llama")
     if request.param == "stock":  # the transformers forward: batches run as one packed sequence
-        from verispec.backends import CausalLM
-
         t = CausalLM(t.hf, None, name=t.name, lean=False)
+    if request.param == "lean-bf16":  # a bfloat16 model on prepacked weights, as verispec.load(dtype=...) gives
+        if not packing_available():
+            pytest.skip("this torch or CPU has no oneDNN bfloat16 linear")
+        use_fast_linear(t.hf.bfloat16())
+        t = CausalLM(t.hf, None, name=t.name)
     return t
 
 
@@ -91,11 +97,12 @@ def test_a_pooled_batch_attends_in_one_call_and_equals_each_sequence_alone():
                 t.commit(s, keep)
     pool.release(pooled[1])
     assert pool.acquire().cache.slot == 1  # a freed slot serves the next sequence
+    assert pool.pool.capacity == 64  # 40 asked, rounded up to whole blocks of the invariant attention's spans
     with pytest.raises(VerispecError, match="sized for"):
         big = [pooled[0], pooled[2]]
-        t.forward_batch(big, [torch.arange(30), torch.tensor([1])], [big[0].committed + torch.arange(30),
+        t.forward_batch(big, [torch.arange(60), torch.tensor([1])], [big[0].committed + torch.arange(60),
                                                                      torch.tensor([big[1].committed])],
-                        [torch.ones(30, 30, dtype=torch.bool).tril(), torch.ones(1, 1, dtype=torch.bool)])
+                        [torch.ones(60, 60, dtype=torch.bool).tril(), torch.ones(1, 1, dtype=torch.bool)])
 
 
 def drafters(target):
@@ -246,6 +253,25 @@ def test_the_load_aware_plan_drafts_less_when_rows_cost_more():
     assert mixed[0] >= mixed[1] and mixed[2] >= mixed[3] and mixed[0] > mixed[1]
     # a policy that plans its own depth keeps it
     assert batch_depths([None, good], trees[:2], drafters[:2], dear, [3, None])[0] == 3
+
+
+def test_padding_to_the_widest_tree_is_costed_for_every_sequence_of_the_batch():
+    """A batch's attention pads every sequence to the widest tree: one sequence drafting deep costs them all, so
+    where padding is dear the plan keeps the trees even (all at one depth) or drafts nothing."""
+    rows = BatchCosts(rows=(1, 64), seconds_by_rows=(1.0, 1.3), per_sequence=0.0)
+    assert rows.seconds(9, 8, 2) == rows.seconds(9, 8) and rows.seconds(9, 1, 2) == rows.seconds(9)
+    padded = BatchCosts(rows.rows, rows.seconds_by_rows, 0.0, padding=(0.0, 0.05, 0.1, 0.15, 0.25, 0.35))
+    assert padded.seconds(9, 8, 2) == pytest.approx(rows.seconds(9) + 8 * 0.05)
+    assert padded.seconds(40, 8, 5) == pytest.approx(rows.seconds(40) + 8 * 0.2)  # between 4 and 6 rows
+    assert padded.seconds(9, 1, 2) == rows.seconds(9)  # one sequence alone pads nothing
+    trees, drafters = [Tree.chain(5)] * 8, [NgramDrafter(97)] * 8
+    good = AutoDepth(prior=0.8, prior_weight=50.0).expected_tokens(5)
+    poor = AutoDepth(prior=0.3, prior_weight=50.0).expected_tokens(5)
+    free = batch_depths([good] + [poor] * 7, trees, drafters, rows, [None] * 8)
+    dear = batch_depths([good] + [poor] * 7, trees, drafters,
+                        BatchCosts(rows.rows, rows.seconds_by_rows, 0.0, padding=(0.0, 0.1, 0.2, 0.3, 0.5, 0.7)),
+                        [None] * 8)
+    assert free[0] > 1 and max(dear) < free[0]
 
 
 def test_the_engine_plans_for_the_batch_and_keeps_the_policys_own_plan_alone(target):

@@ -88,3 +88,27 @@ def test_greedy_generation_equals_the_transformers_forward_token_for_token(kind)
     texts = [generate(m, NgramDrafter(lean.vocab_size), get_verifier("specinfer"), prompt, tree=Tree.parse("2x2"),
                       max_new_tokens=40, temperature=0.0).token_ids for m in (lean, stock)]
     assert texts[0] == texts[1] and len(texts[0]) == 40
+
+
+def test_a_bfloat16_model_runs_lean_and_matches_its_transformers_forward():
+    """In bfloat16 the lean forward keeps transformers' norms (float32 statistics) and rotary tables (float32, then
+    cast) and attends in float32 over exact upcasts; logits agree with transformers' bfloat16 forward to its
+    rounding, and greedy tokens are the same."""
+    from verispec.backends.kernels import packing_available
+
+    lean, _ = pair(seed=3)
+    lean.hf.bfloat16()
+    mixed = tiny_model("llama")
+    mixed.hf.model.embed_tokens.float()
+    mixed.hf.model.layers.bfloat16()
+    assert supports(lean.hf) and not supports(mixed.hf)  # one dtype for every layer
+    if packing_available():
+        use_fast_linear(lean.hf)
+    lean, stock = CausalLM(lean.hf, name="lean"), CausalLM(lean.hf, name="stock", lean=False)
+    assert lean._lean is not None and lean.dtype == torch.bfloat16 and lean.forward_id != stock.forward_id
+    prompt = [1, 10, 20, 30, 10, 20, 30, 10, 20]
+    a, b = (m.prefill(m.new_state(), prompt) for m in (lean, stock))
+    assert torch.allclose(a, b, atol=0.1, rtol=0.02), (a - b).abs().max()
+    texts = [generate(m, NgramDrafter(lean.vocab_size), get_verifier("specinfer"), prompt, tree=Tree.parse("2x2"),
+                      max_new_tokens=24, temperature=0.0).token_ids for m in (lean, stock)]
+    assert texts[0] == texts[1]

@@ -458,7 +458,8 @@ def _seconds(depths: list[int], sizes: list[list[int]], proposers: list[Drafter]
         if d:
             draft[p.batch_key] = max(draft.get(p.batch_key, (0, 0.0))[0], d), p.depth_cost
     rows = sum(sz[d] for sz, d in zip(sizes, depths))
-    return costs.seconds(rows, len(depths)) + sum(d * c for d, c in draft.values()) * costs.seconds(1, 1)
+    widest = max(sz[d] for sz, d in zip(sizes, depths))
+    return costs.seconds(rows, len(depths), widest) + sum(d * c for d, c in draft.values()) * costs.seconds(1, 1)
 
 
 def _tokens(expected: list[list[float] | None], depths: list[int]) -> float:

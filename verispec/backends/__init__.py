@@ -15,7 +15,7 @@ from .base import ForwardOutput, Target
 from .hf import CausalLM, quantized_copy
 from .kv import KVState
 from .llama import load_llama
-from .loading import BUILTIN_MODELS, DEFAULT_TARGET
+from .loading import BUILTIN_MODELS, DEFAULT_TARGET, DTYPES, resolve_dtype
 from .loading import load as _load_hf
 
 BACKENDS = ("hf", "llama")
@@ -43,6 +43,6 @@ def load(spec: str = DEFAULT_TARGET, dtype: str = "float32", backend: str = "hf"
     raise VerispecError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
 
 
-__all__ = ["BACKENDS", "BUILTIN_MODELS", "DEFAULT_TARGET", "CausalLM", "ForwardOutput", "KVState", "Target",
+__all__ = ["BACKENDS", "BUILTIN_MODELS", "DEFAULT_TARGET", "DTYPES", "CausalLM", "ForwardOutput", "KVState", "Target",
            "default_threads", "load",
-           "quantized_copy"]
+           "quantized_copy", "resolve_dtype"]

@@ -9,6 +9,7 @@ by them (``verispec.methods.step_costs``).
 
 from __future__ import annotations
 
+import itertools
 import os
 import platform
 import statistics
@@ -59,54 +60,79 @@ def forward_costs(target, repeats: int = 9, measure: bool = True) -> list[float]
 BATCH_SIZES = (*range(1, 17), 20, 24, 32, 40, 48, 64)  # rows of one forward, measured for batches
 
 
+PADDED_ROWS = (1, 2, 3, 4, 6, 8)  # the widest tree of a batch, measured for its padding cost
+BATCH_CONTEXT = 256  # cache entries of each sequence while a batch's costs are measured (attention grows with it)
+
+
 @dataclass(frozen=True)
 class BatchCosts:
-    """Seconds of a target forward over ``rows`` tree tokens shared by ``seqs`` sequences: the forward of that many
-    rows of one sequence (measured at ``BATCH_SIZES``, linear in between and beyond), plus ``per_sequence`` for each
-    further sequence (its own attention, its own cache: measured as a batch of 8 one-row sequences against one
-    sequence of 8 rows)."""
+    """Seconds of a target forward over ``rows`` tree tokens shared by ``seqs`` sequences whose widest tree has
+    ``widest`` rows: the forward of that many rows of one sequence (measured at ``BATCH_SIZES``, linear in between
+    and beyond), plus ``per_sequence`` for each further sequence (its own attention, its own cache: measured as a
+    batch of 8 one-row sequences against one sequence of 8 rows), plus, for each sequence, ``padding`` at
+    ``widest`` (measured at ``PADDED_ROWS``, linear in between): the attention of a batch runs every sequence's
+    query rows padded to the widest tree's, so one sequence drafting deeper makes the whole batch's attention
+    wider (measured as batches of 8 sequences of n rows each against the two terms before)."""
 
     rows: tuple[int, ...]
     seconds_by_rows: tuple[float, ...]
     per_sequence: float
+    padding: tuple[float, ...] = ()  # seconds per sequence at each of PADDED_ROWS (0 at one row)
 
-    def seconds(self, rows: int, seqs: int = 1) -> float:
-        xs, ys = self.rows, self.seconds_by_rows
-        if rows <= xs[0]:
-            base = ys[0]
-        elif rows >= xs[-1]:
-            base = ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (rows - xs[-1])
-        else:
-            hi = next(i for i, x in enumerate(xs) if x >= rows)
-            lo = hi - 1
-            base = ys[lo] + (ys[hi] - ys[lo]) * (rows - xs[lo]) / (xs[hi] - xs[lo])
-        return base + max(seqs - 1, 0) * self.per_sequence
+    @staticmethod
+    def _line(xs: tuple[int, ...], ys: tuple[float, ...], x: int) -> float:
+        if x <= xs[0]:
+            return ys[0]
+        if x >= xs[-1]:
+            return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (x - xs[-1]) if len(xs) > 1 else ys[-1]
+        hi = next(i for i, v in enumerate(xs) if v >= x)
+        lo = hi - 1
+        return ys[lo] + (ys[hi] - ys[lo]) * (x - xs[lo]) / (xs[hi] - xs[lo])
+
+    def seconds(self, rows: int, seqs: int = 1, widest: int = 1) -> float:
+        base = self._line(self.rows, self.seconds_by_rows, rows) + max(seqs - 1, 0) * self.per_sequence
+        if seqs < 2 or widest <= 1 or not self.padding:
+            return base
+        return base + seqs * max(self._line(PADDED_ROWS[:len(self.padding)], self.padding, widest), 0.0)
 
 
-def batch_costs(target, repeats: int = 5, measure: bool = True) -> BatchCosts | None:
-    """The target's ``BatchCosts`` on this machine, measured once (interleaved rounds, medians) and kept in the
-    cache under ``target.forward_id``; None when not cached and ``measure`` is False."""
-    entry = cache.key("batch", target.forward_id, platform.machine(), os.cpu_count())
-    got = cache.read("costs", entry)
-    if got and tuple(got.get("rows", ())) == BATCH_SIZES:
-        return BatchCosts(tuple(got["rows"]), tuple(got["seconds"]), got["per_sequence"])
-    if not measure:
-        return None
-    context = [5] * 64 + [7]
-    seconds = target_forward_cost(target, context, list(BATCH_SIZES), repeats)
-    states = [target.new_state() for _ in range(8)]
-    for s in states:
-        target.prefill(s, context[:-1])
+def _batch_seconds(target, states: list, rows: int, repeats: int) -> float:
+    """Median seconds of one ``forward_batch`` of ``states``, a chain of ``rows`` tokens each."""
+    tree = Tree.complete(max(1, rows - 1), 1) if rows > 1 else Tree.root_only()
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        target.forward_batch(states, [torch.tensor(context[-1:])] * 8, [torch.tensor([s.committed]) for s in states],
-                             [torch.ones(1, 1, dtype=torch.bool)] * 8)
+        target.forward_batch(states, [torch.full((tree.size,), 7)] * len(states),
+                             [s.committed + torch.tensor(tree.depths) for s in states],
+                             [tree.ancestors_mask()] * len(states))
         times.append(time.perf_counter() - t)
         for s in states:
             target.commit(s, [])
-    per_sequence = max(statistics.median(times) - seconds[8], 0.0) / 7
-    out = BatchCosts(BATCH_SIZES, tuple(seconds[n] for n in BATCH_SIZES), per_sequence)
+    return statistics.median(times)
+
+
+def batch_costs(target, repeats: int = 5, measure: bool = True) -> BatchCosts | None:
+    """The target's ``BatchCosts`` on this machine, measured once (medians) and kept in the cache under
+    ``target.forward_id``; None when not cached and ``measure`` is False."""
+    entry = cache.key("batch", 2, target.forward_id, platform.machine(), os.cpu_count())
+    got = cache.read("costs", entry)
+    if got and tuple(got.get("rows", ())) == BATCH_SIZES and len(got.get("padding", ())) == len(PADDED_ROWS):
+        return BatchCosts(tuple(got["rows"]), tuple(got["seconds"]), got["per_sequence"], tuple(got["padding"]))
+    if not measure:
+        return None
+    context = [5] * (BATCH_CONTEXT - 1) + [7]
+    seconds = target_forward_cost(target, context, list(BATCH_SIZES), repeats)
+    pool = target.state_pool(8, BATCH_CONTEXT + max(PADDED_ROWS) + 1)
+    states = [pool.acquire() if pool is not None else target.new_state() for _ in range(8)]
+    for s in states:
+        target.prefill(s, context[:-1])
+    plain = BatchCosts(BATCH_SIZES, tuple(seconds[n] for n in BATCH_SIZES), 0.0)
+    per_sequence = max(_batch_seconds(target, states, 1, repeats) - plain.seconds(8), 0.0) / 7
+    plain = BatchCosts(plain.rows, plain.seconds_by_rows, per_sequence)
+    padding = [0.0] + [max(_batch_seconds(target, states, n, repeats) - plain.seconds(8 * n, 8), 0.0) / 8
+                       for n in PADDED_ROWS[1:]]
+    padding = list(itertools.accumulate(padding, max))  # wider never costs less: what looks so is timing noise
+    out = BatchCosts(plain.rows, plain.seconds_by_rows, per_sequence, tuple(padding))
     cache.write("costs", entry, {"rows": list(out.rows), "seconds": list(out.seconds_by_rows),
-                                 "per_sequence": per_sequence, "target": target.name})
+                                 "per_sequence": per_sequence, "padding": padding, "target": target.name})
     return out

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import VerispecError
+from . import kernels
 from . import lean as lean_forward
 from .base import ForwardOutput, decode, encode_prompt
 from .kv import KVState, new_cache
@@ -42,7 +43,9 @@ class CausalLM:
         self._sliding_window = getattr(cfg, "sliding_window", None) if "sliding_attention" in layer_types else None
         self.max_context = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
         self.eos_token_ids = self._eos_ids()
-        self._dtype = next(hf_model.parameters()).dtype
+        # the dtype the layers compute in (a draft head may share a table of another dtype with its target)
+        self._dtype = next((p.dtype for n, p in hf_model.named_parameters() if "embed_tokens" not in n),
+                           next(hf_model.parameters()).dtype)
         use_lean = lean and os.environ.get("VERISPEC_STOCK_FORWARD") != "1" and lean_forward.supports(hf_model)
         self._lean = lean_forward.LeanLlama(hf_model) if use_lean else None
 
@@ -66,10 +69,17 @@ class CausalLM:
 
     @property
     def forward_id(self) -> str:
-        """What a forward computes with: the model, its kernel plan, the forward implementation and torch's threads."""
+        """What a forward computes with: the model, its dtype, its kernel plan, the forward implementation and
+        torch's threads."""
         plan = next((getattr(m, "_verispec_plan", None) for m in self.hf.modules() if type(m) is nn.Linear), None)
+        dtype = "" if self._dtype == torch.float32 else f"|{str(self._dtype).removeprefix('torch.')}"
         return f"hf|{self.name}|{torch.get_num_threads()}|{plan}|{torch.__version__}" + \
-            ("|lean" if self._lean is not None else "")
+            ("|lean" if self._lean is not None else "") + dtype
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the model's layers compute in."""
+        return self._dtype
 
     # ---------- KV cache ----------
     def new_state(self) -> KVState:
@@ -289,11 +299,12 @@ class StatePool:
 
 def quantized_copy(model: "CausalLM") -> "CausalLM":
     """An int8 copy of ``model``: its ``nn.Linear`` layers (decoder and output head) dynamically quantised
-    with ``torch.ao.quantization.quantize_dynamic`` (CPU). A cheap draft that shares the target's vocabulary."""
-    hf = copy.deepcopy(model.hf)
+    with ``torch.ao.quantization.quantize_dynamic`` (CPU), from float32 whatever ``model`` computes in. A cheap
+    draft that shares the target's vocabulary."""
+    hf = kernels.plain_copy(model.hf).float()
     hf = torch.ao.quantization.quantize_dynamic(hf, {nn.Linear}, dtype=torch.qint8)
     out = CausalLM(hf, model.tokenizer, name=f"{model.name}[int8]")
-    out.vocab_size, out._dtype = model.vocab_size, model._dtype
+    out.vocab_size, out._dtype = model.vocab_size, torch.float32
     return out
 
 

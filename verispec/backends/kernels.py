@@ -14,11 +14,18 @@ with (0: the stock kernel).
 
 Results differ from ``x @ W^T`` by float rounding only. The plan never applies with autograd on (training), on
 other devices or dtypes, or when ``VERISPEC_STOCK_LINEAR=1``.
+
+bfloat16 layers have no plan: ``use_fast_linear`` runs them with oneDNN's linear on a copy of the weight prepacked
+once into its blocked layout (``packed_rows``). Measured here (Zen 4, 2 threads, weights streamed from memory as in a
+forward): 1.4-1.9x faster than ``F.linear`` on the same bfloat16 weights for 1-16 rows, and the products are
+bitwise equal to ``F.linear``'s, row for row, whatever the row count (a sequence's logits do not depend on what it
+is batched with). The copy costs the weights' size again in memory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import platform
 import statistics
@@ -56,22 +63,61 @@ def _planned_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return nn.functional.linear(x, self.weight, self.bias)
 
 
+def packing_available() -> bool:
+    """Whether this torch and CPU run oneDNN's bfloat16 linear on a prepacked weight."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+
+
+def packed_rows(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
+    """``x [n, K] @ weight^T + bias`` for a bfloat16 layer, with oneDNN's copy of the weight in its own blocked layout
+    (made on first use and again whenever the weight is replaced or changed in place). One row runs as two equal
+    rows: for one row oneDNN takes a kernel that sums in another order on some layers (here: SmolLM2's 1536-wide down
+    projection, on real activations though not on random ones), and a row's result would then depend on how many
+    rows came with it. Measured here: this costs a one-sequence decoding step about 4 ms of 33."""
+    w = module.weight
+    stamp = (w.data_ptr(), w._version)
+    if module.__dict__.get("_verispec_stamp") != stamp:
+        module._verispec_packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 2)
+        module._verispec_stamp = stamp
+    if x.shape[0] == 1:
+        return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), module._verispec_packed, module.bias, "none", [],
+                                                  "")[:1]
+    return torch.ops.mkldnn._linear_pointwise(x, module._verispec_packed, module.bias, "none", [], "")
+
+
+def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if x.numel() and x.device.type == "cpu" and x.dtype == self.weight.dtype and not torch.is_grad_enabled():
+        y = packed_rows(x.reshape(-1, x.shape[-1]), self)
+        return y.view(*x.shape[:-1], y.shape[-1])
+    return nn.functional.linear(x, self.weight, self.bias)
+
+
 def use_fast_linear(module: nn.Module, plan: tuple[int, ...] | None = None):
-    """Run the float32 ``nn.Linear`` layers of ``module`` with ``plan`` (default ``DEFAULT_PLAN``); returns undo()."""
+    """Run the float32 ``nn.Linear`` layers of ``module`` with ``plan`` (default ``DEFAULT_PLAN``) and its bfloat16
+    ones on oneDNN's prepacked weights (``packed_rows``, where ``packing_available``); returns undo()."""
     if os.environ.get("VERISPEC_STOCK_LINEAR") == "1":
         return lambda: None
     plan = tuple(plan or DEFAULT_PLAN)
     if len(plan) != MAX_ROWS + 1 or any(w and w < r for r, w in enumerate(plan)):
         raise ValueError(f"a plan gives, for rows 0..{MAX_ROWS}, 0 or a width >= the row count; got {plan}")
+    pack = packing_available()
     changed = []
     for m in module.modules():
-        if type(m) is nn.Linear and m.weight.dtype == torch.float32:
+        if type(m) is not nn.Linear:
+            continue
+        if m.weight.dtype == torch.float32:
             changed.append((m, m.__dict__.get("forward"), m.__dict__.get("_verispec_plan")))
             m._verispec_plan = plan
             m.forward = _planned_forward.__get__(m)
+        elif m.weight.dtype == torch.bfloat16 and pack:
+            changed.append((m, m.__dict__.get("forward"), None))
+            m.forward = _packed_forward.__get__(m)
 
     def undo() -> None:
         for m, forward, old_plan in reversed(changed):
+            for name in ("_verispec_packed", "_verispec_stamp"):
+                m.__dict__.pop(name, None)
             for name, value in (("forward", forward), ("_verispec_plan", old_plan)):
                 if value is None:
                     m.__dict__.pop(name, None)
@@ -79,6 +125,20 @@ def use_fast_linear(module: nn.Module, plan: tuple[int, ...] | None = None):
                     setattr(m, name, value)
 
     return undo
+
+
+KERNEL_STATE = ("forward", "_verispec_plan", "_verispec_packed", "_verispec_stamp")
+
+
+def plain_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` with the stock linear layers: no plan, no prepacked weight (oneDNN's copies cannot
+    be deep-copied, and a copy is made to be changed)."""
+    memo = {id(m.__dict__[name]): None for m in module.modules() for name in KERNEL_STATE if name in m.__dict__}
+    out = copy.deepcopy(module, memo)
+    for m in out.modules():
+        for name in KERNEL_STATE:
+            m.__dict__.pop(name, None)
+    return out
 
 
 @contextlib.contextmanager

@@ -53,8 +53,9 @@ class KVBuffer:
                                 "its batch was sized for shorter sequences")
         if self._kbuf is None or need > self._kbuf.shape[-2]:
             cap = max(need + 64, 2 * (0 if self._kbuf is None else self._kbuf.shape[-2]))
-            kbuf = key_states.new_empty(*key_states.shape[:-2], cap, key_states.shape[-1])
-            vbuf = value_states.new_empty(*value_states.shape[:-2], cap, value_states.shape[-1])
+            cap = -(-cap // 64) * 64  # a multiple of 64, with the spare entries zeros (finite): the lean forward's
+            kbuf = key_states.new_zeros(*key_states.shape[:-2], cap, key_states.shape[-1])  # attention reads them
+            vbuf = value_states.new_zeros(*value_states.shape[:-2], cap, value_states.shape[-1])
             if self._len:
                 kbuf[..., : self._len, :] = self._kbuf[..., : self._len, :]
                 vbuf[..., : self._len, :] = self._vbuf[..., : self._len, :]

@@ -2,15 +2,22 @@
 
 On this 2-core CPU a one-token forward of SmolLM2-135M through ``transformers`` spends about a quarter of its time
 outside the matrix products: module dispatch, mask and rotary-table construction per call, and attention over
-key/value heads copied to the query heads' count. ``LeanLlama`` runs the same float32 model with a flat loop over
-the decoder layers:
+key/value heads copied to the query heads' count. ``LeanLlama`` runs the same model (float32 or bfloat16) with a
+flat loop over the decoder layers:
 
 * rotary tables computed once (the same float32 products and cosines as ``transformers``, then indexed);
 * grouped-query attention without copying keys and values (``enable_gqa``), masked by the tree's boolean mask;
 * the key/value buffers of ``new_cache``'s layers (``KVBuffer``), without the ``DynamicCache`` around them;
 * the linear layers through ``kernels``' plan for the row count (as ``verispec.backends.load`` sets it), straight
   to ``kernels.planned_rows`` without the module call and its checks (measured: 2-3 ms of a 40 ms forward); the
-  model's parameters stay where they are and nothing is copied.
+  model's parameters stay where they are and nothing is copied. A bfloat16 model's layers run on ``kernels``'
+  prepacked weights instead;
+* in bfloat16, transformers' own arithmetic where it differs: norms with float32 statistics, rotary tables computed
+  in float32 and then cast. Attention and its cache stay in float32 (the keys, values and queries are bfloat16
+  values, so the upcast is exact): torch's fused CPU attention is several times slower in bfloat16 here, and the
+  cache is small beside the weights;
+* the attention of a pooled batch whose trees have several rows as two batched products (``_grouped_attention``)
+  instead of the fused kernel, which costs about the rows times one row's there.
 
 It reads the model's own modules, so it serves only models whose modules it understands (``supports``); any other
 model keeps the ``transformers`` forward. Results differ from that forward by float rounding at most (measured on
@@ -31,10 +38,11 @@ from . import kernels
 from .kv import KVBuffer
 
 MODEL_TYPES = ("llama", "qwen2")  # the same decoder; Qwen2 adds biases to q, k and v
+DTYPES = (torch.float32, torch.bfloat16)  # one dtype for every layer; norms and rotary tables as transformers does
 
 
 def supports(hf_model) -> bool:
-    """Whether ``LeanLlama`` computes what ``hf_model``'s own forward does: a float32 Llama or Qwen2 decoder
+    """Whether ``LeanLlama`` computes what ``hf_model``'s own forward does: a float32 or bfloat16 Llama or Qwen2 decoder
     (RMSNorm, SiLU gated MLP, rotary positions without scaling, no sliding window) with plain linear layers."""
     cfg = getattr(hf_model, "config", None)
     base = getattr(hf_model, "model", None)
@@ -48,13 +56,23 @@ def supports(hf_model) -> bool:
     if getattr(cfg, "sliding_window", None) or getattr(cfg, "layer_types", None) and \
             any(t != "full_attention" for t in cfg.layer_types):
         return False
+    emb = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+    dtype = getattr(getattr(emb, "weight", None), "dtype", None)
+    if dtype not in DTYPES:
+        return False
     for layer in base.layers:
         a, m = layer.self_attn, layer.mlp
         for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
-            if type(lin) is not nn.Linear or lin.weight.dtype != torch.float32:
+            if type(lin) is not nn.Linear or lin.weight.dtype != dtype:
                 return False
-    emb = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
-    return isinstance(getattr(emb, "weight", None), torch.Tensor) and emb.weight.dtype == torch.float32
+    return True
+
+
+SPAN_STEP = 64  # the invariant attention's key spans are padded to a multiple of this
+
+
+def _padded(n: int) -> int:
+    return -(-n // SPAN_STEP) * SPAN_STEP
 
 
 class LeanCache:
@@ -76,6 +94,7 @@ class SlotPool:
 
     def __init__(self, n_layers: int, slots: int, kv_heads: int, capacity: int, head_dim: int,
                  dtype: torch.dtype = torch.float32):
+        capacity = _padded(capacity)  # room for the invariant attention's padded spans
         self.n_layers, self.capacity = n_layers, capacity
         self.keys = [torch.zeros(slots, kv_heads, capacity, head_dim, dtype=dtype) for _ in range(n_layers)]
         self.values = [torch.zeros(slots, kv_heads, capacity, head_dim, dtype=dtype) for _ in range(n_layers)]
@@ -93,9 +112,9 @@ class SlotPool:
 
 
 def _linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
-    """``module(x)`` for rows ``x [n, K]`` (inside the lean forward: inference mode, float32 on the CPU): a linear
-    layer with a plan for n rows goes to ``kernels.planned_rows``, anything else (no plan, more rows, a draft head's
-    restricted output head) to the module's own ``forward``."""
+    """``module(x)`` for rows ``x [n, K]`` (inside the lean forward: inference mode, on the CPU): a float32 linear
+    layer with a plan for n rows goes to ``kernels.planned_rows``, anything else (no plan, more rows, a bfloat16
+    layer on its prepacked weight, a draft head's restricted output head) to the module's own ``forward``."""
     plan = getattr(module, "_verispec_plan", None)
     width = plan[x.shape[0]] if plan is not None and x.shape[0] <= kernels.MAX_ROWS else 0
     return kernels.planned_rows(x, module.weight, module.bias, width) if width else module.forward(x)
@@ -114,20 +133,28 @@ class LeanLlama:
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         self.eps = float(cfg.rms_norm_eps)
         self.n_layers = len(self.base.layers)
+        self.dtype = self.base.get_input_embeddings().weight.dtype
+        # bfloat16 rounds every layer's output coarsely, so a last-bit difference in attention can move a logit by a
+        # bfloat16 step: its attention is made the same for a row whatever rows and sequences come with it
+        self.invariant = self.dtype != torch.float32
         self.cos, self.sin = self._rotary(torch.arange(min(self.TABLE, int(cfg.max_position_embeddings or self.TABLE))))
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[n, head dim]`` as ``transformers``' rotary embedding computes them (float32)."""
+        """cos and sin ``[n, head dim]`` as ``transformers``' rotary embedding computes them (in float32, then in the
+        model's dtype)."""
         r = self.base.rotary_emb
         freqs = (r.inv_freq[:, None].float() @ positions[None, :].float()).T
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos() * r.attention_scaling, emb.sin() * r.attention_scaling
+        return (emb.cos() * r.attention_scaling).to(self.dtype), (emb.sin() * r.attention_scaling).to(self.dtype)
 
     def new_cache(self) -> LeanCache:
         return LeanCache(self.n_layers)
 
     def _rms(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-        return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        if x.dtype == torch.float32:
+            return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        f = x.float()  # as transformers' RMSNorm: the statistics in float32, the product in the model's dtype
+        return norm.weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
@@ -160,6 +187,8 @@ class LeanLlama:
             raise VerispecError(f"a sequence needs {max(ends)} cache entries, more than the {pool.capacity} its batch "
                                 "was sized for")
         used, n_max, span = max(caches[b].slot for b in short) + 1, max(sizes[b] for b in short), max(ends)
+        if self.invariant:
+            n_max, span = max(n_max, 2), _padded(span)
         mask = torch.zeros(used, 1, n_max, span, dtype=torch.bool)
         mask[:, :, :, 0] = True  # padding rows and idle slots see one entry (finite, and thrown away)
         starts = [0, *itertools.accumulate(sizes)]
@@ -180,10 +209,19 @@ class LeanLlama:
                    cache: LeanCache, visible: torch.Tensor) -> torch.Tensor:
         """Layer ``i``'s attention for one sequence's rows ``span`` of the batch, on its own cache."""
         s, e = span
-        keys, values = cache.layers[i].append(k[s:e].transpose(0, 1), v[s:e].transpose(0, 1))
+        layer = cache.layers[i]
+        keys, values = layer.append(k[s:e].transpose(0, 1), v[s:e].transpose(0, 1))
         qb = q[s:e].transpose(0, 1).contiguous()  # a strided query: a slow kernel
-        o = F.scaled_dot_product_attention(qb[None], keys[None], values[None], attn_mask=visible, enable_gqa=True)
-        return o[0].transpose(0, 1).reshape(e - s, self.heads * self.head_dim)
+        if not self.invariant:
+            o = F.scaled_dot_product_attention(qb[None], keys[None], values[None], attn_mask=visible, enable_gqa=True)
+            return o[0].transpose(0, 1).reshape(e - s, self.heads * self.head_dim)
+        width = _padded(layer._len)  # the buffer's spare entries (finite) stand in as masked padding
+        mask = F.pad(visible, (0, width - visible.shape[1]))
+        if e - s == 1:  # two query rows at least: one row goes to a matrix-vector kernel that sums in its own order
+            qb, mask = qb.expand(-1, 2, -1), mask.expand(2, -1)
+        keys, values = layer._kbuf[None, :, :width], layer._vbuf[None, :, :width]
+        o = self._grouped_attention(qb[None], keys, values, mask[None, None])
+        return o[0, :, :e - s].transpose(0, 1).reshape(e - s, self.heads * self.head_dim)
 
     def _pooled_attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: dict) -> torch.Tensor:
         """Layer ``i``'s attention for every sequence of a pooled batch in one call: the new keys and values written
@@ -196,9 +234,32 @@ class LeanLlama:
         qp = q.new_zeros(plan["used"], self.heads, plan["n_max"], self.head_dim)
         qp[slot, :, row] = q
         used, span = plan["used"], plan["span"]
-        o = F.scaled_dot_product_attention(qp, keys[:used, :, :span], values[:used, :, :span], attn_mask=plan["mask"],
-                                           enable_gqa=True)
+        k, v, mask = keys[:used, :, :span], values[:used, :, :span], plan["mask"]
+        if plan["n_max"] == 1 and not self.invariant:
+            o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, enable_gqa=True)
+        else:
+            o = self._grouped_attention(qp, k, v, mask)
         return o[slot, :, row].reshape(q.shape[0], self.heads * self.head_dim)
+
+    def _grouped_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)`` as two batched products with the query
+        heads of each key/value head stacked as rows: for several slots of several rows each, torch's fused CPU
+        kernel costs about the rows times a slot's one-row cost, these products barely more than one row (measured
+        here: 8 slots of 2 rows over 300 entries, 0.27 against 0.51 ms a layer; equal to float rounding)."""
+        slots, heads, n, hd = q.shape
+        kv, span = k.shape[1], k.shape[2]
+        group = heads // kv  # query heads h * group .. h * group + group - 1 read key/value head h
+        scores = torch.matmul(q.reshape(slots, kv, group * n, hd), k.transpose(-1, -2)).mul_(hd ** -0.5)
+        scores = scores.view(slots, kv, group, n, span).masked_fill_(~mask[:, :, None], float("-inf"))
+        weights = torch.softmax(scores, dim=-1).view(slots, kv, group * n, span)
+        if not self.invariant:
+            return torch.matmul(weights, v).view(slots, heads, n, hd)
+        # over a span of whole SPAN_STEP blocks, one product per block, then the blocks summed in order: a product over
+        # the whole span sums in an order that depends on its length (which the batch's longest sequence sets)
+        blocks = span // SPAN_STEP
+        parts = torch.matmul(weights.view(slots, kv, group * n, blocks, SPAN_STEP).transpose(2, 3),
+                             v.reshape(slots, kv, blocks, SPAN_STEP, hd))
+        return parts.sum(2).view(slots, heads, n, hd)
 
     @torch.inference_mode()
     def forward_batch(self, caches: list[LeanCache], tokens: list[torch.Tensor], positions: list[torch.Tensor],
@@ -232,6 +293,8 @@ class LeanLlama:
             q = self._rope(_linear(h, a.q_proj).view(rows, heads, hd), cos, sin)
             k = self._rope(_linear(h, a.k_proj).view(rows, kv, hd), cos, sin)
             v = _linear(h, a.v_proj).view(rows, kv, hd)
+            if self.dtype != torch.float32:  # attention and its cache in float32 (exact upcasts; see the class)
+                q, k, v = q.float(), k.float(), v.float()
             alone = range(len(caches)) if pooled is None else pooled["alone"]
             outs = [self._attention(i, q, k, v, spans[b], caches[b], visible[b]) for b in alone]
             if pooled is None:
@@ -242,7 +305,7 @@ class LeanLlama:
                 attended[idx] = self._pooled_attention(i, q[idx], k[idx], v[idx], pooled)
                 for b, o in zip(alone, outs):
                     attended[spans[b][0]:spans[b][1]] = o
-            x = x + _linear(attended, a.o_proj)
+            x = x + _linear(attended.to(self.dtype), a.o_proj)
             h = self._rms(x, layer.post_attention_layernorm)
             x = x + _linear(F.silu(_linear(h, m.gate_proj)) * _linear(h, m.up_proj), m.down_proj)
             if i + 1 in want and i + 1 < self.n_layers:

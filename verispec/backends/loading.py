@@ -14,7 +14,7 @@ import torch
 from .. import cache
 from ..errors import VerispecError
 from .hf import CausalLM
-from .kernels import plan_for, use_fast_linear
+from .kernels import packing_available, plan_for, use_fast_linear
 
 DEFAULT_TARGET = "smollm2-135m"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -55,16 +55,44 @@ BUILTIN_MODELS = {
 }
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def native_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX-BF16, as Linux reports its flags) and
+    torch's oneDNN runs bfloat16 linear layers on prepacked weights (``kernels.packing_available``)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return bool({"avx512_bf16", "amx_bf16"} & set(flags)) and packing_available()
+
+
+def resolve_dtype(dtype: str) -> str:
+    """``auto``: bfloat16 where the CPU computes it natively (``native_bfloat16``), else float32; any other name as
+    it is, once checked."""
+    if dtype not in DTYPES:
+        raise VerispecError(f"unknown dtype {dtype!r}; use {', '.join(DTYPES)}")
+    if dtype == "auto":
+        return "bfloat16" if native_bfloat16() else "float32"
+    return dtype
+
+
 def load(spec: str = DEFAULT_TARGET, dtype: str = "float32", kernel: bool = True) -> CausalLM:
     """Load by built-in alias, GGUF file, local folder, or hub id (``HF_HUB_OFFLINE=1`` is respected).
+
+    ``dtype``: what the layers compute in (``resolve_dtype``). bfloat16 halves the bytes each forward reads, and with
+    prepacked weights (``kernels``) many rows cost little more than one, so it pays for batches; one sequence alone
+    decodes faster in float32 here. The model is then the same weights rounded to bfloat16: a target of its own,
+    whose law every exact verifier keeps.
 
     ``kernel``: run the float32 linear layers of the loaded model with ``verispec.backends.kernels`` (the model
     object is verispec's own, so every user of it, Hugging Face ``generate`` included, runs the same kernels)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - a 0.7 s import, needed here only
 
-    torch_dtype = getattr(torch, dtype, None)
-    if not isinstance(torch_dtype, torch.dtype):
-        raise VerispecError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
+    dtype = resolve_dtype(dtype)
+    torch_dtype = getattr(torch, dtype)
     kwargs = {}
     if spec in BUILTIN_MODELS:
         folder, gguf = BUILTIN_MODELS[spec]()
@@ -96,8 +124,8 @@ def load(spec: str = DEFAULT_TARGET, dtype: str = "float32", kernel: bool = True
             f"{str(exc).splitlines()[0][:200]})"
         ) from None
     out = CausalLM(model, tokenizer, name=spec)
-    if kernel and torch_dtype == torch.float32:
-        use_fast_linear(model, plan_for(out))
+    if kernel:
+        use_fast_linear(model, plan_for(out) if torch_dtype == torch.float32 else None)
     return out
 
 
@@ -147,16 +175,16 @@ def _save_tokenizer(tokenizer, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def converted_folder(spec: str) -> str | None:
-    """The float32 copy of a built-in GGUF model that ``load`` made (the weights verispec runs), or None before the
-    first load; for servers that load a folder."""
+def converted_folder(spec: str, dtype: str = "float32") -> str | None:
+    """The copy in ``dtype`` of a built-in GGUF model that ``load`` made (the weights verispec runs), or None before
+    the first load in that dtype; for servers that load a folder."""
     if spec not in BUILTIN_MODELS:
         return None
     try:
         folder, gguf = BUILTIN_MODELS[spec]()
     except VerispecError:
         return None
-    done = _converted_dir(folder, gguf, "float32")
+    done = _converted_dir(folder, gguf, resolve_dtype(dtype))
     return str(done) if done is not None and (done / "done").exists() else None
 
 

@@ -345,12 +345,13 @@ def _served(name: str, command: Callable[["ConcurrentRun", int], list[str]], mod
 
 
 def _transformers_serve(continuous: bool, note: str, label: str) -> "Peer":
-    """``transformers serve`` on the float32 copy verispec loads, without or with its continuous batching."""
+    """``transformers serve`` on the copy of the weights verispec loads (in the run's dtype), without or with its
+    continuous batching."""
     name = "transformers-serve-cb" if continuous else "transformers-serve"
     return Peer(name, note, None, missing=_needs_converted,
-                concurrent=_served(name, lambda c, port: transformers_command(converted_folder(c.target_spec), port,
-                                                                              continuous=continuous),
-                                   lambda c: converted_folder(c.target_spec)),
+                concurrent=_served(name, lambda c, port: transformers_command(converted_folder(c.target_spec, c.dtype),
+                                                                              port, c.dtype, continuous=continuous),
+                                   lambda c: converted_folder(c.target_spec, c.dtype)),
                 baselines=(Baseline("vs_" + name.replace("-", "_"), label, name, optional=True),))
 
 
@@ -397,6 +398,7 @@ class ConcurrentRun:
     seed: int
     max_new_tokens: int
     threads: int
+    dtype: str = "float32"  # what the Hugging Face model computes in (the servers of it are started with it)
 
 
 @dataclass(frozen=True)
@@ -450,8 +452,8 @@ def _hf_only(config) -> str | None:
 def _needs_converted(config) -> str | None:
     if config.backend != "hf" or not config.concurrency:
         return "it runs closed loops of the Hugging Face model only (--concurrency)"
-    if converted_folder(config.target) is None:
-        return f"no float32 folder of {config.target!r} (a built-in GGUF model writes one on its first load)"
+    if converted_folder(config.target, config.dtype) is None:
+        return f"no {config.dtype} folder of {config.target!r} (a built-in GGUF model writes one on its first load)"
     return None
 
 
@@ -525,13 +527,13 @@ PEERS = {p.name: p for p in [
     Peer("verispec-serve", "verispec serve (the default method, N slots), driven over loopback by the client every "
          "server gets (closed loops only)", None, missing=_closed_loops_only,
          concurrent=_served("verispec-serve", lambda c, port: verispec_command(c.target_spec, port, c.concurrency,
-                                                                                 c.threads),
+                                                                                 c.threads, c.dtype),
                             lambda c: c.target_spec, top_k=0, return_token_ids=True),
          baselines=(Baseline("vs_verispec_serve", "vs verispec serve", "verispec-serve", optional=True),)),
-    _transformers_serve(False, "transformers serve on the same float32 weights, one request at a time as it serves "
-                        "without continuous batching (closed loops only)", "vs transformers serve"),
-    _transformers_serve(True, "transformers serve --continuous-batching on the same float32 weights (closed loops "
-                        "only)", "vs transformers serve CB"),
+    _transformers_serve(False, "transformers serve on the same weights in the same dtype, one request at a time as it "
+                        "serves without continuous batching (closed loops only)", "vs transformers serve"),
+    _transformers_serve(True, "transformers serve --continuous-batching on the same weights in the same dtype "
+                        "(closed loops only)", "vs transformers serve CB"),
     Peer("llama-cpp-server", "llama-cpp-python's server (llama_cpp.server) on the GGUF file, which serves one "
          "request at a time (closed loops only)", None, missing=_needs_llama_server_module, scores_text=False,
          concurrent=_served("llama-cpp-server", lambda c, port: llama_cpp_server_command(

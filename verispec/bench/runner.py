@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from ..audit.distortion import target_nll
 from ..audit.run import audit
-from ..backends import DEFAULT_TARGET, load
+from ..backends import DEFAULT_TARGET, load, resolve_dtype
 from ..datasets import Problem, load_prompts
 from ..decode import generate
 from ..drafters import NoDrafter, build_drafter
@@ -58,7 +58,7 @@ class BenchConfig:
     temperatures: list[float] = field(default_factory=lambda: [0.0, 0.6])
     seeds: list[int] = field(default_factory=lambda: [0])
     max_new_tokens: int = 128
-    dtype: str = "float32"
+    dtype: str = "float32"  # resolved (backends.resolve_dtype) before a run: its records name what it computed in
     audit_cases: int = 0  # exhaustive audit cases per verifier used (0: no audit)
     carry_state: bool = False  # keep a method's policy and verifier state across its prompts (online learning)
     shadow: list[str] = field(default_factory=list)  # verifiers run beside the driver on the same steps
@@ -114,14 +114,15 @@ BENCH_HELP = {
     "temperatures": "sampling temperatures (0: greedy)",
     "seeds": "random seeds",
     "max_new_tokens": "new tokens per prompt",
-    "dtype": "model weights dtype",
+    "dtype": "what the target computes in: auto (bfloat16 where the CPU has bfloat16 arithmetic, else float32), "
+             "float32, bfloat16 or float16",
     "audit_cases": "exhaustive exactness audit of the verifiers used, cases each (0: none)",
     "carry_state": "keep each method's draft-length policy and learning verifier state across its prompts (online "
                    "learning, as AdaSD's tables run); by default every cell starts fresh",
     "shadow": "verifiers to run beside each method's own on the very same steps (same draft, same target "
               "probabilities, no extra forwards): paired comparisons of acceptance",
     "shadow_seeds": "coin seeds per shadow verifier and step",
-    "backend": "the target's engine: hf (Hugging Face transformers, float32) or llama (llama.cpp on the GGUF file, "
+    "backend": "the target's engine: hf (Hugging Face transformers, in --dtype) or llama (llama.cpp on the GGUF file, "
                "a quantised target of its own; bash scripts/install_llama.sh)",
     "concurrency": "instead of one prompt at a time: for each N, every prompt as a request of a closed loop that "
                    "keeps N in flight (a new one starts as one finishes); records each request's latencies and each "
@@ -329,7 +330,7 @@ class Runner:
         if isinstance(m, Peer):
             requests = m.concurrent(ConcurrentRun(self.target, self.config.target, self.drafter(group.draft), problems,
                                                   ids, group.concurrency, t, group.seed, budget,
-                                                  torch.get_num_threads()))
+                                                  torch.get_num_threads(), self.config.dtype))
             tree_nodes = 0
         else:
             drafter = self.drafter(group.draft)
@@ -429,6 +430,7 @@ def run_bench(config: BenchConfig, out: str | Path, *, resume: bool = False, ove
               target=None, progress: bool = True, warm_up: bool = True, log=print, command: str | None = None) -> Path:
     """Run (or resume) the benchmark described by ``config`` into the JSONL file ``out``; ``command`` is what the
     header records as the command that made it (default: this process's command line)."""
+    config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype))  # the records name what it computed in
     methods = config.validate()
     problems = [p for spec in config.datasets for p in load_prompts(spec, config.limit)]
     if not problems:

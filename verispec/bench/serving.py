@@ -165,15 +165,15 @@ def chat_body(prompt: str, model: str, max_tokens: int, temperature: float, seed
 
 # ---------------------------------------------------------------------- the servers
 
-def verispec_command(target_spec: str, port: int, concurrency: int, threads: int) -> list[str]:
+def verispec_command(target_spec: str, port: int, concurrency: int, threads: int, dtype: str) -> list[str]:
     return [sys.executable, "-m", "verispec", "serve", "--target", target_spec, "--port", str(port),
-            "--max-batch", str(concurrency), "--threads", str(threads)]
+            "--max-batch", str(concurrency), "--threads", str(threads), "--dtype", dtype]
 
 
-def transformers_command(folder: str, port: int, continuous: bool) -> list[str]:
+def transformers_command(folder: str, port: int, dtype: str, continuous: bool) -> list[str]:
     exe = shutil.which("transformers", path=os.path.dirname(sys.executable)) or "transformers"
     return [exe, "serve", folder, "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype",
-            "float32", "--continuous-batching" if continuous else "--no-continuous-batching"]
+            dtype, "--continuous-batching" if continuous else "--no-continuous-batching"]
 
 
 def llama_cpp_server_command(gguf: str, port: int, threads: int, context: int) -> list[str]:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..backends import CausalLM
+from ..backends import CausalLM, kernels
 from ..errors import VerispecError
 
 FORMAT = 2  # format 1 (last-layer features only) still loads
@@ -53,9 +53,26 @@ class _SubsetHead(nn.Module):
             raise VerispecError("a restricted-vocabulary head needs the target's output head to be a plain bias-free "
                                 "linear layer")
         self.register_buffer("weight", weight.detach()[vocab].to(dtype), persistent=False)
+        self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == torch.bfloat16 and not torch.is_grad_enabled() and kernels.packing_available():
+            return kernels.packed_rows(x.to(self.weight.dtype).reshape(-1, x.shape[-1]), self) \
+                .view(*x.shape[:-1], -1).to(x.dtype)
         return nn.functional.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+
+
+class _InDtype(nn.Module):
+    """A module of another dtype than its caller's (a bfloat16 target's output head under a float32 head): the
+    input cast to ``dtype``, the output back."""
+
+    def __init__(self, inner: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.__dict__["inner"] = inner  # the target's, not this module's: never saved or trained here
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x.to(self.dtype)).to(x.dtype)
 
 
 def unit_rms(x: torch.Tensor, chunks: int) -> torch.Tensor:
@@ -100,7 +117,8 @@ class EagleHead(nn.Module):
         self.vocab = None if vocab is None else torch.as_tensor(vocab, dtype=torch.long)
         self.position = None
         if self.vocab is None:
-            hf.set_output_embeddings(target.hf.get_output_embeddings())
+            full = target.hf.get_output_embeddings()
+            hf.set_output_embeddings(full if target.dtype == torch.float32 else _InDtype(full, target.dtype))
         else:
             if self.vocab.ndim != 1 or not len(self.vocab) or len(set(self.vocab.tolist())) != len(self.vocab) \
                     or int(self.vocab.min()) < 0 or int(self.vocab.max()) >= n_vocab:
@@ -132,6 +150,7 @@ class EagleHead(nn.Module):
 
     def target_inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Inputs for committed pairs (target features at t ``[..., k H]``, token t+1); any leading shape."""
+        features = features.to(self.fc.weight.dtype)  # a bfloat16 target's features, a float32 head
         g = features if self.fuse is None else self.fuse(unit_rms(features, len(self.feature_layers)))
         return self.fc(torch.cat([g, self._embed(tokens, features.dtype)], dim=-1))
 
@@ -192,4 +211,16 @@ class EagleHead(nn.Module):
             raise VerispecError(f"{path} does not fit target {target.name!r} (trained for {meta.get('target')!r})")
         head.load_state_dict(state, strict=False)
         head.meta = meta
+        if target.dtype != torch.float32:
+            head._compute_in(target.dtype)
         return head.eval()
+
+    def _compute_in(self, dtype: torch.dtype) -> None:
+        """Draft in ``dtype`` (a bfloat16 target's): the head's layers cast and, in bfloat16, on ``kernels``'
+        prepacked weights. For drafting only: a head is trained and saved in float32."""
+        for part in (self.fuse, self.fc, self.body):
+            if part is not None:
+                part.to(dtype)  # the body's embedding is the target's own table, already in dtype
+        hf = self.lm.hf.eval()
+        self.__dict__["lm"] = CausalLM(hf, self.target.tokenizer, name=self.lm.name)
+        kernels.use_fast_linear(self)

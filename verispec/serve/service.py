@@ -427,7 +427,7 @@ class ServiceRecipe:
 
     target: str
     backend: str = "hf"
-    dtype: str = "float32"
+    dtype: str = "auto"
     threads: int | None = None
     draft: str = "auto"
     method: str | None = None
