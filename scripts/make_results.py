@@ -173,6 +173,11 @@ RUNS["serving"] = serving_run()
 RUNS["serving_n8"] = ["--methods", "verispec-serve", "llama-cpp-server", "llama-server-chat", "--drafts", "auto",
                       "--datasets", "spec-bench", "--limit", "8", "--temperatures", "0", "--max-new-tokens", "128",
                       "--concurrency", "8"]
+# the same three, with the target in bfloat16 (verispec, Hugging Face and transformers serve alike; llama.cpp runs its
+# Q4_1 file either way): the dtype where many rows cost little more than one
+RUNS["concurrency_bf16"] = [*concurrency_run(), "--dtype", "bfloat16"]
+RUNS["serving_n8_bf16"] = [*RUNS["serving_n8"], "--dtype", "bfloat16"]
+RUNS["serving_bf16"] = [*serving_run(), "--dtype", "bfloat16"]
 # ResiSpec Table 3 shape (a cell costs ~30 s here): one run per temperature and tree group, two at a time share the
 # two cores
 TOPOLOGY_RUNS = {"topologies": (ISO_TREES[:3], "1.0"), "topologies_chains": (ISO_TREES[3:], "1.0"),
