@@ -271,6 +271,18 @@ def speed_section(res: Results, figs: Path) -> list[str]:
             ""]
 
 
+BF16 = "bfloat16"
+
+
+def _dtype(res: Results) -> str:
+    return res.header["config"].get("dtype", "float32")
+
+
+def _in_dtype(res: Results) -> tuple[str, str]:
+    """A section title's tail and a figure name's for a run's dtype (nothing for float32, the default)."""
+    return ("", "") if _dtype(res) == "float32" else (f", target in {_dtype(res)}", f"_{_dtype(res)}")
+
+
 def concurrency_section(res: Results, figs: Path) -> list[str]:
     """Many requests at once (issue 25): the closed loops' table, the plot, and whether each request's greedy text
     depends on its batch."""
@@ -288,7 +300,8 @@ def concurrency_section(res: Results, figs: Path) -> list[str]:
             differ = [r["cell"]["prompt"] for r in mine if r["token_ids"] != alone.get(r["cell"]["prompt"])]
             same.append(f"`{method}` at N = {n}: {len(mine) - len(differ)} of {len(mine)} identical"
                         + (f" (differ: {', '.join(differ)})" if differ else ""))
-    return ["## Many requests at once: closed loops of concurrent requests", "", *run_lines(res), "",
+    title, name = _in_dtype(res)
+    return [f"## Many requests at once: closed loops of concurrent requests{title}", "", *run_lines(res), "",
             res.llama_build(), "",
             "Every Spec-Bench prompt of the run is a request of a closed loop that keeps N in flight (a new one starts "
             "as one finishes). `ar` and `default` run through verispec's batched engine (`verispec/engine.py`): every "
@@ -304,7 +317,27 @@ def concurrency_section(res: Results, figs: Path) -> list[str]:
             "time per output token after the first; TTFT: time to the first token from submission, queueing "
             "included.", "", table_loops(rows), "",
             "Greedy text against the same method's loop of one request at a time (T = 0): " + "; ".join(same) + ".",
-            "", *_loop_work(res), *_server_load_note(res), fig(throughput(res, figs / "throughput.png")), ""]
+            "", *_loop_work(res), *_server_load_note(res), fig(throughput(res, figs / f"throughput{name}.png")), ""]
+
+
+def dtype_section(runs: list[Results]) -> list[str]:
+    """verispec's own loops in float32 and in bfloat16, from two runs of the same command (across runs: a hint of
+    the dtype's effect, each figure with its own run's noise)."""
+    from verispec.bench.report import loop_summary, markdown
+
+    got = {(_dtype(res), r.method, r.T, r.concurrency): r.throughput
+           for res in runs for r in loop_summary(res) if r.method in ("ar", "default", "hf-generate", "llama-server")}
+    keys = sorted({k[1:] for k in got if k[0] == "float32"} & {k[1:] for k in got if k[0] == BF16},
+                  key=lambda k: (k[1], k[2], k[0]))
+    rows = [[f"{t:g}", str(n), m, f"{got[('float32', m, t, n)]:.1f}", f"{got[(BF16, m, t, n)]:.1f}",
+             f"{got[(BF16, m, t, n)] / got[('float32', m, t, n)]:.2f}x"] for m, t, n in keys]
+    return ["## float32 against bfloat16 under load", "",
+            "The closed loops of the section above, run again with `--dtype bfloat16` (the section below): the "
+            "weights rounded to bfloat16, linear layers on oneDNN's prepacked weights, attention in float32. The two "
+            "runs were measured one after the other on the same machine, so each ratio here is across runs (no "
+            "interval; the machine's drift between runs is in it). `llama-server` runs its Q4_1 file in both: its "
+            "ratio shows that drift.", "",
+            markdown(["T", "N", "method", "tokens/s, float32", "tokens/s, bfloat16", "bfloat16 / float32"], rows), ""]
 
 
 def serving_section(res: Results, figs: Path) -> list[str]:
@@ -329,18 +362,20 @@ def serving_section(res: Results, figs: Path) -> list[str]:
                     "(a ratio of sums, paired per prompt; HTTP, JSON, the client and the server's process included).",
                     ""]
     sources = sorted({r.get("token_source") for r in res.prompts if r.get("token_source")})
-    return ["## Serving: verispec serve beside the servers people run", "", *run_lines(res), "", res.llama_build(), "",
+    title, name = _in_dtype(res)
+    return [f"## Serving: verispec serve beside the servers people run{title}", "", *run_lines(res), "",
+            res.llama_build(), "",
             "Each server is started on 127.0.0.1 for its loop and stopped after it; one client sends every server the "
             "same Spec-Bench prompts as chat messages through `POST /v1/chat/completions`, streamed, N in flight, "
             "with sampling pinned (greedy; top-k and min-p off). `verispec-serve` is `verispec serve` with the "
             "default method and N slots; `transformers-serve` and `transformers-serve-cb` are `transformers serve` "
-            "on the same float32 weights, without and with `--continuous-batching`; `llama-cpp-server` is "
+            f"on the same weights in {_dtype(res)}, without and with `--continuous-batching`; `llama-cpp-server` is "
             "llama-cpp-python's server (one request at a time) and `llama-server-chat` llama.cpp's own server with N "
             "slots, both on the Q4_1 GGUF file (another, quantised target, shown for scale). `default` is the "
             "library's batched engine in the benchmark's own process, no HTTP. Tokens are the ids a server returns "
             "where it does (verispec), else its text encoded again with the model's tokenizer (" +
             ", ".join(sources) + " in this run). Ratios and intervals as in the closed loops above.", "",
-            table_loops(rows), "", *overhead, fig(throughput(res, figs / "serving_throughput.png")), ""]
+            table_loops(rows), "", *overhead, fig(throughput(res, figs / f"serving_throughput{name}.png")), ""]
 
 
 def serving_n8_section(res: Results) -> list[str]:
@@ -348,7 +383,7 @@ def serving_n8_section(res: Results) -> list[str]:
     intervals than the serving run's 18 prompts give."""
     from verispec.bench.report import loop_summary, table_loops
 
-    return ["### Eight requests in flight, more prompts", "", *run_lines(res), "",
+    return [f"### Eight requests in flight, more prompts{_in_dtype(res)[0]}", "", *run_lines(res), "",
             "The same client and servers as above at N = 8 only, on 48 Spec-Bench prompts (8 a category): the "
             "llama.cpp servers' latencies spread widely from prompt to prompt, so the 18 prompts above leave wide "
             "intervals there.", "", table_loops(loop_summary(res)), ""]
@@ -703,7 +738,8 @@ def render() -> str:
            "Each run names its command, machine and full revision (`+dirty`: it ran with uncommitted changes). "
            "Speeds are ratios measured within one run: every method runs on the same prompts in one process, "
            "interleaved prompt by prompt. tokens/s counts wall time including prefill (the draft's own prefill of "
-           "the prompt counts as drafting time). Default target SmolLM2-135M-Instruct (fp32).", ""]
+           "the prompt counts as drafting time). Default target SmolLM2-135M-Instruct, in float32 unless a run's command says "
+           "`--dtype bfloat16`.", ""]
 
     if path("speed").exists():
         out += speed_section(Results.load(path("speed")), figs)
@@ -713,6 +749,13 @@ def render() -> str:
         out += serving_section(Results.load(path("serving")), figs)
     if path("serving_n8").exists():
         out += serving_n8_section(Results.load(path("serving_n8")))
+    if path("concurrency_bf16").exists():
+        out += dtype_section([Results.load(path(n)) for n in ("concurrency", "concurrency_bf16")])
+        out += concurrency_section(Results.load(path("concurrency_bf16")), figs)
+    if path("serving_bf16").exists():
+        out += serving_section(Results.load(path("serving_bf16")), figs)
+    if path("serving_n8_bf16").exists():
+        out += serving_n8_section(Results.load(path("serving_n8_bf16")))
     out += drills_section()
     if path("hybrid").exists():
         out += hybrid_section(Results.load(path("hybrid")), figs)
