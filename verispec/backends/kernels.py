@@ -17,9 +17,9 @@ other devices or dtypes, or when ``VERISPEC_STOCK_LINEAR=1``.
 
 bfloat16 layers have no plan: ``use_fast_linear`` runs them with oneDNN's linear on a copy of the weight prepacked
 once into its blocked layout (``packed_rows``). Measured here (Zen 4, 2 threads, weights streamed from memory as in a
-forward): 1.4-1.9x faster than ``F.linear`` on the same bfloat16 weights for 1-16 rows, and the products are
-bitwise equal to ``F.linear``'s, row for row, whatever the row count (a sequence's logits do not depend on what it
-is batched with). The copy costs the weights' size again in memory.
+forward): 1.4-1.9x faster than ``F.linear`` on the same bfloat16 weights for 1-16 rows; the products equal
+``F.linear``'s bit for bit on two or more rows, and each row's are the same whatever rows come with it (a
+sequence's logits do not depend on what it is batched with). The copy costs the weights' size again in memory.
 """
 
 from __future__ import annotations
