@@ -332,7 +332,8 @@ def dtype_section(runs: list[Results]) -> list[str]:
     rows = [[f"{t:g}", str(n), m, f"{got[('float32', m, t, n)]:.1f}", f"{got[(BF16, m, t, n)]:.1f}",
              f"{got[(BF16, m, t, n)] / got[('float32', m, t, n)]:.2f}x"] for m, t, n in keys]
     return ["## float32 against bfloat16 under load", "",
-            "The closed loops of the section above, run again with `--dtype bfloat16` (the section below): the "
+            "The closed loops of \"Many requests at once\" above, run again with `--dtype bfloat16` (the section "
+            "below): the "
             "weights rounded to bfloat16, linear layers on oneDNN's prepacked weights, attention in float32. The two "
             "runs were measured one after the other on the same machine, so each ratio here is across runs (no "
             "interval; the machine's drift between runs is in it). `llama-server` runs its Q4_1 file in both: its "
