@@ -450,9 +450,9 @@ def _sizes(trees: list[Tree]) -> list[list[int]]:
 
 
 def _seconds(depths: list[int], sizes: list[list[int]], proposers: list[Drafter], costs: BatchCosts) -> float:
-    """A step's cost: the target's forward over all rows with this many sequences (``costs.seconds``), plus, per
-    draft model, its deepest sequence's depths (one batched draft forward per depth; ``Drafter.depth_cost`` of a
-    plain step each)."""
+    """A step's cost: the target's forward over all rows with this many sequences, the widest tree setting every
+    sequence's attention padding (``costs.seconds``), plus, per draft model, its deepest sequence's depths (one
+    batched draft forward per depth; ``Drafter.depth_cost`` of a plain step each)."""
     draft: dict = {}
     for p, d in zip(proposers, depths):
         if d:

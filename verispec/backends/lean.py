@@ -293,7 +293,7 @@ class LeanLlama:
             q = self._rope(_linear(h, a.q_proj).view(rows, heads, hd), cos, sin)
             k = self._rope(_linear(h, a.k_proj).view(rows, kv, hd), cos, sin)
             v = _linear(h, a.v_proj).view(rows, kv, hd)
-            if self.dtype != torch.float32:  # attention and its cache in float32 (exact upcasts; see the class)
+            if self.dtype != torch.float32:  # attention and its cache in float32 (exact upcasts; the module docstring)
                 q, k, v = q.float(), k.float(), v.float()
             alone = range(len(caches)) if pooled is None else pooled["alone"]
             outs = [self._attention(i, q, k, v, spans[b], caches[b], visible[b]) for b in alone]
