@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from ..backends import default_threads, load
+from ..backends import default_threads, load, resolve_dtype
 from ..decode import TextStream
 from ..drafters import DraftSpec, build_drafter
 from ..drafters.base import Drafter
@@ -448,7 +448,8 @@ class ServiceRecipe:
         draft = DraftSpec.parse(self.draft if plan.drafts else "none")
         torch.set_num_threads(self.threads or default_threads())
         t = time.perf_counter()
-        info(f"loading target {self.target} ({self.backend}) ...")
+        computes = "" if self.backend != "hf" else f", {resolve_dtype(self.dtype)}"
+        info(f"loading target {self.target} ({self.backend}{computes}) ...")
         target = load(self.target, dtype=self.dtype, backend=self.backend, threads=self.threads)
         drafter = build_drafter(draft, target, dtype=self.dtype)
         service = Service(target, drafter, plan, max_batch=self.max_batch, max_queue=self.max_queue,
