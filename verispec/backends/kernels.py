@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 import platform
 import statistics
@@ -63,6 +64,7 @@ def _planned_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return nn.functional.linear(x, self.weight, self.bias)
 
 
+@functools.cache
 def packing_available() -> bool:
     """Whether this torch and CPU run oneDNN's bfloat16 linear on a prepacked weight."""
     return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -157,12 +159,22 @@ def _plan_key(model) -> str:
                      torch.__version__, shapes)
 
 
-def cpu_name() -> str:
+def _cpuinfo(field: str) -> str:
+    """The first ``field`` line's value in Linux's /proc/cpuinfo ("" elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(field)), "")
     except OSError:
         return ""
+
+
+def cpu_name() -> str:
+    return _cpuinfo("model name")
+
+
+def cpu_flags() -> frozenset[str]:
+    """The instruction sets Linux reports for this CPU (empty elsewhere)."""
+    return frozenset(_cpuinfo("flags").split())
 
 
 def plan_for(model) -> tuple[int, ...] | None:

@@ -27,6 +27,14 @@ class KVState:
         return len(self.pending_positions)
 
 
+BLOCK = 64  # a buffer holds whole blocks of entries: the lean forward's invariant attention reads whole blocks
+
+
+def whole_blocks(n: int) -> int:
+    """``n`` entries rounded up to whole ``BLOCK``s."""
+    return -(-n // BLOCK) * BLOCK
+
+
 class KVBuffer:
     """Keys and values along axis -2 in buffers with spare room: appending copies only the new entries, keeping a
     prefix copies nothing. The layer of ``new_cache``'s cache and of the lean forward's (``backends/lean.py``)."""
@@ -52,9 +60,9 @@ class KVBuffer:
             raise VerispecError(f"this sequence's cache holds {self._kbuf.shape[-2]} entries and needs {need}: "
                                 "its batch was sized for shorter sequences")
         if self._kbuf is None or need > self._kbuf.shape[-2]:
-            cap = max(need + 64, 2 * (0 if self._kbuf is None else self._kbuf.shape[-2]))
-            cap = -(-cap // 64) * 64  # a multiple of 64, with the spare entries zeros (finite): the lean forward's
-            kbuf = key_states.new_zeros(*key_states.shape[:-2], cap, key_states.shape[-1])  # attention reads them
+            cap = whole_blocks(max(need + 64, 2 * (0 if self._kbuf is None else self._kbuf.shape[-2])))
+            # the spare entries are zeros (finite): the lean forward's attention reads them as masked padding
+            kbuf = key_states.new_zeros(*key_states.shape[:-2], cap, key_states.shape[-1])
             vbuf = value_states.new_zeros(*value_states.shape[:-2], cap, value_states.shape[-1])
             if self._len:
                 kbuf[..., : self._len, :] = self._kbuf[..., : self._len, :]

@@ -35,7 +35,7 @@ from torch.nn import functional as F
 
 from ..errors import VerispecError
 from . import kernels
-from .kv import KVBuffer
+from .kv import BLOCK, KVBuffer, whole_blocks
 
 MODEL_TYPES = ("llama", "qwen2")  # the same decoder; Qwen2 adds biases to q, k and v
 DTYPES = (torch.float32, torch.bfloat16)  # one dtype for every layer; norms and rotary tables as transformers does
@@ -68,13 +68,6 @@ def supports(hf_model) -> bool:
     return True
 
 
-SPAN_STEP = 64  # the invariant attention's key spans are padded to a multiple of this
-
-
-def _padded(n: int) -> int:
-    return -(-n // SPAN_STEP) * SPAN_STEP
-
-
 class LeanCache:
     """One ``KVBuffer`` of keys and values ``[kv heads, length, head dim]`` per layer; in a ``SlotPool``, its buffers
     are one slot of the pool's."""
@@ -94,7 +87,7 @@ class SlotPool:
 
     def __init__(self, n_layers: int, slots: int, kv_heads: int, capacity: int, head_dim: int,
                  dtype: torch.dtype = torch.float32):
-        capacity = _padded(capacity)  # room for the invariant attention's padded spans
+        capacity = whole_blocks(capacity)  # room for the invariant attention's padded spans
         self.n_layers, self.capacity = n_layers, capacity
         self.keys = [torch.zeros(slots, kv_heads, capacity, head_dim, dtype=dtype) for _ in range(n_layers)]
         self.values = [torch.zeros(slots, kv_heads, capacity, head_dim, dtype=dtype) for _ in range(n_layers)]
@@ -188,7 +181,7 @@ class LeanLlama:
                                 "was sized for")
         used, n_max, span = max(caches[b].slot for b in short) + 1, max(sizes[b] for b in short), max(ends)
         if self.invariant:
-            n_max, span = max(n_max, 2), _padded(span)
+            n_max, span = max(n_max, 2), whole_blocks(span)
         mask = torch.zeros(used, 1, n_max, span, dtype=torch.bool)
         mask[:, :, :, 0] = True  # padding rows and idle slots see one entry (finite, and thrown away)
         starts = [0, *itertools.accumulate(sizes)]
@@ -215,13 +208,20 @@ class LeanLlama:
         if not self.invariant:
             o = F.scaled_dot_product_attention(qb[None], keys[None], values[None], attn_mask=visible, enable_gqa=True)
             return o[0].transpose(0, 1).reshape(e - s, self.heads * self.head_dim)
-        width = _padded(layer._len)  # the buffer's spare entries (finite) stand in as masked padding
-        mask = F.pad(visible, (0, width - visible.shape[1]))
+        # ``visible`` comes padded from ``_invariant_mask``: the buffer's spare entries (finite) stand in as keys
+        width = visible.shape[1]
         if e - s == 1:  # two query rows at least: one row goes to a matrix-vector kernel that sums in its own order
-            qb, mask = qb.expand(-1, 2, -1), mask.expand(2, -1)
+            qb = qb.expand(-1, 2, -1)
         keys, values = layer._kbuf[None, :, :width], layer._vbuf[None, :, :width]
-        o = self._grouped_attention(qb[None], keys, values, mask[None, None])
+        o = self._grouped_attention(qb[None], keys, values, visible[None, None])
         return o[0, :, :e - s].transpose(0, 1).reshape(e - s, self.heads * self.head_dim)
+
+    @staticmethod
+    def _invariant_mask(visible: torch.Tensor) -> torch.Tensor:
+        """A sequence's mask for the invariant attention, once per forward: its keys padded with masked entries to
+        whole blocks, and one query row doubled (``_attention``)."""
+        mask = F.pad(visible, (0, whole_blocks(visible.shape[1]) - visible.shape[1]))
+        return mask.expand(2, -1) if mask.shape[0] == 1 else mask
 
     def _pooled_attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: dict) -> torch.Tensor:
         """Layer ``i``'s attention for every sequence of a pooled batch in one call: the new keys and values written
@@ -254,11 +254,11 @@ class LeanLlama:
         weights = torch.softmax(scores, dim=-1).view(slots, kv, group * n, span)
         if not self.invariant:
             return torch.matmul(weights, v).view(slots, heads, n, hd)
-        # over a span of whole SPAN_STEP blocks, one product per block, then the blocks summed in order: a product over
+        # over a span of whole BLOCKs of keys, one product per block, then the blocks summed in order: a product over
         # the whole span sums in an order that depends on its length (which the batch's longest sequence sets)
-        blocks = span // SPAN_STEP
-        parts = torch.matmul(weights.view(slots, kv, group * n, blocks, SPAN_STEP).transpose(2, 3),
-                             v.reshape(slots, kv, blocks, SPAN_STEP, hd))
+        blocks = span // BLOCK
+        parts = torch.matmul(weights.view(slots, kv, group * n, blocks, BLOCK).transpose(2, 3),
+                             v.reshape(slots, kv, blocks, BLOCK, hd))
         return parts.sum(2).view(slots, heads, n, hd)
 
     @torch.inference_mode()
@@ -287,6 +287,8 @@ class LeanLlama:
         want = {self.n_layers if i == -1 else i for i in features}
         kept = {0: x} if 0 in want else {}
         pooled = self._pool_plan(caches, sizes, visible)
+        alone = range(len(caches)) if pooled is None else pooled["alone"]
+        masks = {b: self._invariant_mask(visible[b]) if self.invariant else visible[b] for b in alone}
         for i, layer in enumerate(self.base.layers):
             a, m = layer.self_attn, layer.mlp
             h = self._rms(x, layer.input_layernorm)
@@ -295,8 +297,7 @@ class LeanLlama:
             v = _linear(h, a.v_proj).view(rows, kv, hd)
             if self.dtype != torch.float32:  # attention and its cache in float32 (exact upcasts; the module docstring)
                 q, k, v = q.float(), k.float(), v.float()
-            alone = range(len(caches)) if pooled is None else pooled["alone"]
-            outs = [self._attention(i, q, k, v, spans[b], caches[b], visible[b]) for b in alone]
+            outs = [self._attention(i, q, k, v, spans[b], caches[b], masks[b]) for b in alone]
             if pooled is None:
                 attended = outs[0] if len(outs) == 1 else torch.cat(outs)
             else:

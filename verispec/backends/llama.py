@@ -40,6 +40,7 @@ import torch
 from .. import cache
 from ..errors import VerispecError
 from .base import ForwardOutput, decode, encode_prompt
+from .kernels import cpu_flags
 from .loading import gguf_file, tokenizer_for
 
 MAX_PATHS = 64  # sequence ids available to one tree (llama.cpp's n_seq_max)
@@ -102,11 +103,7 @@ def _engine_key(path: str) -> str:
     lib = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
     libs = sorted(os.path.join(lib, f) for f in os.listdir(lib)) if os.path.isdir(lib) else [llama_cpp.__file__]
     parts = [f"{f}:{os.stat(f).st_size}:{os.stat(f).st_mtime_ns}" for f in libs]
-    try:
-        with open("/proc/cpuinfo") as fh:
-            parts.append(next((line for line in fh if line.startswith("flags")), ""))
-    except OSError:
-        pass
+    parts.append(" ".join(sorted(cpu_flags())))
     st = os.stat(path)
     parts.append(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}")
     return cache.key(*parts)

@@ -14,7 +14,7 @@ import torch
 from .. import cache
 from ..errors import VerispecError
 from .hf import CausalLM
-from .kernels import packing_available, plan_for, use_fast_linear
+from .kernels import cpu_flags, packing_available, plan_for, use_fast_linear
 
 DEFAULT_TARGET = "smollm2-135m"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -61,12 +61,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 def native_bfloat16() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX-BF16, as Linux reports its flags) and
     torch's oneDNN runs bfloat16 linear layers on prepacked weights (``kernels.packing_available``)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return bool({"avx512_bf16", "amx_bf16"} & set(flags)) and packing_available()
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags()) and packing_available()
 
 
 def resolve_dtype(dtype: str) -> str:
