@@ -531,20 +531,25 @@ def _add_train_draft(sub):
         "train-draft", help="train an EAGLE-style draft head for a target (self-written data, resumable)",
         description="Train a one-layer EAGLE-style draft head for TARGET by distillation on text the target writes "
                     "itself in the shapes of common tasks (chat, documents with summaries, questions and "
-                    "translations, trivia, word problems, code; never the evaluation sets). Stages: corpus "
-                    "(OUT/corpus.jsonl), target features (OUT/features-*/), training with checkpoints "
-                    "(OUT/checkpoint.pt, OUT/log.jsonl), then OUT/head.pt. Run the same command again to resume. "
-                    "Use the head with --draft eagle:OUT/head.pt; 'verispec eval-draft' measures it.",
+                    "translations, edits, instructions, trivia, word problems, code; never the evaluation sets). "
+                    "Stages: the corpus with the target's features and labels (OUT/corpus.jsonl, OUT/features/, "
+                    "written in batches by the forwards that write the text), training with checkpoints "
+                    "(OUT/checkpoint.pt, OUT/log.jsonl), then OUT/head.pt (the checkpoint best on the held-out "
+                    "rounds). Run the same command again to resume; a larger --rounds extends the corpus. Use the "
+                    "head with --draft eagle:OUT/head.pt; 'verispec eval-draft' measures it.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     t.add_argument("--target", default="smollm2-135m", help="target model")
     t.add_argument("--out", default=None, help="run folder (default runs/eagle-<target>)")
     for f in dataclasses.fields(TrainConfig):
         t.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default, help=TRAIN_HELP[f.name])
-    t.add_argument("--until", choices=("corpus", "features"), default=None,
+    t.add_argument("--until", choices=("corpus",), default=None,
                    help="stop after this stage (e.g. write the corpus now, train later)")
     t.add_argument("--store-layers", default=None,
-                   help="compute target features for these layers (a superset of --feature-layers), so that heads "
-                        "reading other subsets reuse them")
+                   help="keep target features of these layers in the corpus (a superset of --feature-layers), so that "
+                        "heads reading other subsets train on it")
+    t.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="what the target writes the corpus in (auto: bfloat16 where the CPU has bfloat16 arithmetic; "
+                        "about 1.4x the float32 rate there); training reads the float32 target's tables")
     t.add_argument("--no-resume", action="store_true", help="refuse to continue a run folder that exists")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     _threads(t)
@@ -559,9 +564,15 @@ def cmd_train_draft(args) -> int:
     if args.no_resume and out.exists() and any(out.iterdir()):
         raise VerispecError(f"{out} exists and is not empty (--no-resume)")
     _set_threads(args)
-    target = load(args.target)
-    path = train(target, out, config, progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr),
-                 until=args.until, store_layers=store)
+    options = dict(progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr), store_layers=store)
+    target = load(args.target, dtype=args.dtype)
+    if target.dtype != torch.float32 and not (out / "head.pt").exists():
+        path = train(target, out, config, until="corpus", **options)
+        if args.until == "corpus":
+            print(path)
+            return 0
+        target = load(args.target)
+    path = train(target, out, config, until=args.until, **options)
     print(path)
     return 0
 

@@ -1,6 +1,7 @@
-"""Training text the target writes itself, in the shapes of the tasks a draft head meets (never their questions).
+"""Training text the target writes itself, in the shapes of the tasks a draft head meets (never their questions),
+with what training reads of it.
 
-Each *round* runs one task shape on a batch of items, every stage batched through Hugging Face ``generate``:
+Each *round* runs one task shape on a batch of items, every stage one batch on the target's batched forward:
 
 * ``chat``: the target writes a user turn from an empty one, answers it, writes a follow-up turn and answers it
   (two assistant turns in one sequence, like a multi-turn conversation);
@@ -8,6 +9,10 @@ Each *round* runs one task shape on a batch of items, every stage batched throug
   then (each its own sequence) summarises it (``Summarize: DOC``), writes a question about it and answers it with
   the document in the prompt (retrieval-augmented QA), translates one of its sentences into German and the German
   back into English (``Translate German to English: ...``);
+* ``edit``: a short text the target writes, then reworked as asked (simpler words, more formal, its key points
+  as a list, a title, the names and places in it, a reply to it);
+* ``instruct``: a request begun by an opening such as "Explain how", "Give me tips for", "Pretend you are",
+  finished by the target about a topic and answered (explanations, advice, role play, comparisons, letters);
 * ``qa``: asked for "a trivia question about TOPIC", the target writes one; the question alone is then the user
   turn, and the target answers it;
 * ``math``: likewise with "a short math word problem about TOPIC", then solved;
@@ -16,11 +21,19 @@ Each *round* runs one task shape on a batch of items, every stage batched throug
 
 Openings and topics are generic words written for this module; the target writes every request, document and
 answer itself. Requests and documents are sampled at temperature ``REQUEST_T``; answers at temperatures that
-cycle over ``answer_temperatures`` round by round (greedy included: the text a temperature-0 run sees). A record is ``{"tokens", "spans",
-"shape", "round"}``; ``spans`` are the ``[start, end)`` token ranges the target wrote as the assistant, the only
-positions a draft head is trained and evaluated on. A round's records are appended together, so a corpus
-resumes at its first unfinished round, and a corpus of n rounds is the first n rounds of any longer one with
-the same options (each round is seeded by its number).
+cycle over ``answer_temperatures`` round by round (greedy included: the text a temperature-0 run sees). A record is
+``{"tokens", "spans", "shape", "round"}``; ``spans`` are the ``[start, end)`` token ranges the target wrote as the
+assistant, the only positions a draft head is trained and evaluated on. A record whose tokens repeat an earlier
+record's is dropped (greedy answers to a request written twice).
+
+What training reads comes with the text (``CorpusConfig.layers``): each record's features (the target's hidden
+states of those layers at every position, float16) and the target's top-k next-token laws where a response token
+follows, kept per round in ``features/NNNNN.pt`` beside ``corpus.jsonl``. They are computed by the forwards that
+wrote the text, so they cost no forward of their own (``_Writer.sample``).
+
+A round's records are appended together, after its features file, then its end marker: a corpus resumes at its
+first unfinished round, and a corpus of n rounds is the first n rounds of any longer one with the same options
+(each round is seeded by its number).
 
 Without a chat template (a base model) every round is free text: the target continues an opening.
 """
@@ -28,37 +41,68 @@ Without a chat template (a base model) every round is free text: the target cont
 from __future__ import annotations
 
 import json
+import os
 import random
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..errors import VerispecError
 
-SHAPES = ("chat", "document", "qa", "math", "code")
-CYCLE = ("chat", "document", "qa", "math", "document", "code", "chat", "math", "document", "qa")  # round -> shape
+SHAPES = ("chat", "document", "edit", "instruct", "qa", "math", "code")
+# round -> shape: Spec-Bench's categories (conversation, translation, summarisation, QA, math, retrieval) in the
+# shares a draft meets them, plus the writing, role play and extraction of MT-bench's
+CYCLE = ("chat", "document", "qa", "math", "instruct", "document", "code", "chat", "edit", "math", "document", "qa",
+         "instruct", "code", "chat", "edit")
 
 OPENINGS = {
     "document": ["Write a news article about", "Write a short story about", "Write a blog post about",
                  "Write an encyclopedia entry about", "Write a report about", "Write a product review of",
-                 "Write a travel guide to", "Write a biography of", "Write a history of", "Write an essay about"],
+                 "Write a travel guide to", "Write a biography of", "Write a history of", "Write an essay about",
+                 "Write a speech about", "Write a diary entry about", "Write a press release about",
+                 "Write a recipe for", "Write a lesson plan about", "Write an interview about"],
+    "edit": ["Write a paragraph about", "Write a short email about", "Write a short note about",
+             "Write a short announcement about", "Describe in a paragraph"],
+    "instruct": ["Explain how", "Explain why", "Give me tips for", "What are the pros and cons of",
+                 "Pretend you are", "Compare", "Write a poem about", "Write a letter to", "List five facts about",
+                 "Describe", "How do I", "What would happen if", "Suggest a plan for", "Teach me about",
+                 "Imagine you are", "Write a dialogue between", "Give me advice on", "Summarize what you know about",
+                 "What is the difference between", "Write a haiku about", "Argue for", "Tell me a joke about"],
     "code": ["Write a Python function that", "Write a Python program that", "Write a JavaScript function that",
              "Write a SQL query that", "Write a Python class that", "Write a shell script that",
-             "Write a C function that", "Write a regular expression that"],
+             "Write a C function that", "Write a regular expression that", "Fix this Python code that",
+             "Write a unit test for a function that", "Write a Java method that", "Write an HTML page that"],
 }
+EDITS = ["Rewrite this text in simple words:\n\n{}", "Rewrite this text in a formal style:\n\n{}",
+         "List the key points of this text:\n\n{}", "Give this text a short title.\n\n{}",
+         "Extract all names, places and numbers in this text:\n\n{}", "Write a reply to this:\n\n{}",
+         "Shorten this text to one sentence:\n\n{}", "Continue this text:\n\n{}"]
 TOPICS = ["apples", "a bakery", "a road trip", "the ocean", "a football team", "a library", "money", "a garden",
           "planets", "a birthday party", "trains", "a school", "cooking", "music", "animals", "a city", "history",
           "computers", "a farm", "the weather", "movies", "a hospital", "books", "rivers", "a shop", "painting",
           "mountains", "a bicycle", "chemistry", "a wedding", "elections", "a museum", "insects", "a restaurant",
-          "the moon", "a factory", "languages", "a hotel", "basketball", "medicine"]
+          "the moon", "a factory", "languages", "a hotel", "basketball", "medicine", "volcanoes", "a job interview",
+          "recycling", "the stock market", "dinosaurs", "a camping trip", "smartphones", "a rainforest", "taxes",
+          "a marathon", "coffee", "the internet", "a castle", "electricity", "a zoo", "friendship", "a storm",
+          "airplanes", "photography", "a village", "bees", "a concert", "exercise", "the desert", "robots",
+          "a family dinner", "climate", "gardening tools", "a newspaper", "the brain", "a bridge", "fishing",
+          "a startup", "sleep", "a train station", "space travel", "a science fair", "vitamins", "chess", "a harbor",
+          "winter", "ancient Rome", "a bank", "social media", "a pharmacy", "birds", "a theater", "solar panels",
+          "a podcast", "the human heart", "a supermarket", "rain", "a police station", "glaciers", "a video game",
+          "pets", "a university", "tea", "the Olympics", "a carpenter", "satellites", "a picnic", "a dentist",
+          "the Renaissance", "bread", "a neighbourhood", "wind turbines", "a lighthouse", "cars", "a kindergarten"]
 ASK = {"qa": "Write one trivia question about {}. Write only the question.",
        "math": "Write a short math word problem about {}. Write only the problem, not the solution."}
 FREE_OPENINGS = ["The", "In", "Once upon a time", "Today", "def ", "Question:", "Chapter 1", "A new study"]
 
 REQUEST_T = 0.8
-LIMITS = {"request": 40, "document": 320, "answer": 192, "short": 40, "sentence": 80}
+LIMITS = {"request": 40, "document": 320, "answer": 192, "short": 40, "sentence": 80, "paragraph": 160}
+MAX_PROMPT = 1536  # tokens; a longer prompt keeps its end
+PREFILL_ROWS = 4096  # prompt tokens per prefill forward
+SLOTS = 64  # sequences decoding at once (a round of more items keeps them full: the next joins as one finishes)
+FORMAT = 2  # 1: text only (features computed afterwards); 2: features and labels written with the text
 
 
 @dataclass(frozen=True)
@@ -67,6 +111,8 @@ class CorpusConfig:
     batch: int = 64
     seed: int = 0
     answer_temperatures: tuple[float, ...] = (0.0, 0.6, 1.0)
+    layers: tuple[int, ...] | None = None  # features to keep (hidden_states indices); None: text only
+    top_k: int = 64
 
 
 @dataclass
@@ -75,22 +121,38 @@ class Record:
     spans: list[list[int]]
     shape: str
     round: int
+    data: dict | None = field(default=None, repr=False)  # what training reads (features, labels); not in the JSON
 
     def to_json(self) -> str:
         return json.dumps({"tokens": self.tokens, "spans": self.spans, "shape": self.shape, "round": self.round})
 
 
+def _by_rows(items: list[tuple[int, int]], budget: int) -> list[list[int]]:
+    """``items`` (id, rows) in order, grouped so that each group's rows stay within ``budget`` (one item at least)."""
+    groups, rows = [[]], 0
+    for i, n in items:
+        if groups[-1] and rows + n > budget:
+            groups.append([])
+            rows = 0
+        groups[-1].append(i)
+        rows += n
+    return groups
+
+
 class _Writer:
-    """Builds prompts from chat turns through the target's template and samples batches."""
+    """Builds prompts from chat turns through the target's template and samples batches on the target's batched
+    forward, keeping (when asked) what training reads: every position's features and the target's top-k laws."""
 
     MARK = "\x00VERISPEC\x00"
 
-    def __init__(self, target):
+    def __init__(self, target, layers: tuple[int, ...] | None = None, top_k: int = 64, max_batch: int = SLOTS):
         self.target = target
         self.tok = target.tokenizer
         if self.tok is None:
             raise VerispecError("self-generated training data needs the target's tokenizer")
         self.chat = bool(getattr(self.tok, "chat_template", None))
+        self.layers, self.top_k, self.max_batch = layers, top_k, max_batch
+        self._pool, self._pool_size = None, (0, 0)
 
     def ids(self, text: str) -> list[int]:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
@@ -101,7 +163,7 @@ class _Writer:
     def prompt(self, turns: list[str]) -> list[int]:
         """Token ids of alternating user/assistant ``turns`` (user first) ready for the assistant's answer."""
         msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
-        return self.ids(self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+        return self.ids(self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))[-MAX_PROMPT:]
 
     def user_start(self, turns: list[str], opening: str) -> list[int]:
         """Token ids of ``turns`` followed by a new user turn that begins with ``opening`` (the target finishes it)."""
@@ -109,60 +171,125 @@ class _Writer:
         text = self.tok.apply_chat_template(msgs + [{"role": "user", "content": self.MARK}], tokenize=False)
         if self.MARK not in text:
             raise VerispecError("the chat template drops the user's message; cannot write training data with it")
-        return self.ids(text[: text.index(self.MARK)] + opening)
+        return self.ids(text[: text.index(self.MARK)] + opening)[-MAX_PROMPT:]
+
+    def _states(self, slots: int, capacity: int):
+        """A pool of ``slots`` states of ``capacity`` entries, kept between calls while it is large enough."""
+        if slots > self._pool_size[0] or capacity > self._pool_size[1]:
+            size = (max(slots, self._pool_size[0]), max(capacity, self._pool_size[1]))
+            self._pool, self._pool_size = None, (0, 0)  # free the old buffers before the new ones are made
+            self._pool, self._pool_size = self.target.state_pool(*size), size
+        return self._pool
 
     @torch.inference_mode()
-    def sample(self, prompts: list[list[int]], max_new: int, temperature: float) -> list[list[int]]:
-        """One continuation per prompt, cut after the first end-of-sequence token.
+    def sample(self, prompts: list[list[int]], max_new: int, temperature: float,
+               labels_from: list[int] | None = None) -> tuple[list[list[int]], list[dict | None]]:
+        """One continuation per prompt, cut after its first end-of-sequence token, and with ``labels_from`` (one
+        index per prompt) what training reads of each whole sequence: its features (the ``layers``' hidden states,
+        every position, float16) and the target's top-k next-token law at positions ``labels_from[i]`` onwards.
 
-        A batched loop of its own rather than ``generate``: rows that finished leave the batch (and the KV cache),
-        and a draw is one inverse-CDF lookup (``generate``'s multinomial cost 85 ms per step for 64 rows here)."""
-        from transformers import DynamicCache  # noqa: PLC0415 - a 0.7 s import, needed here only
+        Continuous batching on ``Target.forward_batch``: up to ``max_batch`` sequences decode together, a finished
+        one frees its slot and the next prompt is prefilled into it. The features come with the tokens at no
+        extra forward (a finished sequence runs its last token once more for that token's features): a sequence's
+        rows do not depend on the batch beside them (the lean forward's invariance), so they are the teacher-forced
+        features of the finished text. Draws are inverse-CDF lookups over the batch (one ``torch.rand`` per step)."""
+        t, n = self.target, len(prompts)
+        keep = labels_from is not None and self.layers is not None
+        layers = self.layers if keep else (-1,)
+        eos = t.eos_token_ids
+        pool = self._states(min(n, self.max_batch), max(len(p) for p in prompts) + max_new + 1)
+        acquire = pool.acquire if pool is not None else t.new_state
+        release = pool.release if pool is not None else (lambda s: None)
+        out: list[list[int]] = [[] for _ in prompts]
+        feats: list[list[torch.Tensor]] = [[] for _ in prompts]
+        probs: list[list[torch.Tensor]] = [[] for _ in prompts]
+        index: list[list[torch.Tensor]] = [[] for _ in prompts]
+        waiting = list(range(n))[::-1]
+        live: dict[int, object] = {}  # prompt index -> its state
+        closing: set[int] = set()  # finished; its last token runs once more for its features
 
-        hf, eos = self.target.hf, sorted(self.target.eos_token_ids)
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
-        out = hf(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
-        rows = torch.arange(len(prompts))  # which prompt each live batch row belongs to
-        nxt_pos = pos[:, -1] + 1
-        result: list[list[int]] = [[] for _ in prompts]
-        done = torch.zeros(len(prompts), dtype=torch.bool)  # per live row: has written an end-of-sequence token
-        for step in range(max_new):
-            logits = out.logits[:, -1].float()
+        def labels(ids: list[int], logits: list[torch.Tensor]) -> None:
+            """The top-k laws of each of ``ids``' rows ``logits``, in one softmax and one top-k over all of them."""
+            if keep:
+                p, ix = torch.softmax(torch.cat(logits), dim=-1).topk(self.top_k, dim=-1)
+                sizes = [int(x.shape[0]) for x in logits]
+                for i, pp, ii in zip(ids, p.half().split(sizes), ix.int().split(sizes)):
+                    probs[i].append(pp)
+                    index[i].append(ii)
+
+        def draw(rows: list[int], logits: torch.Tensor) -> None:
             if temperature == 0:
                 tok = logits.argmax(-1)
             else:
                 cdf = torch.softmax(logits / temperature, dim=-1).cumsum(-1)
                 u = torch.rand(len(rows), 1) * cdf[:, -1:]
                 tok = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_max(cdf.shape[-1] - 1)
-            for r, (row, t) in enumerate(zip(rows.tolist(), tok.tolist())):
-                result[row].append(t)
-                done[r] |= t in eos
-            if step + 1 == max_new or done.all():
-                break
-            mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype)], dim=1)
-            if done.sum() * 4 >= len(rows):  # drop finished rows once a quarter of the batch is done
-                live = (~done).nonzero()[:, 0]
-                cache.batch_select_indices(live)
-                rows, tok, mask, nxt_pos, done = rows[live], tok[live], mask[live], nxt_pos[live], done[live]
-            out = hf(input_ids=tok[:, None], attention_mask=mask, position_ids=nxt_pos[:, None], cache=cache,
-                     use_cache=True)
-            nxt_pos = nxt_pos + 1
-            # rows that finished but stayed in the batch keep decoding; their extra tokens are cut below
-        return [r[: next((i + 1 for i, t in enumerate(r) if t in eos), len(r))] for r in result]
+            for i, v in zip(rows, tok.tolist()):
+                out[i].append(v)
+                if v in eos or len(out[i]) == max_new:
+                    closing.add(i)
 
-    def answer(self, prompts: list[list[int]], temperature: float, limit: int = LIMITS["answer"]) -> list[Record]:
-        """Sample answers; each record is prompt + answer with the answer as its one span."""
-        outs = self.sample(prompts, limit, temperature)
-        return [Record(p + a, [[len(p), len(p) + len(a)]], "", -1) for p, a in zip(prompts, outs)]
+        while waiting or live:
+            new = [waiting.pop() for _ in range(min(len(waiting), self.max_batch - len(live)))]
+            if new:  # prefill the newcomers in one forward, a few thousand rows at a time
+                for part in _by_rows([(i, len(prompts[i])) for i in new], PREFILL_ROWS):
+                    states = [acquire() for _ in part]
+                    lens = [len(prompts[i]) for i in part]
+                    first = [min(labels_from[i], m - 1) if keep else m - 1 for i, m in zip(part, lens)]
+                    res = t.forward_batch(states, [torch.tensor(prompts[i]) for i in part],
+                                          [torch.arange(m) for m in lens],
+                                          [torch.ones(m, m, dtype=torch.bool).tril() for m in lens], features=layers,
+                                          last_logits_only=[f == m - 1 for f, m in zip(first, lens)])
+                    for i, s, o, m, f in zip(part, states, res, lens, first):
+                        t.commit(s, list(range(m)))
+                        live[i] = s
+                        if keep:
+                            feats[i].append(o.hidden.half())
+                    labels(part, [o.logits[f - m:] for o, m, f in zip(res, lens, first)])  # rows f..m-1
+                    draw(part, torch.cat([o.logits[-1:] for o in res]))
+                for i in [i for i in new if i in closing and not keep]:
+                    release(live.pop(i))
+                continue
+            rows = list(live)
+            states = [live[i] for i in rows]
+            res = t.forward_batch(states, [torch.tensor(out[i][-1:]) for i in rows],
+                                  [torch.tensor([len(prompts[i]) + len(out[i]) - 1]) for i in rows],
+                                  [torch.ones(1, 1, dtype=torch.bool)] * len(rows), features=layers)
+            for i, s, o in zip(rows, states, res):
+                t.commit(s, [0])
+                if keep:
+                    feats[i].append(o.hidden.half())
+            going = [b for b, i in enumerate(rows) if i not in closing]
+            for i in [i for i in rows if i in closing]:  # its last token has run: done
+                release(live.pop(i))
+            if going:
+                labels([rows[b] for b in going], [res[b].logits for b in going])
+                draw([rows[b] for b in going], torch.cat([res[b].logits for b in going]))
+            for i in [rows[b] for b in going if rows[b] in closing and not keep]:
+                release(live.pop(i))
+        data: list[dict | None] = [None] * n
+        if keep:
+            k = self.top_k
+            for i, p in enumerate(prompts):
+                tokens = p + out[i]
+                lab_p, lab_i = torch.zeros(len(tokens), k, dtype=torch.half), torch.zeros(len(tokens), k, dtype=torch.int)
+                first = min(labels_from[i], len(p) - 1)
+                got_p, got_i = torch.cat(probs[i]), torch.cat(index[i])
+                lab_p[first:first + len(got_p)], lab_i[first:first + len(got_i)] = got_p, got_i
+                data[i] = {"feat": torch.cat(feats[i]), "p": lab_p, "i": lab_i, "tokens": torch.tensor(tokens)}
+        return out, data
+
+    def answer(self, prompts: list[list[int]], temperature: float, limit: int = LIMITS["answer"],
+               labels_from: list[int] | None = None) -> list[Record]:
+        """Sample answers; each record is prompt + answer with the answer as its one span (and what training reads
+        of it, labels from ``labels_from`` on: by default the answer's positions)."""
+        outs, data = self.sample(prompts, limit, temperature, labels_from or [len(p) - 1 for p in prompts])
+        return [Record(p + a, [[len(p), len(p) + len(a)]], "", -1, d) for p, a, d in zip(prompts, outs, data)]
 
 
 def _finish_requests(w: _Writer, prefixes: list[list[int]], openings: list[str], limit: int) -> list[str]:
     """The user requests the target writes after each opening (opening + its continuation)."""
-    outs = w.sample(prefixes, limit, REQUEST_T)
+    outs, _ = w.sample(prefixes, limit, REQUEST_T)
     return [(o + ("" if o.endswith(" ") else " ") + w.text(c)).strip() if w.text(c) else o + " the weather"
             for o, c in zip(openings, outs)]
 
@@ -170,6 +297,11 @@ def _finish_requests(w: _Writer, prefixes: list[list[int]], openings: list[str],
 def _sentence(doc: str, rnd: random.Random) -> str:
     parts = [s.strip() for s in doc.replace("\n", " ").split(". ") if 20 <= len(s.strip()) <= 240]
     return (rnd.choice(parts).rstrip(".") + ".") if parts else doc[:200]
+
+
+def _said(w: _Writer, r: Record) -> str:
+    """The text of a record's (first) answer."""
+    return w.text(r.tokens[r.spans[0][0]:r.spans[0][1]])
 
 
 def _round(w: _Writer, shape: str, n: int, temperature: float, rnd: random.Random) -> list[Record]:
@@ -182,49 +314,60 @@ def _round(w: _Writer, shape: str, n: int, temperature: float, rnd: random.Rando
     if shape == "chat":
         first = _finish_requests(w, [w.user_start([], "") for _ in range(n)], [""] * n, LIMITS["request"])
         a1 = w.answer([w.prompt([u]) for u in first], temperature)
-        replies = [w.text(r.tokens[r.spans[0][0]:]) for r in a1]
+        replies = [_said(w, r) for r in a1]
         follow = _finish_requests(w, [w.user_start([u, a], "") for u, a in zip(first, replies)], [""] * n,
                                   LIMITS["request"])
-        a2 = w.answer([w.prompt([u, a, f]) for u, a, f in zip(first, replies, follow)], temperature)
-        # one sequence, two assistant turns: the second prompt extends the first exchange
-        out = []
-        for r1, r2 in zip(a1, a2):
-            out.append(Record(r2.tokens, [r1.spans[0], r2.spans[0]], "", -1)
-                       if r2.tokens[: r1.spans[0][1]] == r1.tokens else r2)
-        return out
+        prompts = [w.prompt([u, a, f]) for u, a, f in zip(first, replies, follow)]
+        # one sequence, two assistant turns where the second prompt extends the first exchange (labels from the first)
+        joined = [p[:len(r.tokens)] == r.tokens for p, r in zip(prompts, a1)]
+        a2 = w.answer(prompts, temperature, labels_from=[r.spans[0][0] - 1 if j else len(p) - 1
+                                                         for p, r, j in zip(prompts, a1, joined)])
+        return [Record(r2.tokens, [r1.spans[0], r2.spans[0]], "", -1, r2.data) if j else r2
+                for r1, r2, j in zip(a1, a2, joined)]
     if shape == "document":
         openings = [rnd.choice(OPENINGS["document"]) for _ in range(n)]
         requests = _finish_requests(w, [w.user_start([], o) for o in openings], openings, LIMITS["request"])
         docs = w.answer([w.prompt([r]) for r in requests], REQUEST_T, LIMITS["document"])
-        texts = [w.text(d.tokens[d.spans[0][0]:]) or r for d, r in zip(docs, requests)]
+        texts = [_said(w, d) or r for d, r in zip(docs, requests)]
         summaries = w.answer([w.prompt([f"Summarize: {t}"]) for t in texts], temperature, 160)
         questions = w.answer([w.prompt([f"Write one question that this text answers.\n\n{t}"]) for t in texts], REQUEST_T,
                              LIMITS["short"])
-        asked = [w.text(q.tokens[q.spans[0][0]:]) or "What is this text about?" for q in questions]
+        asked = [_said(w, q) or "What is this text about?" for q in questions]
         rag = w.answer([w.prompt([f"{t}\n{q}"]) for t, q in zip(texts, asked)], temperature, 160)
         sentences = [_sentence(t, rnd) for t in texts]
         german = w.answer([w.prompt([f"Translate English to German: {s}"]) for s in sentences], temperature,
                           LIMITS["sentence"])
-        back = w.answer([w.prompt([f"Translate German to English: {w.text(g.tokens[g.spans[0][0]:]) or s}"])
+        back = w.answer([w.prompt([f"Translate German to English: {_said(w, g) or s}"])
                          for g, s in zip(german, sentences)], temperature, LIMITS["sentence"])
         return docs + summaries + questions + rag + german + back
+    if shape == "edit":
+        asks = [f"{rnd.choice(OPENINGS['edit'])} {rnd.choice(TOPICS)}." for _ in range(n)]
+        texts = w.answer([w.prompt([a]) for a in asks], REQUEST_T, LIMITS["paragraph"])
+        said = [_said(w, t) for t in texts]
+        jobs = [(e, s) for s in said if s for e in rnd.sample(EDITS, 2)]
+        return texts + w.answer([w.prompt([e.format(s)]) for e, s in jobs], temperature, LIMITS["paragraph"])
+    if shape == "instruct":
+        openings = [rnd.choice(OPENINGS["instruct"]) for _ in range(n)]
+        requests = _finish_requests(w, [w.user_start([], o) for o in openings], openings, LIMITS["request"])
+        return w.answer([w.prompt([r]) for r in requests], temperature)
     if shape in ("qa", "math"):
         asks = w.answer([w.prompt([ASK[shape].format(rnd.choice(TOPICS))]) for _ in range(n)], REQUEST_T,
                         {"qa": LIMITS["short"], "math": 96}[shape])
-        written = [w.text(a.tokens[a.spans[0][0]:]) for a in asks]
+        written = [_said(w, a) for a in asks]
         return asks + w.answer([w.prompt([q]) for q in written if q], temperature)
     if shape == "code":
         openings = [rnd.choice(OPENINGS[shape]) for _ in range(n)]
         requests = _finish_requests(w, [w.user_start([], o) for o in openings], openings, LIMITS["request"])
         answers = w.answer([w.prompt([r]) for r in requests], temperature)
-        code = [w.text(a.tokens[a.spans[0][0]:]) for a in answers]
+        code = [_said(w, a) for a in answers]
         explained = w.answer([w.prompt([f"Explain what this code does:\n{c}"]) for c in code if c], temperature)
         return answers + explained
     raise VerispecError(f"unknown corpus shape {shape!r}; choose from {', '.join(SHAPES)}")
 
 
 def read_corpus(path: str | Path) -> list[Record]:
-    """The complete rounds of a corpus file (records of a round cut short by an interruption are dropped).
+    """The complete rounds of a corpus file (records of a round cut short by an interruption are dropped), without
+    their features (``round_features`` loads a round's).
 
     Also reads the older format, one token list per line (the whole sequence counts as written text)."""
     path = Path(path)
@@ -250,9 +393,37 @@ def read_corpus(path: str | Path) -> list[Record]:
     return records
 
 
+def features_path(corpus_path: str | Path, rnd: int) -> Path:
+    return Path(corpus_path).parent / "features" / f"{rnd:05d}.pt"
+
+
+def round_features(corpus_path: str | Path, rnd: int, records: list[Record]) -> list[dict]:
+    """What training reads of round ``rnd``'s ``records`` (in order): features ``feat [T, k H]``, labels ``p``,
+    ``i [T, top k]``, ``tokens`` and the response ``mask``, from the round's features file."""
+    path = features_path(corpus_path, rnd)
+    if not path.is_file():
+        raise VerispecError(f"{path} is missing: the corpus holds round {rnd}'s text but not its features; "
+                            "write the corpus again in a new folder")
+    blob = torch.load(path, map_location="cpu", weights_only=True)["data"]
+    if len(blob) != len(records) or any(len(d["tokens"]) != len(r.tokens) for d, r in zip(blob, records)):
+        raise VerispecError(f"{path} does not match round {rnd} of the corpus beside it")
+    for d, r in zip(blob, records):
+        d["mask"] = response_mask(r)
+    return blob
+
+
+def response_mask(record: Record) -> torch.Tensor:
+    """``[T]`` bool: which tokens the target wrote as the assistant (the positions a head is judged on)."""
+    mask = torch.zeros(len(record.tokens), dtype=torch.bool)
+    for a, b in record.spans:
+        mask[a:b] = True
+    return mask
+
+
 def write_corpus(target, path: str | Path, config: CorpusConfig,
                  on_round: Callable[[int, list[Record]], None] | None = None) -> list[Record]:
-    """Generate (or resume) ``config.rounds`` rounds into the JSONL file ``path``; returns every record."""
+    """Generate (or resume) ``config.rounds`` rounds into the JSONL file ``path`` (and, with ``config.layers``, each
+    round's features beside it); returns every record, without features."""
     path = Path(path)
     records = read_corpus(path)
     if records and records[0].shape == "legacy":
@@ -264,24 +435,38 @@ def write_corpus(target, path: str | Path, config: CorpusConfig,
             for r in (r for r in records if r.round == rnd):
                 f.write(r.to_json() + "\n")
             f.write(json.dumps({"type": "end", "round": rnd}) + "\n")
-    w = _Writer(target)
+    seen = {hash(tuple(r.tokens)) for r in records}
+    w = _Writer(target, config.layers, config.top_k, SLOTS)
     for rnd_i in range(done, config.rounds):
-        new = list(_rounds_from(w, config, rnd_i))
+        new = []
+        for r in _rounds_from(w, config, rnd_i):
+            key = hash(tuple(r.tokens))
+            if key not in seen:
+                seen.add(key)
+                new.append(r)
+        if config.layers is not None:
+            out = features_path(path, rnd_i)
+            out.parent.mkdir(exist_ok=True)
+            tmp = out.with_suffix(".tmp")
+            torch.save({"data": [{k: v for k, v in r.data.items()} for r in new]}, tmp)
+            os.replace(tmp, out)
         with path.open("a", encoding="utf-8") as f:
             for r in new:
                 f.write(r.to_json() + "\n")
             f.write(json.dumps({"type": "end", "round": rnd_i}) + "\n")
+        for r in new:
+            r.data = None
         records += new
         if on_round is not None:
             on_round(rnd_i, new)
     return records
 
 
-def _rounds_from(w: _Writer, config: CorpusConfig, rnd_i: int) -> Iterator[Record]:
+def _rounds_from(w: _Writer, config: CorpusConfig, rnd_i: int):
     torch.manual_seed(config.seed * 1_000_003 + rnd_i)
     rnd = random.Random(config.seed * 1_000_003 + rnd_i)
     shape = CYCLE[rnd_i % len(CYCLE)]
     temperature = config.answer_temperatures[rnd_i % len(config.answer_temperatures)]
     for r in _round(w, shape, config.batch, temperature, rnd):
         if len(r.tokens) > 2 and r.spans and r.spans[0][1] > r.spans[0][0]:
-            yield Record(r.tokens, r.spans, shape, rnd_i)
+            yield Record(r.tokens, r.spans, shape, rnd_i, r.data)

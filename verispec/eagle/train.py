@@ -1,9 +1,9 @@
 """Training a draft head by distillation on text the target wrote itself (``verispec train-draft``).
 
-For every sequence the target's hidden states (the head's ``feature_layers``) and its top-k next-token laws are
-computed once. The head is then trained to predict the target's law at each position the target wrote as the
-assistant, at several *depths*, exactly as the decoding loop drafts (the "training-time test" of HASS and
-EAGLE-3):
+For every sequence the target's hidden states (the head's ``feature_layers``) and its top-k next-token laws come
+with the corpus (``verispec.eagle.corpus``: the forwards that wrote the text computed them). The head is then
+trained to predict the target's law at each position the target wrote as the assistant, at several *depths*,
+exactly as the decoding loop drafts (the "training-time test" of HASS and EAGLE-3):
 
 * depth 1: the pair ``(g_j, x_{j+1})`` made from the target's features at j predicts ``x_{j+2}``;
 * depth k >= 2: the pair ``(h^{k-1}_j, x_{j+k})`` -- the head's own output one depth up stands in for the features
@@ -33,7 +33,8 @@ from torch import nn
 from tqdm import tqdm
 
 from ..errors import VerispecError
-from .corpus import CorpusConfig, Record, read_corpus, write_corpus
+from .corpus import FORMAT as CORPUS_FORMAT
+from .corpus import CorpusConfig, Record, read_corpus, response_mask, round_features, write_corpus
 from .head import EagleHead
 
 
@@ -52,7 +53,8 @@ class TrainConfig:
     feature_weight: float = 1.0  # EAGLE-1 feature loss (last-layer heads only)
     noise: float = 0.05  # uniform noise on input features (EAGLE), as a fraction of their scale
     held_out: float = 0.05  # fraction of corpus rounds kept for validation
-    max_sequences: int = 0  # train on the first N training sequences only (0: all), for data-size curves
+    max_tokens: int = 0  # train on the first training sequences holding N response tokens (0: all): data-size curves
+    patience: int = 0  # stop when this many checkpoints in a row do no better on the held-out rounds (0: never)
     checkpoint_every: int = 50  # optimiser steps
     vocab: int = 16384  # draft vocabulary (the most frequent tokens of the corpus); 0: the target's whole vocabulary
 
@@ -65,9 +67,10 @@ class TrainConfig:
 
     def validate(self) -> None:
         if self.rounds < 2 or self.gen_batch < 1 or self.epochs < 1 or self.batch < 1 or self.depths < 1 \
-                or not 0 < self.held_out < 1 or self.vocab < 0 or self.top_k < 1 or self.max_sequences < 0:
+                or not 0 < self.held_out < 1 or self.vocab < 0 or self.top_k < 1 or self.max_tokens < 0 \
+                or self.patience < 0:
             raise VerispecError("need --rounds >= 2, --gen-batch, --epochs, --batch, --depths, --top-k >= 1, "
-                                "0 < --held-out < 1, --vocab >= 0 and --max-sequences >= 0")
+                                "0 < --held-out < 1, --vocab, --max-tokens and --patience >= 0")
         self.layers()
 
 
@@ -85,24 +88,16 @@ TRAIN_HELP = {
     "feature_weight": "weight of EAGLE-1's feature loss (heads reading the last layer only)",
     "noise": "uniform noise on the input features, as a fraction of their mean magnitude",
     "held_out": "fraction of corpus rounds kept for validation",
-    "max_sequences": "train on the first N training sequences only (0: all), for data-size curves",
-    "checkpoint_every": "optimiser steps between checkpoints (and validations)",
+    "max_tokens": "train on the first training sequences that hold N response tokens (0: all), for data-size curves",
+    "patience": "stop once this many checkpoints in a row do no better on the held-out rounds (0: run the whole "
+                "schedule); head.pt is the best checkpoint either way",
+    "checkpoint_every": "optimiser steps between checkpoints (and validations on the held-out rounds)",
     "vocab": "draft vocabulary: the head's output layer keeps this many tokens (the corpus's most frequent), cutting "
              "its cost; other tokens get draft probability 0, which every verifier handles exactly. 0: all",
 }
-CORPUS_KEYS = ("gen_batch", "seed")  # a corpus of n rounds is the first n rounds of any longer one with these
-FEATURE_KEYS = ("top_k", "feature_layers")
 
 
 # ---------------------------------------------------------------- data
-
-def response_mask(record: Record) -> torch.Tensor:
-    """``[T]`` bool: which tokens the target wrote as the assistant (the positions a head is judged on)."""
-    mask = torch.zeros(len(record.tokens), dtype=torch.bool)
-    for a, b in record.spans:
-        mask[a:b] = True
-    return mask
-
 
 @torch.inference_mode()
 def features(target, record: Record | list[int], top_k: int, layers: tuple[int, ...] = (-1,)) -> dict:
@@ -295,26 +290,19 @@ def evaluate(head: EagleHead, data: list[dict], depths: int = 1) -> dict[str, fl
 
 # ---------------------------------------------------------------- the pipeline
 
-SHARD = 256  # sequences per features file
+VALIDATION = 200  # held-out sequences a checkpoint is judged on
+BUFFER_ROUNDS = 6  # corpus rounds whose features are in memory at once while training
 
 
-def _feature_dir(out: Path, top_k: int, layers: tuple[int, ...]) -> Path:
-    return out / f"features-k{top_k}-l{'_'.join(str(i).replace('-', 'm') for i in layers)}"
-
-
-def _stored_layers(target, out: Path, config: TrainConfig, layers: tuple[int, ...],
-                   store: tuple[int, ...] | None) -> tuple[int, ...]:
-    """The layers to compute (``store``, else ``layers``) or, if a feature folder with more layers exists, its."""
-    norm = lambda ls: tuple(target.num_layers if i == -1 else i for i in ls)  # noqa: E731
-    if store is not None:
-        if not set(norm(layers)) <= set(norm(store)):
-            raise VerispecError(f"--store-layers {list(store)} must include the feature layers {list(layers)}")
-        return tuple(store)
-    for folder in sorted(out.glob(f"features-k{config.top_k}-l*")):
-        have = tuple(int(v.replace("m", "-")) for v in folder.name.split("-l", 1)[1].split("_"))
-        if set(norm(layers)) <= set(norm(have)) and have != layers:
-            return tuple(have) if all(i in have for i in layers) else layers
-    return layers
+def chain_tokens(val: dict[str, float], depths: int) -> float:
+    """Expected tokens a greedy chain of ``depths`` accepts per step (the sum over k of the product of the chain
+    acceptances of depths 1..k): what a checkpoint is picked on."""
+    total, reach = 0.0, 1.0
+    for k in range(1, depths + 1):
+        c = val.get(f"chain_{k}", float("nan"))
+        reach *= 0.0 if c != c else c
+        total += reach
+    return total
 
 
 def _split(records: list[Record], config: TrainConfig) -> tuple[list[int], list[int]]:
@@ -327,85 +315,129 @@ def _split(records: list[Record], config: TrainConfig) -> tuple[list[int], list[
     return train, val
 
 
+def _corpus_info(target, config: TrainConfig, store: tuple[int, ...] | None) -> dict:
+    layers = store if store is not None else config.layers()
+    norm = lambda ls: sorted({target.num_layers if i == -1 else i for i in ls})  # noqa: E731
+    if not set(norm(config.layers())) <= set(norm(layers)):
+        raise VerispecError(f"--store-layers {list(layers)} must include the feature layers {list(config.layers())}")
+    return {"format": CORPUS_FORMAT, "gen_batch": config.gen_batch, "seed": config.seed, "layers": norm(layers),
+            "top_k": config.top_k, "written_by": target.forward_id}
+
+
+class _Features:
+    """The corpus's features by record, loaded a round at a time and kept for the last ``BUFFER_ROUNDS`` rounds
+    asked, with the columns of the head's layers only and ``top_k`` labels."""
+
+    def __init__(self, corpus_path: Path, records: list[Record], info: dict, layers: tuple[int, ...], top_k: int,
+                 hidden: int, n_layers: int):
+        self.path, self.records, self.top_k = corpus_path, records, top_k
+        self.by_round: dict[int, list[int]] = {}
+        for i, r in enumerate(records):
+            self.by_round.setdefault(r.round, []).append(i)
+        stored = info["layers"]
+        want = [n_layers if i == -1 else i for i in layers]
+        self.cols = None if want == stored else torch.cat(
+            [torch.arange(stored.index(i) * hidden, (stored.index(i) + 1) * hidden) for i in want])
+        self.cache: dict[int, list[dict]] = {}
+
+    def __getitem__(self, i: int) -> dict:
+        rnd = self.records[i].round
+        if rnd not in self.cache:
+            if len(self.cache) >= BUFFER_ROUNDS:
+                self.cache.pop(next(iter(self.cache)))
+            recs = [self.records[j] for j in self.by_round[rnd]]
+            data = round_features(self.path, rnd, recs)
+            for d in data:
+                if self.cols is not None:
+                    d["feat"] = d["feat"][:, self.cols].contiguous()
+                d["p"], d["i"] = d["p"][:, :self.top_k], d["i"][:, :self.top_k]
+            self.cache[rnd] = data
+        return self.cache[rnd][self.by_round[rnd].index(i)]
+
+
+def _epoch_order(records: list[Record], train_idx: list[int], seed: int, epoch: int) -> list[int]:
+    """Training records in the order an epoch reads them: rounds shuffled, then the records of each
+    ``BUFFER_ROUNDS`` consecutive rounds shuffled together (so that the features in memory stay bounded)."""
+    rnd = random.Random(seed * 1000 + epoch)
+    by_round: dict[int, list[int]] = {}
+    for i in train_idx:
+        by_round.setdefault(records[i].round, []).append(i)
+    rounds = sorted(by_round)
+    rnd.shuffle(rounds)
+    order = []
+    for b in range(0, len(rounds), BUFFER_ROUNDS):
+        group = [i for r in rounds[b:b + BUFFER_ROUNDS] for i in by_round[r]]
+        rnd.shuffle(group)
+        order += group
+    return order
+
+
 def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = True, progress: bool = True, log=print,
           max_steps: int | None = None, until: str | None = None, store_layers: tuple[int, ...] | None = None) -> Path:
-    """The whole pipeline into ``out_dir``: corpus (``corpus.jsonl``), target features (``features-*/``), training
-    with checkpoints (``checkpoint.pt``) and a log (``log.jsonl``), then ``head.pt``. Each stage resumes.
+    """The whole pipeline into ``out_dir``: the corpus with its features (``corpus.jsonl``, ``features/``), training
+    with checkpoints (``checkpoint.pt``) and a log (``log.jsonl``), then ``head.pt`` (the checkpoint that did best on
+    the held-out rounds). Each stage resumes.
 
-    ``until`` ("corpus" or "features") stops after that stage. ``store_layers`` computes features for more layers
-    than the head reads (a superset of ``feature_layers``), so that heads reading other subsets reuse them."""
+    ``until="corpus"`` stops after the corpus. ``store_layers`` keeps features of more layers than the head reads (a
+    superset of ``feature_layers``), so that heads reading other subsets train on the same corpus."""
     config.validate()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "config.json"
-    if cfg_path.exists() and resume:  # the corpus can be reused by a run with other training options
+    corpus_path = out / "corpus.jsonl"
+    info = _corpus_info(target, config, store_layers)
+    if cfg_path.exists() and resume and corpus_path.exists():  # the corpus serves runs with other training options
         old = json.loads(cfg_path.read_text())
-        diff = sorted(k for k in CORPUS_KEYS if old.get(k) != getattr(config, k))
+        had = old.get("corpus")
+        if had is None:
+            raise VerispecError(f"{out} holds a corpus of an older format (text without features); use another --out")
+        diff = sorted(k for k in ("format", "gen_batch", "seed") if had.get(k) != info[k])
         if diff:
             raise VerispecError(f"{out} holds a corpus made with another configuration ({', '.join(diff)}); "
                                 "use another --out or the same options")
-    cfg_path.write_text(json.dumps(asdict(config), indent=1))
+        need = {target.num_layers if i == -1 else i for i in config.layers()}
+        if not need <= set(had["layers"]) or config.top_k > had["top_k"] \
+                or (store_layers is not None and info["layers"] != had["layers"]):
+            raise VerispecError(f"{out} keeps features of layers {had['layers']} with top-{had['top_k']} labels; "
+                                f"this run asks for layers {info['layers']} and top-{config.top_k} (use another --out)")
+        info = had
+    cfg_path.write_text(json.dumps({**asdict(config), "corpus": info}, indent=1))
     t_start = time.time()
 
-    # 1. corpus
-    corpus_path = out / "corpus.jsonl"
+    # 1. corpus, with its features
     records = read_corpus(corpus_path) if resume else []
     done = len({r.round for r in records})
     if done < config.rounds:
         bar = tqdm(total=config.rounds, initial=done, desc="self-written corpus", unit="round", disable=not progress)
+        written = [sum(b - a for r in records for a, b in r.spans)]
 
         def tick(i, new):
-            bar.set_postfix_str(f"{new[0].shape if new else '-'}: {len(new)} sequences")
+            written[0] += sum(b - a for r in new for a, b in r.spans)
+            bar.set_postfix_str(f"{new[0].shape if new else '-'}: {len(new)} sequences, {written[0]:,} response tokens")
             bar.update(1)
 
-        records = write_corpus(target, corpus_path, CorpusConfig(config.rounds, config.gen_batch, config.seed),
+        records = write_corpus(target, corpus_path, CorpusConfig(config.rounds, config.gen_batch, config.seed,
+                                                                 layers=tuple(info["layers"]), top_k=info["top_k"]),
                                on_round=tick)
         bar.close()
     records = [r for r in records if r.round < config.rounds]
-    log(f"corpus: {len(records)} sequences, {sum(len(r.tokens) for r in records)} tokens, "
-        f"{sum(b - a for r in records for a, b in r.spans)} written by the target")
+    response = lambda idx: sum(b - a for i in idx for a, b in records[i].spans)  # noqa: E731
+    log(f"corpus: {len(records)} sequences, {sum(len(r.tokens) for r in records):,} tokens, "
+        f"{response(range(len(records))):,} written by the target")
     if until == "corpus":
         return corpus_path
 
-    # 2. features (one target forward per sequence), in shards so that a resumed or other run reuses them; a
-    # folder holding more layers than the head reads serves it too
-    layers = config.layers()
-    stored = _stored_layers(target, out, config, layers, store_layers)
-    shard_dir = _feature_dir(out, config.top_k, stored)
-    shard_dir.mkdir(exist_ok=True)
-    data = []
-    for n_shard in range(math.ceil(len(records) / SHARD)):
-        part = records[n_shard * SHARD:(n_shard + 1) * SHARD]
-        path = shard_dir / f"{n_shard:04d}.pt"
-        if path.exists() and resume:
-            blob = torch.load(path, map_location="cpu", weights_only=True)["data"]
-            if len(blob) == len(part) and all(d["tokens"].tolist() == r.tokens for d, r in zip(blob, part)):
-                data += blob
-                continue
-        break
-    if len(data) < len(records):
-        bar = tqdm(total=len(records), initial=len(data), desc="target features", unit="seq", disable=not progress)
-        shard: list[dict] = []
-        for i in range(len(data), len(records)):
-            shard.append(features(target, records[i], config.top_k, stored))
-            bar.update(1)
-            if len(shard) == SHARD or i + 1 == len(records):
-                torch.save({"data": shard}, shard_dir / f"{i // SHARD:04d}.pt")
-                data += shard
-                shard = []
-        bar.close()
-    if until == "features":
-        return shard_dir
-    if stored != layers:  # keep the columns of the layers the head reads
-        h = target.config.hidden_size
-        cols = torch.cat([torch.arange(stored.index(i) * h, (stored.index(i) + 1) * h) for i in layers])
-        data = [{**d, "feat": d["feat"][:, cols]} for d in data]
+    # 2. training (the target's own weights stay frozen: only the head's are trained)
     train_idx, val_idx = _split(records, config)
-    if config.max_sequences:
-        train_idx = train_idx[: config.max_sequences]
-    trn, val = [data[i] for i in train_idx], [data[i] for i in val_idx][:96]
-
-    # 3. training (the target's own weights stay frozen: only the head's are trained)
+    if config.max_tokens:
+        n, total_tokens = 0, 0
+        while n < len(train_idx) and total_tokens < config.max_tokens:
+            total_tokens += response(train_idx[n:n + 1])
+            n += 1
+        train_idx = train_idx[:n]
+    layers = config.layers()
+    feats = _Features(corpus_path, records, info, layers, config.top_k, target.config.hidden_size, target.num_layers)
+    val = [feats[i] for i in val_idx[:VALIDATION]]
     for p in target.hf.parameters():
         p.requires_grad_(False)
     torch.manual_seed(config.seed)
@@ -415,11 +447,11 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
                                  always=target.eos_token_ids)
     head = EagleHead(target, vocab, head_dtype=torch.float32, feature_layers=layers)
     opt = torch.optim.AdamW(head.trainable(), lr=config.lr, weight_decay=0.0)
-    steps_per_epoch = math.ceil(len(trn) / config.batch)
+    steps_per_epoch = math.ceil(len(train_idx) / config.batch)
     total = steps_per_epoch * config.epochs
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
-    step = 0
+    step, best, stale = 0, {"score": -1.0, "step": 0, "state": None}, 0
     ckpt = out / "checkpoint.pt"
     if ckpt.exists() and resume:
         blob = torch.load(ckpt, map_location="cpu", weights_only=False)
@@ -428,47 +460,66 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
         head.load_state_dict(blob["head"], strict=False)
         opt.load_state_dict(blob["opt"])
         sched.load_state_dict(blob["sched"])
-        step = blob["step"]
+        step, best, stale = blob["step"], blob["best"], blob["stale"]
         log(f"resuming training at step {step} of {total}")
+    log(f"training on {len(train_idx)} sequences ({response(train_idx):,} response tokens), validating on "
+        f"{len(val)} of {len(val_idx)} held-out ones, {total} steps")
     log_f = (out / "log.jsonl").open("a")
     bar = tqdm(total=total, initial=step, desc="training", unit="step", disable=not progress)
     head.train()
     t0 = time.time()
+    stopped = False
     while step < total and (max_steps is None or step < max_steps):
         epoch, k = divmod(step, steps_per_epoch)
-        perm = list(range(len(trn)))
-        random.Random(config.seed * 1000 + epoch).shuffle(perm)
-        idx = perm[k * config.batch:(k + 1) * config.batch]
-        opt.zero_grad()
-        stats: dict[str, float] = {}
-        for i in idx:
-            loss, s = head_loss(head, trn[i], config.depths, config.noise, config.feature_weight, config.depth_weight)
-            (loss / len(idx)).backward()
-            for key, v in s.items():
-                stats[key] = stats.get(key, 0.0) + v / len(idx)
-        nn.utils.clip_grad_norm_(head.trainable(), 1.0)
-        opt.step()
-        sched.step()
-        step += 1
-        rec = {"step": step, "epoch": epoch, "lr": sched.get_last_lr()[0], **stats, "elapsed_s": time.time() - t0}
-        if step % config.checkpoint_every == 0 or step == total:
-            rec.update({f"val_{k}": v for k, v in evaluate(head, val, config.depths).items()})
-            torch.save({"head": head.head_state(), "opt": opt.state_dict(), "sched": sched.state_dict(), "step": step,
-                        "config": asdict(config)}, ckpt)
-            head.train()
-        log_f.write(json.dumps(rec) + "\n")
-        log_f.flush()
-        bar.set_postfix_str(" ".join(f"{k} {stats[k]:.2f}" for k in ("ce_1", "top1_1", "top1_2") if k in stats))
-        bar.update(1)
+        order = _epoch_order(records, train_idx, config.seed, epoch)
+        while k < steps_per_epoch and step < total and (max_steps is None or step < max_steps):
+            idx = order[k * config.batch:(k + 1) * config.batch]
+            opt.zero_grad()
+            stats: dict[str, float] = {}
+            for i in idx:
+                loss, s = head_loss(head, feats[i], config.depths, config.noise, config.feature_weight,
+                                    config.depth_weight)
+                (loss / len(idx)).backward()
+                for key, v in s.items():
+                    stats[key] = stats.get(key, 0.0) + v / len(idx)
+            nn.utils.clip_grad_norm_(head.trainable(), 1.0)
+            opt.step()
+            sched.step()
+            step, k = step + 1, k + 1
+            rec = {"step": step, "epoch": epoch, "lr": sched.get_last_lr()[0], **stats, "elapsed_s": time.time() - t0}
+            if step % config.checkpoint_every == 0 or step == total:
+                v = evaluate(head, val, config.depths)
+                score = chain_tokens(v, config.depths)
+                rec.update({f"val_{key}": x for key, x in v.items()}, val_chain_tokens=score)
+                if score > best["score"]:
+                    best, stale = {"score": score, "step": step, "state": head.head_state()}, 0
+                else:
+                    stale += 1
+                stopped = bool(config.patience) and stale >= config.patience
+                torch.save({"head": head.head_state(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                            "step": step, "config": asdict(config), "best": best, "stale": stale}, ckpt)
+                head.train()
+            log_f.write(json.dumps(rec) + "\n")
+            log_f.flush()
+            bar.set_postfix_str(" ".join(f"{k} {stats[k]:.2f}" for k in ("ce_1", "top1_1", "top1_2") if k in stats))
+            bar.update(1)
+            if stopped:
+                break
+        if stopped:
+            log(f"validation has not improved for {config.patience} checkpoints: stopping at step {step}")
+            break
     bar.close()
     log_f.close()
-    head.eval()
     final = out / "head.pt"
-    if step >= total:
-        meta = {"target": target.name, "config": asdict(config), "sequences": len(trn),
-                "corpus_tokens": sum(len(records[i].tokens) for i in train_idx),
-                "validation": evaluate(head, val, max(config.depths, 4)), "steps": step,
+    if step >= total or stopped:
+        if best["state"] is not None:
+            head.load_state_dict(best["state"], strict=False)
+        head.eval()
+        meta = {"target": target.name, "config": asdict(config), "corpus": info, "sequences": len(train_idx),
+                "corpus_tokens": sum(len(records[i].tokens) for i in train_idx), "response_tokens": response(train_idx),
+                "validation": evaluate(head, val, max(config.depths, 4)), "steps": step, "best_step": best["step"],
                 "session_s": time.time() - t_start}
         head.save(final, meta)
-        log(f"wrote {final}: validation {meta['validation']}")
+        log(f"wrote {final} (step {best['step']}): validation {meta['validation']}")
     return final
+

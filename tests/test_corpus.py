@@ -1,0 +1,185 @@
+"""The corpus a draft head trains on and how training reads it: text sampled in batches (sequences join as others
+finish) with the features and labels training reads, which are the teacher-forced ones (bitwise in bfloat16, where
+a row does not depend on the batch beside it); greedy text equal to ``generate``'s; rounds resumed with their
+features, repeated records dropped; training streams the corpus a few rounds at a time, stops when the held-out
+rounds stop improving and ships the best checkpoint."""
+
+import importlib
+import json
+
+import pytest
+import torch
+from conftest import ByteTokenizer, tiny_model
+
+from verispec.backends import CausalLM
+from verispec.backends.kernels import packing_available, use_fast_linear
+from verispec.eagle import TrainConfig, train
+from verispec.eagle import corpus as corpus_mod
+from verispec.eagle.corpus import CorpusConfig, Record, _Writer, read_corpus, round_features, write_corpus
+from verispec.eagle.head import EagleHead
+
+train_mod = importlib.import_module("verispec.eagle.train")  # the module (the package exports its function train)
+PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [1, 11, 12],
+           [1, 40, 41, 42, 43]]
+FROM = [3, 0, 2, 2, 4]  # labels from these positions on
+
+
+class ChatBytes(ByteTokenizer):
+    """A byte tokenizer with a chat template ('[u]text|' per user turn, '[a]text|' per assistant turn) that decodes
+    what it encodes (printable ASCII), so that a conversation re-rendered with its answers extends its first part."""
+
+    chat_template = "bytes"
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i - 3 if i - 3 >= 32 else i - 3 + 94) for i in ids if i >= 3)
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+        text = "".join(f"[{m['role'][0]}]{m['content']}|" for m in messages)
+        return text + ("[a]" if add_generation_prompt else "")
+
+
+@pytest.fixture(params=["lean", "stock", "lean-bf16"])
+def target(request):
+    t = tiny_model("llama")
+    if request.param == "stock":
+        t = CausalLM(t.hf, None, name=t.name, lean=False)
+    if request.param == "lean-bf16":
+        if not packing_available():
+            pytest.skip("this torch or CPU has no oneDNN bfloat16 linear")
+        use_fast_linear(t.hf.bfloat16())
+        t = CausalLM(t.hf, None, name=t.name)
+    t.tokenizer = ByteTokenizer(t.vocab_size)
+    return t
+
+
+def teacher_forced(t, tokens, layers, k):
+    """One forward over the whole sequence on a fresh state: every row's features and top-k next-token law."""
+    n = len(tokens)
+    out = t.forward(t.new_state(), torch.tensor(tokens), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(),
+                    features=layers)
+    p, i = torch.softmax(out.logits, dim=-1).topk(k, dim=-1)
+    return out.hidden.half(), p.half(), i.int()
+
+
+def test_sampled_features_and_labels_are_the_teacher_forced_ones(target):
+    bf16 = target.dtype == torch.bfloat16
+    w = _Writer(target, (2, -1), 8, max_batch=2)  # 5 prompts through 2 slots: sequences join as others finish
+    torch.manual_seed(0)
+    outs, data = w.sample(PROMPTS, 20, 0.8, labels_from=FROM)
+    for p, o, d, first in zip(PROMPTS, outs, data, FROM):
+        tokens = p + o
+        T = len(tokens)
+        assert d["tokens"].tolist() == tokens and d["feat"].shape == (T, 2 * 32) and d["p"].shape == (T, 8)
+        feat, prob, idx = teacher_forced(target, tokens, (2, -1), 8)
+        if bf16:  # the same bits: a row's result does not depend on the rows and sequences beside it
+            assert torch.equal(d["feat"], feat)
+            assert torch.equal(d["i"][first:T - 1], idx[first:T - 1])
+            assert torch.equal(d["p"][first:T - 1], prob[first:T - 1])
+        else:
+            assert torch.allclose(d["feat"].float(), feat.float(), atol=2e-3, rtol=2e-3)
+            assert torch.equal(d["i"][first:T - 1, :3], idx[first:T - 1, :3])
+            assert torch.allclose(d["p"][first:T - 1].float(), prob[first:T - 1].float(), atol=1e-3)
+        assert not d["p"][:first].any() and not d["p"][T - 1].any()  # labels only where asked (not past the end)
+    if not bf16:  # greedy text is generate's
+        outs, data = w.sample(PROMPTS, 12, 0.0)
+        assert data == [None] * len(PROMPTS)
+        for p, o in zip(PROMPTS, outs):
+            ref = target.hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, pad_token_id=0,
+                                     eos_token_id=2)[0, len(p):].tolist()
+            assert o == ref
+
+
+def chat_target():
+    t = tiny_model("llama")
+    t.tokenizer = ChatBytes(t.vocab_size)
+    return t
+
+
+def test_corpus_rounds_keep_their_features_resume_and_drop_repeats(tmp_path, monkeypatch):
+    t = chat_target()
+    path = tmp_path / "corpus.jsonl"
+    cfg = CorpusConfig(rounds=2, batch=3, layers=(2, -1), top_k=4)
+    records = write_corpus(t, path, cfg)  # round 0: chat, round 1: document
+    assert {r.shape for r in records} == {"chat", "document"}
+    joined = [r for r in records if r.shape == "chat" and len(r.spans) == 2]
+    assert joined  # two assistant turns in one sequence, trained on both
+    for rnd in (0, 1):
+        recs = [r for r in records if r.round == rnd]
+        for r, d in zip(recs, round_features(path, rnd, recs)):
+            T = len(r.tokens)
+            assert d["tokens"].tolist() == r.tokens and d["feat"].shape == (T, 64)
+            labelled = d["p"].sum(-1) > 0
+            first = r.spans[0][0] - 1
+            assert labelled[first:T - 1].all() and not labelled[:first].any()  # the first span's labels too
+            assert d["mask"].sum() == sum(b - a for a, b in r.spans)
+    before = path.read_text()
+    saved = (tmp_path / "features" / "00001.pt").read_bytes()
+    # an interrupted round 2: its record is written, its end marker is not
+    with path.open("a") as f:
+        f.write(json.dumps({"tokens": [1, 2, 3], "spans": [[1, 3]], "shape": "qa", "round": 2}) + "\n")
+    assert len(read_corpus(path)) == len(records)
+    more = write_corpus(t, path, CorpusConfig(rounds=3, batch=3, layers=(2, -1), top_k=4))
+    assert path.read_text().startswith(before) and (tmp_path / "features" / "00001.pt").read_bytes() == saved
+    assert [r.tokens for r in more[:len(records)]] == [r.tokens for r in records]
+    assert all(r.tokens != [1, 2, 3] for r in more) and {r.round for r in more} == {0, 1, 2}
+
+    def twice(w, shape, n, temperature, rnd):  # a round that writes the same record twice, and one of round 0's
+        rec = Record([1, 50, 51, 52], [[1, 4]], "", -1, {"x": torch.zeros(1)})
+        return [rec, rec, Record(records[0].tokens, records[0].spans, "", -1, {"x": torch.zeros(1)})]
+
+    monkeypatch.setattr(corpus_mod, "_round", twice)
+    again = write_corpus(t, path, CorpusConfig(rounds=4, batch=3, layers=(2, -1), top_k=4))
+    assert [r.tokens for r in again if r.round == 3] == [[1, 50, 51, 52]]
+
+
+def test_training_streams_rounds_and_ships_the_best_checkpoint(tmp_path, monkeypatch):
+    t = chat_target()
+    monkeypatch.setattr(train_mod, "BUFFER_ROUNDS", 2)
+    cfg = TrainConfig(rounds=8, gen_batch=2, top_k=8, epochs=3, batch=2, checkpoint_every=1, held_out=0.2,
+                      vocab=0, depths=2, patience=2)
+    train(t, tmp_path / "run", cfg, until="corpus", progress=False, log=lambda m: None)
+    records = read_corpus(tmp_path / "run" / "corpus.jsonl")
+    train_idx, _ = train_mod._split(records, cfg)
+    order = train_mod._epoch_order(records, train_idx, cfg.seed, 0)
+    assert sorted(order) == sorted(train_idx)
+    loads = []
+    real_load = train_mod.round_features
+    monkeypatch.setattr(train_mod, "round_features", lambda p, rnd, recs: loads.append(rnd) or real_load(p, rnd, recs))
+    info = json.loads((tmp_path / "run" / "config.json").read_text())["corpus"]
+    feats = train_mod._Features(tmp_path / "run" / "corpus.jsonl", records, info, (-1,), 8, 32, 4)
+    for i in order:  # an epoch loads each round once, holding at most BUFFER_ROUNDS of them
+        assert feats[i]["tokens"].tolist() == records[i].tokens and len(feats.cache) <= 2
+    assert sorted(loads) == sorted({records[i].round for i in train_idx})
+    # the held-out score goes up, then down: training stops after `patience` checkpoints without a better one and
+    # ships the best
+    scores = iter([0.1, 0.5, 0.3, 0.2, 0.9, 0.9])
+    real = train_mod.evaluate
+    states = {}
+
+    def scored(head, data, depths=1):
+        out = real(head, data, depths)
+        states[len(states) + 1] = head.head_state()
+        out["chain_1"] = next(scores)
+        return out
+
+    monkeypatch.setattr(train_mod, "evaluate", scored)
+    lines = []
+    path = train(t, tmp_path / "run", cfg, progress=False, log=lines.append)
+    steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "log.jsonl").open()]
+    assert steps == [1, 2, 3, 4] and any("stopping at step 4" in x for x in lines)
+    head = EagleHead.load(path, t)
+    assert head.meta["best_step"] == 2
+    best = states[2]
+    got = head.head_state()
+    assert all(torch.allclose(got[k].float(), best[k].half().float()) for k in best)
+
+
+def test_max_tokens_trains_on_the_first_sequences_that_hold_them(tmp_path):
+    t = chat_target()
+    cfg = TrainConfig(rounds=4, gen_batch=2, top_k=8, epochs=1, batch=2, vocab=0, max_tokens=300)
+    path = train(t, tmp_path / "run", cfg, progress=False, log=lambda m: None)
+    meta = EagleHead.load(path, t).meta
+    records = read_corpus(tmp_path / "run" / "corpus.jsonl")
+    train_idx, _ = train_mod._split(records, cfg)
+    sizes = [sum(b - a for a, b in records[i].spans) for i in train_idx[:meta["sequences"]]]
+    assert sum(sizes) >= 300 > sum(sizes[:-1]) and meta["response_tokens"] == sum(sizes)
