@@ -174,12 +174,20 @@ def test_training_streams_rounds_and_ships_the_best_checkpoint(tmp_path, monkeyp
     assert all(torch.allclose(got[k].float(), best[k].half().float()) for k in best)
 
 
-def test_max_tokens_trains_on_the_first_sequences_that_hold_them(tmp_path):
+def test_heads_train_on_another_folders_corpus_and_on_the_first_max_tokens(tmp_path):
     t = chat_target()
-    cfg = TrainConfig(rounds=4, gen_batch=2, top_k=8, epochs=1, batch=2, vocab=0, max_tokens=300)
-    path = train(t, tmp_path / "run", cfg, progress=False, log=lambda m: None)
+    cfg = TrainConfig(rounds=4, gen_batch=2, top_k=8, epochs=1, batch=2, vocab=0)
+    train(t, tmp_path / "corpus", cfg, until="corpus", progress=False, log=lambda m: None)
+    text = (tmp_path / "corpus" / "corpus.jsonl").read_text()
+    small = TrainConfig(**{**cfg.__dict__, "max_tokens": 300})
+    path = train(t, tmp_path / "head", small, progress=False, log=lambda m: None, corpus_dir=tmp_path / "corpus")
+    assert not (tmp_path / "head" / "corpus.jsonl").exists()
+    assert (tmp_path / "corpus" / "corpus.jsonl").read_text() == text
     meta = EagleHead.load(path, t).meta
-    records = read_corpus(tmp_path / "run" / "corpus.jsonl")
+    records = read_corpus(tmp_path / "corpus" / "corpus.jsonl")
     train_idx, _ = train_mod._split(records, cfg)
     sizes = [sum(b - a for a, b in records[i].spans) for i in train_idx[:meta["sequences"]]]
     assert sum(sizes) >= 300 > sum(sizes[:-1]) and meta["response_tokens"] == sum(sizes)
+    with pytest.raises(Exception, match="4 complete corpus rounds, fewer than --rounds 5"):
+        train(t, tmp_path / "other", TrainConfig(**{**cfg.__dict__, "rounds": 5}), progress=False,
+              corpus_dir=tmp_path / "corpus")

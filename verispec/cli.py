@@ -550,6 +550,9 @@ def _add_train_draft(sub):
     t.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="what the target writes the corpus in (auto: bfloat16 where the CPU has bfloat16 arithmetic; "
                         "about 1.4x the float32 rate there); training reads the float32 target's tables")
+    t.add_argument("--corpus", default=None, metavar="DIR",
+                   help="train on the corpus of another run folder (read only), e.g. heads of other options or data "
+                        "sizes on one corpus; --rounds must not exceed its complete rounds")
     t.add_argument("--no-resume", action="store_true", help="refuse to continue a run folder that exists")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     _threads(t)
@@ -564,8 +567,11 @@ def cmd_train_draft(args) -> int:
     if args.no_resume and out.exists() and any(out.iterdir()):
         raise VerispecError(f"{out} exists and is not empty (--no-resume)")
     _set_threads(args)
-    options = dict(progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr), store_layers=store)
-    target = load(args.target, dtype=args.dtype)
+    options = dict(progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr), store_layers=store,
+                   corpus_dir=args.corpus)
+    if args.corpus is not None and args.until == "corpus":
+        raise VerispecError("--until corpus writes a corpus; --corpus reads another folder's (use one or the other)")
+    target = load(args.target, dtype=args.dtype if args.corpus is None else "float32")
     if target.dtype != torch.float32 and not (out / "head.pt").exists():
         path = train(target, out, config, until="corpus", **options)
         if args.until == "corpus":

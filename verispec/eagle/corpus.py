@@ -240,7 +240,7 @@ class _Writer:
                                           [torch.arange(m) for m in lens],
                                           [torch.ones(m, m, dtype=torch.bool).tril() for m in lens], features=layers,
                                           last_logits_only=[f == m - 1 for f, m in zip(first, lens)])
-                    for i, s, o, m, f in zip(part, states, res, lens, first):
+                    for i, s, o, m in zip(part, states, res, lens):
                         t.commit(s, list(range(m)))
                         live[i] = s
                         if keep:

@@ -373,40 +373,52 @@ def _epoch_order(records: list[Record], train_idx: list[int], seed: int, epoch: 
 
 
 def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = True, progress: bool = True, log=print,
-          max_steps: int | None = None, until: str | None = None, store_layers: tuple[int, ...] | None = None) -> Path:
+          max_steps: int | None = None, until: str | None = None, store_layers: tuple[int, ...] | None = None,
+          corpus_dir: str | Path | None = None) -> Path:
     """The whole pipeline into ``out_dir``: the corpus with its features (``corpus.jsonl``, ``features/``), training
     with checkpoints (``checkpoint.pt``) and a log (``log.jsonl``), then ``head.pt`` (the checkpoint that did best on
     the held-out rounds). Each stage resumes.
 
     ``until="corpus"`` stops after the corpus. ``store_layers`` keeps features of more layers than the head reads (a
-    superset of ``feature_layers``), so that heads reading other subsets train on the same corpus."""
+    superset of ``feature_layers``), so that heads reading other subsets train on the same corpus. ``corpus_dir``
+    trains on the corpus of another run folder (read only; it must hold ``config.rounds`` complete rounds), so that
+    several heads (other options, other data sizes) train on one corpus."""
     config.validate()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg_path = out / "config.json"
-    corpus_path = out / "corpus.jsonl"
+    source = Path(corpus_dir) if corpus_dir is not None else out
+    corpus_path = source / "corpus.jsonl"
     info = _corpus_info(target, config, store_layers)
-    if cfg_path.exists() and resume and corpus_path.exists():  # the corpus serves runs with other training options
-        old = json.loads(cfg_path.read_text())
-        had = old.get("corpus")
+    if corpus_dir is not None and not ((source / "config.json").is_file() and corpus_path.is_file()):
+        raise VerispecError(f"{source} holds no corpus of 'verispec train-draft' (config.json and corpus.jsonl)")
+    if (source / "config.json").exists() and resume and corpus_path.exists():  # one corpus serves many trainings
+        had = json.loads((source / "config.json").read_text()).get("corpus")
         if had is None:
-            raise VerispecError(f"{out} holds a corpus of an older format (text without features); use another --out")
+            raise VerispecError(f"{source} holds a corpus of an older format (text without features); use another "
+                                "folder")
         diff = sorted(k for k in ("format", "gen_batch", "seed") if had.get(k) != info[k])
         if diff:
-            raise VerispecError(f"{out} holds a corpus made with another configuration ({', '.join(diff)}); "
-                                "use another --out or the same options")
+            raise VerispecError(f"{source} holds a corpus made with another configuration ({', '.join(diff)}); "
+                                "use another folder or the same options")
         need = {target.num_layers if i == -1 else i for i in config.layers()}
         if not need <= set(had["layers"]) or config.top_k > had["top_k"] \
                 or (store_layers is not None and info["layers"] != had["layers"]):
-            raise VerispecError(f"{out} keeps features of layers {had['layers']} with top-{had['top_k']} labels; "
-                                f"this run asks for layers {info['layers']} and top-{config.top_k} (use another --out)")
+            raise VerispecError(f"{source} keeps features of layers {had['layers']} with top-{had['top_k']} labels; "
+                                f"this run asks for layers {info['layers']} and top-{config.top_k} (use another "
+                                "folder)")
         info = had
-    cfg_path.write_text(json.dumps({**asdict(config), "corpus": info}, indent=1))
+    (out / "config.json").write_text(json.dumps({**asdict(config), "corpus": info,
+                                                 **({"corpus_dir": str(source)} if corpus_dir is not None else {})},
+                                                indent=1))
     t_start = time.time()
 
     # 1. corpus, with its features
-    records = read_corpus(corpus_path) if resume else []
+    records = read_corpus(corpus_path) if resume or corpus_dir is not None else []
     done = len({r.round for r in records})
+    if done < config.rounds and corpus_dir is not None:
+        raise VerispecError(f"{source} holds {done} complete corpus rounds, fewer than --rounds {config.rounds}; "
+                            f"extend it with 'verispec train-draft --until corpus --out {source} --rounds "
+                            f"{config.rounds}' (its options) or ask for fewer")
     if done < config.rounds:
         bar = tqdm(total=config.rounds, initial=done, desc="self-written corpus", unit="round", disable=not progress)
         written = [sum(b - a for r in records for a, b in r.spans)]
