@@ -70,6 +70,7 @@ AGREEMENT_COMMANDS = {  # as run (docs/archive/findings.md, "Head variants")
                               "--per-group 5 --check 3 --json > results/agreement_shipped.json",
     "EAGLE-3-style head (not shipped)": "verispec eval-draft --draft eagle:runs/final/head.pt --corpus runs/e3 "
                                         "--per-group 5 --json > results/agreement_eagle3.json"}
+CURVE = ROOT / "results" / "head_curve"  # `verispec eval-draft --json` reports of heads trained on more and more of one corpus
 VARIANTS = ROOT / "results" / "head_variants.json"  # `python scripts/experiments/head_variants.py RUN... --out ...`
 
 DYNAMIC = "dyn:4,2,3"  # EAGLE-2 dynamic tree: depth <= 4, top-2 expansion, the 3 most probable nodes kept
@@ -539,6 +540,55 @@ def variants_section(variants: dict, figs: Path) -> list[str]:
             *lines, "", fig(path), ""]
 
 
+def curve_section(figs: Path) -> list[str]:
+    """Agreement on held-out Spec-Bench questions against the response tokens a head was trained on (one report a
+    head, ``results/head_curve/*.json``), beside the shipped head's."""
+    from verispec.bench.plots import _pyplot
+
+    reports = sorted((json.loads(p.read_text()) for p in CURVE.glob("*.json")),
+                     key=lambda r: r["training"]["response_tokens"])
+    if not reports:
+        return []
+    spec = "spec-bench (held out)"
+    depths = max(r["depths"] for r in reports)
+    lines = ["| response tokens trained on | sequences | checkpoint (step) | "
+             + " | ".join(f"agree d{k}" for k in range(1, depths + 1)) + " | "
+             + " | ".join(f"chain d{k}" for k in range(1, depths + 1)) + " | self-written held out, agree d1 |",
+             "|" + "---|" * (4 + 2 * depths)]
+    for r in reports:
+        tr, st = r["training"], r["sets"][spec]
+        own = r["sets"].get("self-written (held-out rounds)")
+        lines.append(f"| {tr['response_tokens']:,} | {tr['sequences']} | {tr['best_step']} of {tr['steps']} | "
+                     + " | ".join(f"{x:.3f}" for x in st["agreement"]) + " | "
+                     + " | ".join(f"{x:.3f}" for x in st["chain_acceptance"]) + " | "
+                     + (f"{own['agreement'][0]:.3f}" if own else "-") + " |")
+    plt = _pyplot()
+    figure, ax = plt.subplots(figsize=(6.4, 4.0))
+    x = [r["training"]["response_tokens"] for r in reports]
+    for k in range(min(depths, 3)):
+        ax.plot(x, [r["sets"][spec]["agreement"][k] for r in reports], marker="o", label=f"depth {k + 1}")
+    shipped = AGREEMENT["shipped head (EAGLE-1)"]
+    if shipped.exists():
+        ax.axhline(json.loads(shipped.read_text())["sets"][spec]["agreement"][0], color="grey", linestyle="--",
+                   label="shipped head, depth 1")
+    ax.axhline(0.5, color="grey", linestyle=":", label="goal, depth 1")
+    ax.set_xscale("log")
+    ax.set_xlabel("response tokens trained on")
+    ax.set_ylabel("agreement on held-out Spec-Bench")
+    ax.legend(fontsize=8)
+    figure.tight_layout()
+    path = figs / "head_curve.png"
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    made = "; ".join(provenance(CURVE, "verispec eval-draft --json", r) for r in reports)
+    return ["### The head against the data it was trained on", "",
+            f"Made by {made}.", "",
+            "Heads of one recipe trained on the first N response tokens of one self-written corpus "
+            "(`verispec train-draft --corpus DIR --max-tokens N`), each the checkpoint best on the corpus's held-out "
+            "rounds; agreement per drafted depth on the held-out Spec-Bench answers as in the table above.", "",
+            *lines, "", fig(path), ""]
+
+
 def head_section(figs: Path) -> list[str]:
     out = []
     reports = {k: json.loads(p.read_text()) for k, p in AGREEMENT.items() if p.exists()}
@@ -570,6 +620,7 @@ def head_section(figs: Path) -> list[str]:
                         + "; ".join(f"depth {k + 1}: {a:.3f} vs {b:.3f} ({n} decisions)"
                                     for k, (a, b, n) in enumerate(zip(c["in_loop"], c["teacher_forced"], c["positions"]))
                                     if n) + f"; decisions that differ: {c['mismatches']}.", ""]
+    out += curve_section(figs)
     if VARIANTS.exists():
         out += variants_section(json.loads(VARIANTS.read_text()), figs)
     if HEAD_INFO.exists():

@@ -144,6 +144,8 @@ def agreement_report(target, head: EagleHead, depths: int = 4, per_group: int = 
     kept = cache.path("answers", f"{target.name}-{per_group}x{max_new_tokens}.jsonl")
     answers = spec_bench_answers(target, per_group, max_new_tokens, cache=kept, progress=tick)
     out = {"head": head.meta.get("target", "?"), "feature_layers": list(head.feature_layers), "depths": depths,
+           "training": {k: head.meta.get(k) for k in ("response_tokens", "corpus_tokens", "sequences", "steps",
+                                                      "best_step")},
            "sets": {}}
     by_group: dict[str, list[Record]] = {}
     for r in answers:
