@@ -191,3 +191,21 @@ def test_heads_train_on_another_folders_corpus_and_on_the_first_max_tokens(tmp_p
     with pytest.raises(Exception, match="4 complete corpus rounds, fewer than --rounds 5"):
         train(t, tmp_path / "other", TrainConfig(**{**cfg.__dict__, "rounds": 5}), progress=False,
               corpus_dir=tmp_path / "corpus")
+
+
+def test_held_out_rounds_are_drawn_within_each_shape():
+    def split(n_rounds, held_out):
+        records = [Record([1, 2, 3], [[1, 3]], corpus_mod.CYCLE[r % len(corpus_mod.CYCLE)], r)
+                   for r in range(n_rounds) for _ in range(3)]
+        train_idx, val_idx = train_mod._split(records, TrainConfig(rounds=n_rounds, held_out=held_out))
+        assert sorted(train_idx + val_idx) == list(range(len(records)))
+        held = {records[i].round for i in val_idx}
+        return records, held, val_idx
+
+    records, held, val_idx = split(64, 0.1)
+    for shape in set(corpus_mod.CYCLE):
+        rounds = {r.round for r in records if r.shape == shape}
+        assert len(rounds & held) == min(len(rounds) - 1, round(len(rounds) * 0.1)) >= 1  # every shape, none whole
+    assert val_idx != sorted(val_idx)  # shuffled: the first VALIDATION records span the held-out rounds
+    records, held, _ = split(10, 0.05)  # too small for a round per shape: one round of the commonest shape
+    assert len(held) == 1 and records[3 * held.pop()].shape in ("chat", "document", "math")

@@ -306,12 +306,25 @@ def chain_tokens(val: dict[str, float], depths: int) -> float:
 
 
 def _split(records: list[Record], config: TrainConfig) -> tuple[list[int], list[int]]:
-    """Indices of (training, validation) records: whole rounds are held out, so a document's tasks stay together."""
-    rounds = sorted({r.round for r in records})
+    """Indices of (training, validation) records. Whole rounds are held out, so a document's tasks stay together, and
+    they are drawn within each task shape (``held_out`` of its rounds), so that validation covers the shapes and no
+    shape is held out whole; a corpus too small for that holds out one round of its most frequent shape. The
+    validation records come shuffled (a checkpoint is judged on the first ``VALIDATION`` of them)."""
+    by_shape: dict[str, list[int]] = {}
+    for r in records:
+        if r.round not in by_shape.setdefault(r.shape, []):
+            by_shape[r.shape].append(r.round)
     rnd = random.Random(config.seed)
-    held = set(rnd.sample(rounds, max(1, round(len(rounds) * config.held_out))))
+    held: set[int] = set()
+    for shape in sorted(by_shape):
+        rounds = sorted(by_shape[shape])
+        held |= set(rnd.sample(rounds, min(len(rounds) - 1, round(len(rounds) * config.held_out))))
+    if not held and records:
+        most = max(sorted(by_shape), key=lambda sh: len(by_shape[sh]))
+        held = {rnd.choice(sorted(by_shape[most]))}
     train = [i for i, r in enumerate(records) if r.round not in held]
     val = [i for i, r in enumerate(records) if r.round in held]
+    rnd.shuffle(val)
     return train, val
 
 

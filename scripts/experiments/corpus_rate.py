@@ -1,0 +1,41 @@
+"""How fast the corpus writer samples (``verispec.eagle.corpus._Writer.sample``): N chat prompts through SLOTS
+slots of the target's batched forward, keeping features and labels as a corpus round does.
+
+    python scripts/experiments/corpus_rate.py --prompts 128 --slots 64 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from verispec.backends import load
+from verispec.eagle.corpus import _Writer
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=128)
+    ap.add_argument("--slots", type=int, default=64)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-new-tokens", type=int, default=192)
+    ap.add_argument("--no-features", action="store_true", help="text only")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target = load("smollm2-135m", dtype=args.dtype)
+    w = _Writer(target, None if args.no_features else (3, 15, 27), 64, max_batch=args.slots)
+    torch.manual_seed(0)
+    prompts = [w.prompt([f"Write a short paragraph about topic number {i}."]) for i in range(args.prompts)]
+    t0 = time.perf_counter()
+    outs, _ = w.sample(prompts, args.max_new_tokens, 0.6, labels_from=[len(p) - 1 for p in prompts])
+    dt = time.perf_counter() - t0
+    tokens = sum(len(o) for o in outs)
+    print(f"{args.prompts} prompts, {args.slots} slots, {args.dtype}, features {not args.no_features}: {tokens} tokens "
+          f"in {dt:.1f} s = {tokens / dt:.0f} tokens/s")
+
+
+if __name__ == "__main__":
+    main()
