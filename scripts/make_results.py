@@ -71,6 +71,10 @@ AGREEMENT_COMMANDS = {  # as run (docs/archive/findings.md, "Head variants")
     "EAGLE-3-style head (not shipped)": "verispec eval-draft --draft eagle:runs/final/head.pt --corpus runs/e3 "
                                         "--per-group 5 --json > results/agreement_eagle3.json"}
 CURVE = ROOT / "results" / "head_curve"  # `verispec eval-draft --json` reports of heads trained on more and more of one corpus
+CURVE_CORPUS = ("verispec train-draft --until corpus --rounds 128 --gen-batch 128 --feature-layers 3,15,27 --depths 3 "
+                "--out runs/eagle3-smollm2-135m")
+CURVE_TRAIN = ("verispec train-draft --corpus runs/eagle3-smollm2-135m --out runs/curve-rR --rounds R --gen-batch 128 "
+               "--feature-layers 3,15,27 --depths 3 --epochs 2 --patience 4 --checkpoint-every 150")
 VARIANTS = ROOT / "results" / "head_variants.json"  # `python scripts/experiments/head_variants.py RUN... --out ...`
 
 DYNAMIC = "dyn:4,2,3"  # EAGLE-2 dynamic tree: depth <= 4, top-2 expansion, the 3 most probable nodes kept
@@ -583,9 +587,9 @@ def curve_section(figs: Path) -> list[str]:
     made = "; ".join(provenance(CURVE, "verispec eval-draft --json", r) for r in reports)
     return ["### The head against the data it was trained on", "",
             f"Made by {made}.", "",
-            "Heads of one recipe trained on the first N response tokens of one self-written corpus "
-            "(`verispec train-draft --corpus DIR --max-tokens N`), each the checkpoint best on the corpus's held-out "
-            "rounds; agreement per drafted depth on the held-out Spec-Bench answers as in the table above.", "",
+            "Heads of one recipe trained on the first rounds of one self-written corpus, each the checkpoint best on "
+            "the corpus's held-out rounds; agreement per drafted depth on the held-out Spec-Bench answers as in the "
+            "table above. The corpus: `" + CURVE_CORPUS + "`; a head on its first R rounds: `" + CURVE_TRAIN + "`.", "",
             *lines, "", fig(path), ""]
 
 
