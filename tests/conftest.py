@@ -39,6 +39,25 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, vocab: int =
     return CausalLM(hf, tokenizer=None, name=f"tiny-{kind}-{seed}")
 
 
+FORWARDS = ["lean", "stock", "lean-bf16"]  # the forwards a batch can run on
+
+
+def tiny_target(forward: str) -> CausalLM:
+    """The tiny Llama on one of ``FORWARDS``: the lean forward, the transformers forward (batches run as one packed
+    sequence), or the lean forward in bfloat16 on prepacked weights, as ``verispec.load(dtype=...)`` gives."""
+    from verispec.backends.kernels import packing_available, use_fast_linear
+
+    t = tiny_model("llama")
+    if forward == "stock":
+        return CausalLM(t.hf, None, name=t.name, lean=False)
+    if forward == "lean-bf16":
+        if not packing_available():
+            pytest.skip("this torch or CPU has no oneDNN bfloat16 linear")
+        use_fast_linear(t.hf.bfloat16())
+        return CausalLM(t.hf, None, name=t.name)
+    return t
+
+
 @pytest.fixture(params=["llama", "qwen2"])
 def tiny(request) -> CausalLM:
     return tiny_model(request.param)

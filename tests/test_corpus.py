@@ -9,10 +9,8 @@ import json
 
 import pytest
 import torch
-from conftest import ByteTokenizer, tiny_model
+from conftest import FORWARDS, ByteTokenizer, tiny_model, tiny_target
 
-from verispec.backends import CausalLM
-from verispec.backends.kernels import packing_available, use_fast_linear
 from verispec.eagle import TrainConfig, train
 from verispec.eagle import corpus as corpus_mod
 from verispec.eagle.corpus import CorpusConfig, Record, _Writer, read_corpus, round_features, write_corpus
@@ -38,16 +36,9 @@ class ChatBytes(ByteTokenizer):
         return text + ("[a]" if add_generation_prompt else "")
 
 
-@pytest.fixture(params=["lean", "stock", "lean-bf16"])
+@pytest.fixture(params=FORWARDS)
 def target(request):
-    t = tiny_model("llama")
-    if request.param == "stock":
-        t = CausalLM(t.hf, None, name=t.name, lean=False)
-    if request.param == "lean-bf16":
-        if not packing_available():
-            pytest.skip("this torch or CPU has no oneDNN bfloat16 linear")
-        use_fast_linear(t.hf.bfloat16())
-        t = CausalLM(t.hf, None, name=t.name)
+    t = tiny_target(request.param)
     t.tokenizer = ByteTokenizer(t.vocab_size)
     return t
 

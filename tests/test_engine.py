@@ -6,12 +6,11 @@ load-aware plan drafts less when rows cost more."""
 
 import pytest
 import torch
-from conftest import Contrarian, tiny_model
+from conftest import FORWARDS, Contrarian, tiny_model, tiny_target
 
 from verispec import Tree, VerispecError, generate, generate_batch, get_verifier
 from verispec.audit.law import batch_loop_law, random_tables, target_law, tv_and_kl
 from verispec.backends.costs import BatchCosts
-from verispec.backends.kernels import packing_available, use_fast_linear
 from verispec.drafters import HybridDrafter, ModelDrafter, NgramDrafter, layer_skip_drafter
 from verispec.drafters.eagle import EagleDrafter
 from verispec.eagle import EagleHead
@@ -22,19 +21,9 @@ from verispec.probs import Sampling
 PROMPTS = [[5, 17, 33, 8, 61, 42], [7, 8, 9, 10, 7, 8], [44, 3, 90], [1, 2, 3, 4, 5, 6, 7, 8, 9], [61]]
 
 
-@pytest.fixture(params=["lean", "stock", "lean-bf16"])
+@pytest.fixture(params=FORWARDS)
 def target(request):
-    from verispec.backends import CausalLM
-
-    t = tiny_model("llama")
-    if request.param == "stock":  # the transformers forward: batches run as one packed sequence
-        t = CausalLM(t.hf, None, name=t.name, lean=False)
-    if request.param == "lean-bf16":  # a bfloat16 model on prepacked weights, as verispec.load(dtype=...) gives
-        if not packing_available():
-            pytest.skip("this torch or CPU has no oneDNN bfloat16 linear")
-        use_fast_linear(t.hf.bfloat16())
-        t = CausalLM(t.hf, None, name=t.name)
-    return t
+    return tiny_target(request.param)
 
 
 def states_with(target, prompts):

@@ -549,7 +549,7 @@ def _add_train_draft(sub):
                         "heads reading other subsets train on it")
     t.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="what the target writes the corpus in (auto: bfloat16 where the CPU has bfloat16 arithmetic; "
-                        "about 1.4x the float32 rate there); training reads the float32 target's tables")
+                        "about 1.25x the float32 rate there); training reads the float32 target's tables")
     t.add_argument("--corpus", default=None, metavar="DIR",
                    help="train on the corpus of another run folder (read only), e.g. heads of other options or data "
                         "sizes on one corpus; --rounds must not exceed its complete rounds")

@@ -280,10 +280,11 @@ class _Writer:
         return out, data
 
     def answer(self, prompts: list[list[int]], temperature: float, limit: int = LIMITS["answer"],
-               labels_from: list[int] | None = None) -> list[Record]:
-        """Sample answers; each record is prompt + answer with the answer as its one span (and what training reads
-        of it, labels from ``labels_from`` on: by default the answer's positions)."""
-        outs, data = self.sample(prompts, limit, temperature, labels_from or [len(p) - 1 for p in prompts])
+               labels_from: list[int] | None = None, keep: bool = True) -> list[Record]:
+        """Sample answers; each record is prompt + answer with the answer as its one span (and, with ``keep``, what
+        training reads of it, labels from ``labels_from`` on: by default the answer's positions)."""
+        first = (labels_from or [len(p) - 1 for p in prompts]) if keep else None
+        outs, data = self.sample(prompts, limit, temperature, first)
         return [Record(p + a, [[len(p), len(p) + len(a)]], "", -1, d) for p, a, d in zip(prompts, outs, data)]
 
 
@@ -313,7 +314,7 @@ def _round(w: _Writer, shape: str, n: int, temperature: float, rnd: random.Rando
         return w.answer(starts, max(temperature, 0.6), LIMITS["document"])
     if shape == "chat":
         first = _finish_requests(w, [w.user_start([], "") for _ in range(n)], [""] * n, LIMITS["request"])
-        a1 = w.answer([w.prompt([u]) for u in first], temperature)
+        a1 = w.answer([w.prompt([u]) for u in first], temperature, keep=False)  # kept only inside the second
         replies = [_said(w, r) for r in a1]
         follow = _finish_requests(w, [w.user_start([u, a], "") for u, a in zip(first, replies)], [""] * n,
                                   LIMITS["request"])

@@ -328,12 +328,17 @@ def _split(records: list[Record], config: TrainConfig) -> tuple[list[int], list[
     return train, val
 
 
+def _layer_ids(n_layers: int, layers) -> list[int]:
+    """``hidden_states`` indices with -1 written as ``n_layers`` (the last), in the order given."""
+    return [n_layers if i == -1 else i for i in layers]
+
+
 def _corpus_info(target, config: TrainConfig, store: tuple[int, ...] | None) -> dict:
     layers = store if store is not None else config.layers()
-    norm = lambda ls: sorted({target.num_layers if i == -1 else i for i in ls})  # noqa: E731
-    if not set(norm(config.layers())) <= set(norm(layers)):
+    if not set(_layer_ids(target.num_layers, config.layers())) <= set(_layer_ids(target.num_layers, layers)):
         raise VerispecError(f"--store-layers {list(layers)} must include the feature layers {list(config.layers())}")
-    return {"format": CORPUS_FORMAT, "gen_batch": config.gen_batch, "seed": config.seed, "layers": norm(layers),
+    return {"format": CORPUS_FORMAT, "gen_batch": config.gen_batch, "seed": config.seed,
+            "layers": sorted(set(_layer_ids(target.num_layers, layers))),
             "top_k": config.top_k, "written_by": target.forward_id}
 
 
@@ -345,10 +350,12 @@ class _Features:
                  hidden: int, n_layers: int):
         self.path, self.records, self.top_k = corpus_path, records, top_k
         self.by_round: dict[int, list[int]] = {}
+        self.place: dict[int, int] = {}  # record -> its place in its round
         for i, r in enumerate(records):
-            self.by_round.setdefault(r.round, []).append(i)
+            self.place[i] = len(self.by_round.setdefault(r.round, []))
+            self.by_round[r.round].append(i)
         stored = info["layers"]
-        want = [n_layers if i == -1 else i for i in layers]
+        want = _layer_ids(n_layers, layers)
         self.cols = None if want == stored else torch.cat(
             [torch.arange(stored.index(i) * hidden, (stored.index(i) + 1) * hidden) for i in want])
         self.cache: dict[int, list[dict]] = {}
@@ -365,7 +372,7 @@ class _Features:
                     d["feat"] = d["feat"][:, self.cols].contiguous()
                 d["p"], d["i"] = d["p"][:, :self.top_k], d["i"][:, :self.top_k]
             self.cache[rnd] = data
-        return self.cache[rnd][self.by_round[rnd].index(i)]
+        return self.cache[rnd][self.place[i]]
 
 
 def _epoch_order(records: list[Record], train_idx: list[int], seed: int, epoch: int) -> list[int]:
@@ -413,8 +420,7 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
         if diff:
             raise VerispecError(f"{source} holds a corpus made with another configuration ({', '.join(diff)}); "
                                 "use another folder or the same options")
-        need = {target.num_layers if i == -1 else i for i in config.layers()}
-        if not need <= set(had["layers"]) or config.top_k > had["top_k"] \
+        if not set(_layer_ids(target.num_layers, config.layers())) <= set(had["layers"]) or config.top_k > had["top_k"] \
                 or (store_layers is not None and info["layers"] != had["layers"]):
             raise VerispecError(f"{source} keeps features of layers {had['layers']} with top-{had['top_k']} labels; "
                                 f"this run asks for layers {info['layers']} and top-{config.top_k} (use another "
