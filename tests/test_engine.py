@@ -94,6 +94,33 @@ def test_a_pooled_batch_attends_in_one_call_and_equals_each_sequence_alone():
                         [torch.ones(60, 60, dtype=torch.bool).tril(), torch.ones(1, 1, dtype=torch.bool)])
 
 
+def test_in_bfloat16_a_pooled_batch_over_several_blocks_of_keys_equals_each_sequence_alone_bit_for_bit():
+    """The invariant attention reads whole blocks of keys and sums them in order: a sequence's logits, bit for bit,
+    whatever the longest sequence of its batch (which sets the span every slot reads) and its own tree's rows."""
+    from verispec.backends import CausalLM
+
+    t = tiny_target("lean-bf16")
+    stock = CausalLM(t.hf, None, name="stock", lean=False)  # transformers' bfloat16 forward, to its rounding
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (190, 7, 70, 129)]
+    pool = t.state_pool(4, 256)
+    pooled, alone, ref = [pool.acquire() for _ in prompts], states_with(t, prompts), states_with(stock, prompts)
+    for s, p in zip(pooled, prompts):
+        t.prefill(s, p[:-1])
+    trees = [Tree.parse("chain:3"), Tree.root_only(), Tree.parse("2x2"), Tree.root_only()]
+    for step in range(2):
+        tokens = [torch.tensor(p[-1:] + [20 + step + k for k in range(tr.size - 1)]) for p, tr in zip(prompts, trees)]
+        pos = [s.committed + torch.tensor(tr.depths) for s, tr in zip(pooled, trees)]
+        outs = t.forward_batch(pooled, tokens, pos, [tr.ancestors_mask() for tr in trees])
+        for s, r, tok, p, tr, out in zip(alone, ref, tokens, pos, trees, outs):
+            assert torch.equal(out.logits, t.forward(s, tok, p, tr.ancestors_mask()).logits), (step, tr.describe())
+            assert torch.allclose(out.logits, stock.forward(r, tok, p, tr.ancestors_mask()).logits, atol=0.1, rtol=0.02)
+        for states in (pooled, alone, ref):
+            for s, tr in zip(states, trees):
+                t.commit(s, list(range(tr.size))[:1])
+        trees = trees[::-1]
+
+
 def drafters(target):
     return {"ngram": NgramDrafter(target.vocab_size), "layerskip": layer_skip_drafter(target, 2),
             "model": ModelDrafter(tiny_model("llama", seed=1, layers=2)), "eagle": EagleDrafter(EagleHead(target)),

@@ -2,6 +2,7 @@
 slots of the target's batched forward, keeping features and labels as a corpus round does.
 
     python scripts/experiments/corpus_rate.py --prompts 128 --slots 64 --dtype bfloat16
+    python scripts/experiments/corpus_rate.py --prompts 64 --slots 64 --document 800   # as a document round
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-new-tokens", type=int, default=192)
+    ap.add_argument("--document", type=int, default=0, metavar="WORDS",
+                    help="each prompt opens with a text of this many words to be worked on, as a document round's")
     ap.add_argument("--no-features", action="store_true", help="text only")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -28,7 +31,10 @@ def main() -> None:
     target = load("smollm2-135m", dtype=args.dtype)
     w = _Writer(target, None if args.no_features else (3, 15, 27), 64, max_batch=args.slots)
     torch.manual_seed(0)
-    prompts = [w.prompt([f"Write a short paragraph about topic number {i}."]) for i in range(args.prompts)]
+    words = "the old town by the river grew up around a mill that ground grain for farms across the valley".split()
+    text = " ".join(words[i % len(words)] for i in range(args.document))
+    ask = "Summarise this text in a short paragraph:\n" + text + "\n" if args.document else ""
+    prompts = [w.prompt([ask + f"Write a short paragraph about topic number {i}."]) for i in range(args.prompts)]
     t0 = time.perf_counter()
     outs, _ = w.sample(prompts, args.max_new_tokens, 0.6, labels_from=[len(p) - 1 for p in prompts])
     dt = time.perf_counter() - t0

@@ -255,11 +255,13 @@ class LeanLlama:
         if not self.invariant:
             return torch.matmul(weights, v).view(slots, heads, n, hd)
         # over a span of whole BLOCKs of keys, one product per block, then the blocks summed in order: a product over
-        # the whole span sums in an order that depends on its length (which the batch's longest sequence sets)
-        blocks = span // BLOCK
-        parts = torch.matmul(weights.view(slots, kv, group * n, blocks, BLOCK).transpose(2, 3),
-                             v.reshape(slots, kv, blocks, BLOCK, hd))
-        return parts.sum(2).view(slots, heads, n, hd)
+        # the whole span sums in an order that depends on its length (which the batch's longest sequence sets), and
+        # a masked block adds zeros. A loop over strided views: one batched product over all blocks copies V first
+        # (64 slots over 1600 entries: 17 against 40 ms a layer)
+        out = torch.matmul(weights[..., :BLOCK], v[:, :, :BLOCK])
+        for s in range(BLOCK, span, BLOCK):
+            out.add_(torch.matmul(weights[..., s:s + BLOCK], v[:, :, s:s + BLOCK]))
+        return out.view(slots, heads, n, hd)
 
     @torch.inference_mode()
     def forward_batch(self, caches: list[LeanCache], tokens: list[torch.Tensor], positions: list[torch.Tensor],
