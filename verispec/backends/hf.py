@@ -92,7 +92,8 @@ class CausalLM:
         if self._lean is None:
             return None
         lean = self._lean
-        return StatePool(lean_forward.SlotPool(lean.n_layers, slots, lean.kv_heads, capacity, lean.head_dim))
+        return StatePool(lean_forward.SlotPool(lean.n_layers, slots, lean.kv_heads, capacity, lean.head_dim,
+                                               dtype=lean.dtype))
 
     @torch.inference_mode()
     def forward(
