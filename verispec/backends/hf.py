@@ -74,7 +74,7 @@ class CausalLM:
         plan = next((getattr(m, "_verispec_plan", None) for m in self.hf.modules() if type(m) is nn.Linear), None)
         dtype = "" if self._dtype == torch.float32 else f"|{str(self._dtype).removeprefix('torch.')}"
         return f"hf|{self.name}|{torch.get_num_threads()}|{plan}|{torch.__version__}" + \
-            ("|lean" if self._lean is not None else "") + dtype
+            (f"|lean{self._lean.REVISION}" if self._lean is not None else "") + dtype
 
     @property
     def dtype(self) -> torch.dtype:
