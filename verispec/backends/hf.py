@@ -92,8 +92,7 @@ class CausalLM:
         if self._lean is None:
             return None
         lean = self._lean
-        return StatePool(lean_forward.SlotPool(lean.n_layers, slots, lean.kv_heads, capacity, lean.head_dim,
-                                               dtype=lean.dtype))
+        return StatePool(lean_forward.SlotPool(lean.n_layers, slots, lean.kv_heads, capacity, lean.head_dim))
 
     @torch.inference_mode()
     def forward(

@@ -13,10 +13,9 @@ flat loop over the decoder layers:
   model's parameters stay where they are and nothing is copied. A bfloat16 model's layers run on ``kernels``'
   prepacked weights instead;
 * in bfloat16, transformers' own arithmetic where it differs: norms with float32 statistics, rotary tables computed
-  in float32 and then cast. The cache keeps the keys and values in bfloat16 (they are bfloat16 values) and attention
-  runs in float32 over exact copies of them, a group of slots at a time in a reused buffer (``_upcast``): torch's
-  fused CPU attention is several times slower in bfloat16 here, and reading the cache is what a batch's attention
-  costs, so it is read in half the bytes;
+  in float32 and then cast. Attention and its cache stay in float32 (the keys, values and queries are bfloat16
+  values, so the upcast is exact): torch's fused CPU attention is several times slower in bfloat16 here, and the
+  cache is small beside the weights;
 * the attention of a pooled batch whose trees have several rows as two batched products (``_grouped_attention``)
   instead of the fused kernel, which costs about the rows times one row's there.
 
@@ -133,7 +132,6 @@ class LeanLlama:
         # bfloat16 rounds every layer's output coarsely, so a last-bit difference in attention can move a logit by a
         # bfloat16 step: its attention is made the same for a row whatever rows and sequences come with it
         self.invariant = self.dtype != torch.float32
-        self._scratch: list[torch.Tensor | None] = [None, None]  # ``_upcast``'s buffers (keys, values)
         self.cos, self.sin = self._rotary(torch.arange(min(self.TABLE, int(cfg.max_position_embeddings or self.TABLE))))
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,12 +250,6 @@ class LeanLlama:
         here: 8 slots of 2 rows over 300 entries, 0.27 against 0.51 ms a layer; equal to float rounding)."""
         slots, heads, n, hd = q.shape
         kv, span = k.shape[1], k.shape[2]
-        if k.dtype != q.dtype:  # a bfloat16 cache: float32 copies of its keys and values, a group of slots at a time
-            step = max(1, self.SCRATCH // (kv * span * hd))
-            if step < slots:
-                return torch.cat([self._grouped_attention(q[s:s + step], k[s:s + step], v[s:s + step],
-                                                          mask[s:s + step]) for s in range(0, slots, step)])
-            k, v = self._upcast(0, k), self._upcast(1, v)
         group = heads // kv  # query heads h * group .. h * group + group - 1 read key/value head h
         scores = torch.matmul(q.reshape(slots, kv, group * n, hd), k.transpose(-1, -2)).mul_(hd ** -0.5)
         scores = scores.view(slots, kv, group, n, span).masked_fill_(~mask[:, :, None], float("-inf"))
@@ -272,17 +264,6 @@ class LeanLlama:
         for s in range(BLOCK, span, BLOCK):
             out.add_(torch.matmul(weights[..., s:s + BLOCK], v[:, :, s:s + BLOCK]))
         return out.view(slots, heads, n, hd)
-
-    SCRATCH = 1 << 20  # floats of one float32 copy of a bfloat16 cache's keys (or values): 4 MB, cache-resident
-
-    def _upcast(self, which: int, x: torch.Tensor) -> torch.Tensor:
-        """``x`` (bfloat16, strided) in float32, in a buffer reused across layers and forwards (a fresh tensor per
-        layer costs page faults, and ``float()`` of a strided view is several times slower than this copy)."""
-        need = x.numel()
-        buf = self._scratch[which]
-        if buf is None or buf.numel() < need:
-            buf = self._scratch[which] = torch.empty(max(need, self.SCRATCH))
-        return buf[:need].view(x.shape).copy_(x)
 
     @torch.inference_mode()
     def forward_batch(self, caches: list[LeanCache], tokens: list[torch.Tensor], positions: list[torch.Tensor],
@@ -318,8 +299,8 @@ class LeanLlama:
             q = self._rope(_linear(h, a.q_proj).view(rows, heads, hd), cos, sin)
             k = self._rope(_linear(h, a.k_proj).view(rows, kv, hd), cos, sin)
             v = _linear(h, a.v_proj).view(rows, kv, hd)
-            if self.dtype != torch.float32:  # attention in float32, the cache in bfloat16 (the module docstring)
-                q = q.float()
+            if self.dtype != torch.float32:  # attention and its cache in float32 (exact upcasts; the module docstring)
+                q, k, v = q.float(), k.float(), v.float()
             outs = [self._attention(i, q, k, v, spans[b], caches[b], masks[b]) for b in alone]
             if pooled is None:
                 attended = outs[0] if len(outs) == 1 else torch.cat(outs)
