@@ -375,6 +375,15 @@ class _Features:
         return self.cache[rnd][self.place[i]]
 
 
+def training_head_dtype() -> torch.dtype:
+    """The dtype of a restricted head's output layer (the target's rows, frozen) in training: bfloat16 where the CPU
+    multiplies it natively (its products 2-3x faster than float32's here, and drafting reads the head in bfloat16
+    anyway), else float32. Everything the head learns stays float32."""
+    from ..backends.loading import native_bfloat16  # noqa: PLC0415 - reads the CPU's flags
+
+    return torch.bfloat16 if native_bfloat16() else torch.float32
+
+
 def _epoch_order(records: list[Record], train_idx: list[int], seed: int, epoch: int) -> list[int]:
     """Training records in the order an epoch reads them: rounds shuffled, then the records of each
     ``BUFFER_ROUNDS`` consecutive rounds shuffled together (so that the features in memory stay bounded)."""
@@ -476,7 +485,7 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
     if 0 < config.vocab < target.vocab_size:
         vocab = draft_vocabulary([records[i].tokens for i in train_idx], config.vocab, target.vocab_size,
                                  always=target.eos_token_ids)
-    head = EagleHead(target, vocab, head_dtype=torch.float32, feature_layers=layers)
+    head = EagleHead(target, vocab, head_dtype=training_head_dtype(), feature_layers=layers)
     opt = torch.optim.AdamW(head.trainable(), lr=config.lr, weight_decay=0.0)
     steps_per_epoch = math.ceil(len(train_idx) / config.batch)
     total = steps_per_epoch * config.epochs
