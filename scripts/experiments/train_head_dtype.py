@@ -1,6 +1,7 @@
-"""The restricted output head in bfloat16 against float32 while training (``train.training_head_dtype``): two heads
+"""The restricted output head in bfloat16 against float32 while training (``train.TRAIN_HEAD_DTYPE``): two heads
 trained alike on the same corpus rounds (same seed, order and schedule), the only difference that layer's dtype;
-prints each one's time and its validation on the held-out rounds.
+prints each one's time and, for each, the held-out rounds' validation as drafting reads the saved head (its output
+layer in bfloat16, ``EagleHead.load``) and with that layer in float32.
 
     python scripts/experiments/train_head_dtype.py runs/eagle3-smollm2-135m --rounds 6 --max-tokens 120000
 """
@@ -17,6 +18,8 @@ from pathlib import Path
 import torch
 
 from verispec.backends import load
+from verispec.eagle import EagleHead
+from verispec.eagle.corpus import read_corpus
 
 
 def main() -> None:
@@ -32,15 +35,26 @@ def main() -> None:
     config = module.TrainConfig(rounds=args.rounds, gen_batch=recipe["gen_batch"], feature_layers=recipe["feature_layers"],
                                 depths=recipe["depths"], epochs=1, max_tokens=args.max_tokens, checkpoint_every=10 ** 6)
     target = load("smollm2-135m")
+    corpus = Path(args.corpus) / "corpus.jsonl"
+    records = [r for r in read_corpus(corpus) if r.round < args.rounds]
+    _, val_idx = module._split(records, config)
+    feats = module._Features(corpus, records, recipe["corpus"], config.layers(), config.top_k,
+                             target.config.hidden_size, target.num_layers)
+    val = [feats[i] for i in val_idx[:module.VALIDATION]]
     results = {}
     for dtype in (torch.bfloat16, torch.float32):
-        module.training_head_dtype = lambda d=dtype: d
+        module.TRAIN_HEAD_DTYPE = dtype
         with tempfile.TemporaryDirectory() as out:
             t = time.perf_counter()
-            head = module.train(target, out, config, progress=False, log=lambda *a: None, corpus_dir=args.corpus)
-            meta = torch.load(head, map_location="cpu", weights_only=False)["meta"]
-            results[str(dtype).removeprefix("torch.")] = {"seconds": round(time.perf_counter() - t, 1),
-                                                          "steps": meta["steps"], "validation": meta["validation"]}
+            path = module.train(target, out, config, progress=False, log=lambda *a: None, corpus_dir=args.corpus)
+            seconds = time.perf_counter() - t
+            drafting = EagleHead.load(path, target)  # its output layer in bfloat16, as drafting reads it
+            exact = EagleHead(target, drafting.vocab, head_dtype=torch.float32, feature_layers=drafting.feature_layers)
+            exact.load_state_dict(drafting.head_state(), strict=False)
+            results[f"trained {str(dtype).removeprefix('torch.')}"] = {
+                "seconds": round(seconds, 1), "steps": torch.load(path, weights_only=False)["meta"]["steps"],
+                **{f"evaluated {name}": {k: round(v, 4) for k, v in module.evaluate(h, val, 3).items()}
+                   for name, h in (("bfloat16", drafting), ("float32", exact))}}
     print(json.dumps(results, indent=1))
 
 

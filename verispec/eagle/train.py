@@ -291,6 +291,9 @@ def evaluate(head: EagleHead, data: list[dict], depths: int = 1) -> dict[str, fl
 # ---------------------------------------------------------------- the pipeline
 
 VALIDATION = 200  # held-out sequences a checkpoint is judged on
+# a restricted head's output layer (the target's rows, frozen) in training: in bfloat16 its products are 2-3x faster
+# here and training 1.25x, but the head learned less (scripts/experiments/train_head_dtype.py; design.md)
+TRAIN_HEAD_DTYPE = torch.float32
 BUFFER_ROUNDS = 6  # corpus rounds whose features are in memory at once while training
 
 
@@ -373,15 +376,6 @@ class _Features:
                 d["p"], d["i"] = d["p"][:, :self.top_k], d["i"][:, :self.top_k]
             self.cache[rnd] = data
         return self.cache[rnd][self.place[i]]
-
-
-def training_head_dtype() -> torch.dtype:
-    """The dtype of a restricted head's output layer (the target's rows, frozen) in training: bfloat16 where the CPU
-    multiplies it natively (its products 2-3x faster than float32's here, and drafting reads the head in bfloat16
-    anyway), else float32. Everything the head learns stays float32."""
-    from ..backends.loading import native_bfloat16  # noqa: PLC0415 - reads the CPU's flags
-
-    return torch.bfloat16 if native_bfloat16() else torch.float32
 
 
 def _epoch_order(records: list[Record], train_idx: list[int], seed: int, epoch: int) -> list[int]:
@@ -485,7 +479,7 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
     if 0 < config.vocab < target.vocab_size:
         vocab = draft_vocabulary([records[i].tokens for i in train_idx], config.vocab, target.vocab_size,
                                  always=target.eos_token_ids)
-    head = EagleHead(target, vocab, head_dtype=training_head_dtype(), feature_layers=layers)
+    head = EagleHead(target, vocab, head_dtype=TRAIN_HEAD_DTYPE, feature_layers=layers)
     opt = torch.optim.AdamW(head.trainable(), lr=config.lr, weight_decay=0.0)
     steps_per_epoch = math.ceil(len(train_idx) / config.batch)
     total = steps_per_epoch * config.epochs
