@@ -17,12 +17,13 @@ from verispec.drafters import NgramDrafter
 VOCAB = 97
 
 
-def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, vocab: int = VOCAB) -> CausalLM:
+def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, vocab: int = VOCAB, head_dim: int = 8) -> CausalLM:
+    """``head_dim`` 64 (4 heads of it) is the default model's: the one the native bfloat16 attention serves."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     common = dict(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        vocab_size=vocab, hidden_size=4 * head_dim, intermediate_size=64, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
@@ -39,15 +40,22 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, vocab: int =
     return CausalLM(hf, tokenizer=None, name=f"tiny-{kind}-{seed}")
 
 
-FORWARDS = ["lean", "stock", "lean-bf16"]  # the forwards a batch can run on
+FORWARDS = ["lean", "stock", "lean-bf16", "lean-bf16-native"]  # the forwards a batch can run on
 
 
-def tiny_target(forward: str) -> CausalLM:
+def tiny_target(forward: str, head_dim: int = 8) -> CausalLM:
     """The tiny Llama on one of ``FORWARDS``: the lean forward, the transformers forward (batches run as one packed
-    sequence), or the lean forward in bfloat16 on prepacked weights, as ``verispec.load(dtype=...)`` gives."""
+    sequence), or the lean forward in bfloat16 on prepacked weights, as ``verispec.load(dtype=...)`` gives; or
+    "lean-bf16-native", the last with the default model's head dimension (64), whose attention runs in the native
+    kernels (``verispec.backends.native``; skipped where they cannot be built)."""
+    from verispec.backends import native
     from verispec.backends.kernels import packing_available, use_fast_linear
 
-    t = tiny_model("llama")
+    if forward == "lean-bf16-native":
+        if native.attention() is None:
+            pytest.skip("the native attention kernels cannot be built here (a C++ compiler, ninja, AVX-512)")
+        forward, head_dim = "lean-bf16", 64
+    t = tiny_model("llama", head_dim=head_dim)
     if forward == "stock":
         return CausalLM(t.hf, None, name=t.name, lean=False)
     if forward == "lean-bf16":

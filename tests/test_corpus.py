@@ -60,7 +60,7 @@ def test_sampled_features_and_labels_are_the_teacher_forced_ones(target):
     for p, o, d, first in zip(PROMPTS, outs, data, FROM):
         tokens = p + o
         T = len(tokens)
-        assert d["tokens"].tolist() == tokens and d["feat"].shape == (T, 2 * 32) and d["p"].shape == (T, 8)
+        assert d["tokens"].tolist() == tokens and d["feat"].shape == (T, 2 * target.config.hidden_size) and d["p"].shape == (T, 8)
         feat, prob, idx = teacher_forced(target, tokens, (2, -1), 8)
         if bf16:  # the same bits: a row's result does not depend on the rows and sequences beside it
             assert torch.equal(d["feat"], feat)

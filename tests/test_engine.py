@@ -94,12 +94,15 @@ def test_a_pooled_batch_attends_in_one_call_and_equals_each_sequence_alone():
                         [torch.ones(60, 60, dtype=torch.bool).tril(), torch.ones(1, 1, dtype=torch.bool)])
 
 
-def test_in_bfloat16_a_pooled_batch_over_several_blocks_of_keys_equals_each_sequence_alone_bit_for_bit():
-    """The invariant attention reads whole blocks of keys and sums them in order: a sequence's logits, bit for bit,
-    whatever the longest sequence of its batch (which sets the span every slot reads) and its own tree's rows."""
+@pytest.mark.parametrize("forward", ["lean-bf16", "lean-bf16-native"])
+def test_in_bfloat16_a_pooled_batch_over_several_blocks_of_keys_equals_each_sequence_alone_bit_for_bit(forward):
+    """The invariant attention (torch's products over whole blocks of keys summed in order, or the native kernels):
+    a sequence's logits, bit for bit, whatever the longest sequence of its batch (which sets the span every slot
+    reads) and its own tree's rows; and transformers' bfloat16 forward to its rounding."""
     from verispec.backends import CausalLM
 
-    t = tiny_target("lean-bf16")
+    t = tiny_target(forward)
+    assert (t._lean.native is not None) == forward.endswith("native")
     stock = CausalLM(t.hf, None, name="stock", lean=False)  # transformers' bfloat16 forward, to its rounding
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (190, 7, 70, 129)]
@@ -116,7 +119,7 @@ def test_in_bfloat16_a_pooled_batch_over_several_blocks_of_keys_equals_each_sequ
             assert torch.equal(out.logits, t.forward(s, tok, p, tr.ancestors_mask()).logits), (step, tr.describe())
             assert torch.allclose(out.logits, stock.forward(r, tok, p, tr.ancestors_mask()).logits, atol=0.1, rtol=0.02)
         for states in (pooled, alone, ref):
-            for s, tr in zip(states, trees):
+            for s in states:
                 t.commit(s, [0])
         trees = trees[::-1]
 

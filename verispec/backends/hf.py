@@ -74,7 +74,8 @@ class CausalLM:
         plan = next((getattr(m, "_verispec_plan", None) for m in self.hf.modules() if type(m) is nn.Linear), None)
         dtype = "" if self._dtype == torch.float32 else f"|{str(self._dtype).removeprefix('torch.')}"
         return f"hf|{self.name}|{torch.get_num_threads()}|{plan}|{torch.__version__}" + \
-            (f"|lean{self._lean.REVISION}" if self._lean is not None else "") + dtype
+            (f"|lean{self._lean.REVISION}" + ("+native" if self._lean.native is not None else "")
+             if self._lean is not None else "") + dtype
 
     @property
     def dtype(self) -> torch.dtype:
@@ -92,7 +93,8 @@ class CausalLM:
         if self._lean is None:
             return None
         lean = self._lean
-        return StatePool(lean_forward.SlotPool(lean.n_layers, slots, lean.kv_heads, capacity, lean.head_dim))
+        return StatePool(lean_forward.SlotPool(lean.n_layers, slots, lean.kv_heads, capacity, lean.head_dim,
+                                               dtype=lean.cache_dtype))
 
     @torch.inference_mode()
     def forward(

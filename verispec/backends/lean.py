@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..errors import VerispecError
-from . import kernels
+from . import kernels, native
 from .kv import BLOCK, KVBuffer, whole_blocks
 
 MODEL_TYPES = ("llama", "qwen2")  # the same decoder; Qwen2 adds biases to q, k and v
@@ -116,7 +116,7 @@ def _linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
 class LeanLlama:
     """The forward of a Llama-architecture ``transformers`` model (see ``supports``) over explicit KV buffers."""
 
-    REVISION = 2  # raised when its arithmetic or its costs change: measured step costs are cached under it
+    REVISION = 3  # raised when its arithmetic or its costs change: measured step costs are cached under it
 
     TABLE = 8192  # rotary rows computed up front; positions beyond are computed per call
 
@@ -132,6 +132,9 @@ class LeanLlama:
         # bfloat16 rounds every layer's output coarsely, so a last-bit difference in attention can move a logit by a
         # bfloat16 step: its attention is made the same for a row whatever rows and sequences come with it
         self.invariant = self.dtype != torch.float32
+        # bfloat16 attention over a bfloat16 cache in native kernels where they build (``native.attention``)
+        self.native = native.attention() if self.invariant and self.head_dim == 64 else None
+        self.cache_dtype = torch.bfloat16 if self.native is not None else torch.float32
         self.cos, self.sin = self._rotary(torch.arange(min(self.TABLE, int(cfg.max_position_embeddings or self.TABLE))))
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,6 +254,11 @@ class LeanLlama:
         slots, heads, n, hd = q.shape
         kv, span = k.shape[1], k.shape[2]
         group = heads // kv  # query heads h * group .. h * group + group - 1 read key/value head h
+        if self.native is not None:  # the bfloat16 cache read by native kernels, invariant by construction
+            scores = self.native.scores(q.reshape(slots, kv, group * n, hd).contiguous(), k, hd ** -0.5)
+            scores = scores.view(slots, kv, group, n, span).masked_fill_(~mask[:, :, None], float("-inf"))
+            weights = torch.softmax(scores, dim=-1).view(slots, kv, group * n, span)
+            return self.native.weighted(weights, v).view(slots, heads, n, hd)
         scores = torch.matmul(q.reshape(slots, kv, group * n, hd), k.transpose(-1, -2)).mul_(hd ** -0.5)
         scores = scores.view(slots, kv, group, n, span).masked_fill_(~mask[:, :, None], float("-inf"))
         weights = torch.softmax(scores, dim=-1).view(slots, kv, group * n, span)
@@ -299,8 +307,10 @@ class LeanLlama:
             q = self._rope(_linear(h, a.q_proj).view(rows, heads, hd), cos, sin)
             k = self._rope(_linear(h, a.k_proj).view(rows, kv, hd), cos, sin)
             v = _linear(h, a.v_proj).view(rows, kv, hd)
-            if self.dtype != torch.float32:  # attention and its cache in float32 (exact upcasts; the module docstring)
-                q, k, v = q.float(), k.float(), v.float()
+            if self.dtype != torch.float32:  # attention in float32 (exact upcasts; the module docstring)
+                q = q.float()
+                if self.native is None:  # the cache too, where no native kernel reads bfloat16
+                    k, v = k.float(), v.float()
             outs = [self._attention(i, q, k, v, spans[b], caches[b], masks[b]) for b in alone]
             if pooled is None:
                 attended = outs[0] if len(outs) == 1 else torch.cat(outs)
