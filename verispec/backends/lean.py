@@ -255,10 +255,12 @@ class LeanLlama:
         kv, span = k.shape[1], k.shape[2]
         group = heads // kv  # query heads h * group .. h * group + group - 1 read key/value head h
         if self.native is not None:  # the bfloat16 cache read by native kernels, invariant by construction
-            scores = self.native.scores(q.reshape(slots, kv, group * n, hd).contiguous(), k, hd ** -0.5)
+            # each row's keys end at its last visible one (a prompt chunk's rows see a growing prefix)
+            limits = (mask[:, 0] * torch.arange(1, span + 1, dtype=torch.int32)).amax(-1).to(torch.int32)
+            scores = self.native.scores(q.reshape(slots, kv, group * n, hd).contiguous(), k, limits, hd ** -0.5)
             scores = scores.view(slots, kv, group, n, span).masked_fill_(~mask[:, :, None], float("-inf"))
             weights = torch.softmax(scores, dim=-1).view(slots, kv, group * n, span)
-            return self.native.weighted(weights, v).view(slots, heads, n, hd)
+            return self.native.weighted(weights, v, limits).view(slots, heads, n, hd)
         scores = torch.matmul(q.reshape(slots, kv, group * n, hd), k.transpose(-1, -2)).mul_(hd ** -0.5)
         scores = scores.view(slots, kv, group, n, span).masked_fill_(~mask[:, :, None], float("-inf"))
         weights = torch.softmax(scores, dim=-1).view(slots, kv, group * n, span)

@@ -29,7 +29,7 @@ def attention():
     try:
         from torch.utils.cpp_extension import load  # noqa: PLC0415 - only where it is built
 
-        return load("verispec_attention_v1", [str(Path(__file__).with_name("attention.cpp"))],
+        return load("verispec_attention_v2", [str(Path(__file__).with_name("attention.cpp"))],
                     extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mfma"], verbose=False)
     except Exception:  # noqa: BLE001 - any failure to build means the pure-torch path
         return None

@@ -28,10 +28,27 @@ void check_cache(const torch::Tensor& q, const torch::Tensor& k) {
 
 }  // namespace
 
+// Keys a row sees lie before its limit (``limits`` [S, n]: one more than its last visible key; the query rows of a
+// sequence are its query heads' n rows each, row m reading limit m % n): past it every key is masked, so the scores
+// there are left unwritten (the caller masks them) and the weighted sum stops there (a masked key adds nothing).
+inline int64_t tile_limit(const int32_t* lim, int64_t m0, int rows, int64_t n) {
+  int64_t most = 0;
+  for (int r = 0; r < rows; ++r) most = std::max<int64_t>(most, lim[(m0 + r) % n]);
+  return most;
+}
+
+void check_limits(const torch::Tensor& limits, const torch::Tensor& q) {
+  TORCH_CHECK(limits.dim() == 2 && limits.size(0) == q.size(0) && limits.scalar_type() == torch::kInt &&
+              limits.is_contiguous() && q.size(2) % limits.size(1) == 0, "limits: int32 [slots, rows]");
+}
+
 // q [S, H, M, 64] float32, k [S, H, span, 64] bfloat16 (a view of a buffer) -> [S, H, M, span]: scale * q . k
-torch::Tensor scores(const torch::Tensor& q, const torch::Tensor& k, double scale) {
+torch::Tensor scores(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& limits, double scale) {
   check_cache(q, k);
-  const int64_t P = q.size(0) * q.size(1), M = q.size(2), span = k.size(2), ks = k.stride(1);
+  check_limits(limits, q);
+  const int64_t H = q.size(1), P = q.size(0) * H, M = q.size(2), span = k.size(2), ks = k.stride(1);
+  const int64_t n = limits.size(1);
+  const int32_t* ld = limits.data_ptr<int32_t>();
   auto out = torch::empty({q.size(0), q.size(1), M, span}, q.options());
   const float* qd = q.data_ptr<float>();
   const uint16_t* kd = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
@@ -44,7 +61,8 @@ torch::Tensor scores(const torch::Tensor& q, const torch::Tensor& k, double scal
         __m512 qv[TILE][4];
         for (int r = 0; r < rows; ++r)
           for (int c = 0; c < 4; ++c) qv[r][c] = _mm512_loadu_ps(qd + (p * M + r0 + r) * HD + 16 * c);
-        for (int64_t j = 0; j < span; ++j) {
+        const int64_t stop = std::min<int64_t>(span, tile_limit(ld + (p / H) * n, r0, rows, n));
+        for (int64_t j = 0; j < stop; ++j) {
           __m512 kv[4];
           load_row(kd + p * ks + j * HD, kv);
           for (int r = 0; r < rows; ++r) {
@@ -62,10 +80,13 @@ torch::Tensor scores(const torch::Tensor& q, const torch::Tensor& k, double scal
 }
 
 // w [S, H, M, span] float32, v [S, H, span, 64] bfloat16 (a view of a buffer) -> [S, H, M, 64]: w . v, keys in order
-torch::Tensor weighted(const torch::Tensor& w, const torch::Tensor& v) {
+torch::Tensor weighted(const torch::Tensor& w, const torch::Tensor& v, const torch::Tensor& limits) {
   check_cache(w, v);
+  check_limits(limits, w);
   TORCH_CHECK(w.size(3) == v.size(2), "weights and values disagree on the span");
-  const int64_t P = w.size(0) * w.size(1), M = w.size(2), span = w.size(3), vs = v.stride(1);
+  const int64_t H = w.size(1), P = w.size(0) * H, M = w.size(2), span = w.size(3), vs = v.stride(1);
+  const int64_t n = limits.size(1);
+  const int32_t* ld = limits.data_ptr<int32_t>();
   auto out = torch::empty({w.size(0), w.size(1), M, HD}, w.options());
   const float* wd = w.data_ptr<float>();
   const uint16_t* vd = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
@@ -77,7 +98,8 @@ torch::Tensor weighted(const torch::Tensor& w, const torch::Tensor& v) {
         __m512 acc[TILE][4];
         for (int r = 0; r < TILE; ++r)
           for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < span; ++j) {
+        const int64_t stop = std::min<int64_t>(span, tile_limit(ld + (p / H) * n, r0, rows, n));
+        for (int64_t j = 0; j < stop; ++j) {
           __m512 vv[4];
           load_row(vd + p * vs + j * HD, vv);
           for (int r = 0; r < rows; ++r) {
