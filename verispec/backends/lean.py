@@ -204,7 +204,7 @@ class LeanLlama:
                 "rows": torch.tensor(rows), "alone": [b for b in range(len(sizes)) if b not in set(short)]}
 
     def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: tuple[int, int],
-                   cache: LeanCache, visible: torch.Tensor) -> torch.Tensor:
+                   cache: LeanCache, visible: torch.Tensor, limits: torch.Tensor | None = None) -> torch.Tensor:
         """Layer ``i``'s attention for one sequence's rows ``span`` of the batch, on its own cache."""
         s, e = span
         layer = cache.layers[i]
@@ -218,7 +218,7 @@ class LeanLlama:
         if e - s == 1:  # two query rows at least: one row goes to a matrix-vector kernel that sums in its own order
             qb = qb.expand(-1, 2, -1)
         keys, values = layer._kbuf[None, :, :width], layer._vbuf[None, :, :width]
-        o = self._grouped_attention(qb[None], keys, values, visible[None, None])
+        o = self._grouped_attention(qb[None], keys, values, visible[None, None], limits)
         return o[0, :, :e - s].transpose(0, 1).reshape(e - s, self.heads * self.head_dim)
 
     @staticmethod
@@ -243,10 +243,17 @@ class LeanLlama:
         if plan["n_max"] == 1 and not self.invariant:
             o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, enable_gqa=True)
         else:
-            o = self._grouped_attention(qp, k, v, mask)
+            o = self._grouped_attention(qp, k, v, mask, plan["limits"])
         return o[slot, :, row].reshape(q.shape[0], self.heads * self.head_dim)
 
-    def _grouped_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _limits(mask: torch.Tensor) -> torch.Tensor:
+        """``[slots, rows]`` int32: one more than the last key each row of ``mask [slots, 1, rows, span]`` sees (the
+        native kernels stop there), computed once per forward."""
+        return (mask[:, 0] * torch.arange(1, mask.shape[-1] + 1, dtype=torch.int32)).amax(-1).to(torch.int32)
+
+    def _grouped_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                           limits: torch.Tensor | None = None) -> torch.Tensor:
         """``scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)`` as two batched products with the query
         heads of each key/value head stacked as rows: for several slots of several rows each, torch's fused CPU
         kernel costs about the rows times a slot's one-row cost, these products barely more than one row (measured
@@ -256,7 +263,7 @@ class LeanLlama:
         group = heads // kv  # query heads h * group .. h * group + group - 1 read key/value head h
         if self.native is not None:  # the bfloat16 cache read by native kernels, invariant by construction
             # each row's keys end at its last visible one (a prompt chunk's rows see a growing prefix)
-            limits = (mask[:, 0] * torch.arange(1, span + 1, dtype=torch.int32)).amax(-1).to(torch.int32)
+            limits = self._limits(mask) if limits is None else limits
             scores = self.native.scores(q.reshape(slots, kv, group * n, hd).contiguous(), k, limits, hd ** -0.5)
             scores = scores.view(slots, kv, group, n, span).masked_fill_(~mask[:, :, None], float("-inf"))
             weights = torch.softmax(scores, dim=-1).view(slots, kv, group * n, span)
@@ -303,6 +310,9 @@ class LeanLlama:
         pooled = self._pool_plan(caches, sizes, visible)
         alone = range(len(caches)) if pooled is None else pooled["alone"]
         masks = {b: self._invariant_mask(visible[b]) if self.invariant else visible[b] for b in alone}
+        limits = {b: self._limits(masks[b][None, None]) if self.native is not None else None for b in alone}
+        if pooled is not None:
+            pooled["limits"] = self._limits(pooled["mask"]) if self.native is not None else None
         for i, layer in enumerate(self.base.layers):
             a, m = layer.self_attn, layer.mlp
             h = self._rms(x, layer.input_layernorm)
@@ -313,7 +323,7 @@ class LeanLlama:
                 q = q.float()
                 if self.native is None:  # the cache too, where no native kernel reads bfloat16
                     k, v = k.float(), v.float()
-            outs = [self._attention(i, q, k, v, spans[b], caches[b], masks[b]) for b in alone]
+            outs = [self._attention(i, q, k, v, spans[b], caches[b], masks[b], limits[b]) for b in alone]
             if pooled is None:
                 attended = outs[0] if len(outs) == 1 else torch.cat(outs)
             else:
