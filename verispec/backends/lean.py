@@ -13,9 +13,9 @@ flat loop over the decoder layers:
   model's parameters stay where they are and nothing is copied. A bfloat16 model's layers run on ``kernels``'
   prepacked weights instead;
 * in bfloat16, transformers' own arithmetic where it differs: norms with float32 statistics, rotary tables computed
-  in float32 and then cast. Attention and its cache stay in float32 (the keys, values and queries are bfloat16
-  values, so the upcast is exact): torch's fused CPU attention is several times slower in bfloat16 here, and the
-  cache is small beside the weights;
+  in float32 and then cast. Attention runs in float32 (the keys, values and queries are bfloat16 values, so the
+  upcast is exact): torch's fused CPU attention is several times slower in bfloat16 here. Where the native kernels
+  build (``native.attention``) they read a bfloat16 cache directly; elsewhere the cache is float32;
 * the attention of a pooled batch whose trees have several rows as two batched products (``_grouped_attention``)
   instead of the fused kernel, which costs about the rows times one row's there.
 
