@@ -401,8 +401,7 @@ class Engine:
         """Each sequence's tree this step: its policy's plan, the batch's when several run (``depths``), cut to the
         row budget."""
         depths = self.depths(seqs)
-        planned = [s.tree if d is None or d >= s.tree.max_depth else s.tree.truncate(max(d, 0))
-                   for s, d in zip(seqs, depths)]
+        planned = [s.tree if d is None else s.tree.truncate(d) for s, d in zip(seqs, depths)]
         if self.row_budget is not None:
             while sum(t.size for t in planned) > self.row_budget:
                 i = max(range(len(planned)), key=lambda k: planned[k].size)
@@ -444,12 +443,7 @@ class Engine:
         return self._costs
 
 
-def _sizes(trees: list[Tree]) -> list[list[int]]:
-    """Rows of each tree drafted to each depth 0..max."""
-    return [[t.truncate(d).size if d < t.max_depth else t.size for d in range(t.max_depth + 1)] for t in trees]
-
-
-def _seconds(depths: list[int], sizes: list[list[int]], proposers: list[Drafter], costs: BatchCosts) -> float:
+def _seconds(depths: list[int], sizes: list[tuple[int, ...]], proposers: list[Drafter], costs: BatchCosts) -> float:
     """A step's cost: the target's forward over all rows with this many sequences, the widest tree setting every
     sequence's attention padding (``costs.seconds``), plus, per draft model, its deepest sequence's depths (one
     batched draft forward per depth; ``Drafter.depth_cost`` of a plain step each)."""
@@ -477,7 +471,7 @@ def batch_depths(expected: list[list[float] | None], trees: list[Tree], proposer
     model's own error is of that order: rows are timed in one sequence's forward, drafting as a fixed fraction of a
     plain step, and a step may also carry a prompt chunk; a depth that only breaks even costs throughput)."""
     depth = [o if o is not None else 0 for o in own]
-    sizes = _sizes(trees)
+    sizes = [t.sizes for t in trees]  # rows of each tree drafted to each depth
     current = _tokens(expected, depth) / _seconds(depth, sizes, proposers, costs)
     while True:
         best, best_rate = None, current
@@ -503,7 +497,7 @@ def _pays(expected: list[list[float] | None], depths: list[int], i: int, trees: 
     batch's tokens per second by more than ``margin``: where it would not, probing that depth is a loss too."""
     if depths[i] + 1 > trees[i].max_depth:
         return False
-    sizes = _sizes(trees)
+    sizes = [t.sizes for t in trees]  # rows of each tree drafted to each depth
     tokens = _tokens(expected, depths)
     more = depths[:i] + [depths[i] + 1] + depths[i + 1:]
     return (tokens + GOOD_DRAFT) / _seconds(more, sizes, proposers, costs) > \

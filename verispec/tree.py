@@ -23,7 +23,7 @@ and the loop take (``size``, ``max_depth``, ``is_chain``, ``describe``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 
@@ -172,6 +172,11 @@ class Tree:
                 r[node] = k
         return tuple(r)
 
+    @cached_property
+    def sizes(self) -> tuple[int, ...]:
+        """Nodes of the tree cut below each depth 0..max_depth (``truncate(d).size``)."""
+        return tuple(sum(1 for d in self.depths if d <= k) for k in range(self.max_depth + 1))
+
     @property
     def is_chain(self) -> bool:
         return all(len(c) <= 1 for c in self.children)
@@ -198,13 +203,18 @@ class Tree:
         return m
 
     def truncate(self, depth: int) -> "Tree":
-        """The same tree cut below ``depth`` (node numbering is preserved since depths are blocks)."""
-        keep = sum(1 for d in self.depths if d <= depth)
-        return Tree(self.parents[:keep])
+        """The same tree cut below ``depth`` (node numbering is preserved since depths are blocks); the same object
+        each time for the same tree and depth (a batch's plan cuts every sequence's tree every step)."""
+        return self if depth >= self.max_depth else _truncated(self, max(depth, 0))
 
     def describe(self) -> str:
         widths = [sum(1 for d in self.depths if d == k) for k in range(1, self.max_depth + 1)]
         return f"tree({self.size - 1} drafted nodes, depth {self.max_depth}, width per depth {widths})"
+
+
+@lru_cache(maxsize=4096)
+def _truncated(tree: Tree, depth: int) -> Tree:
+    return Tree(tree.parents[:tree.sizes[depth]])
 
 
 def _count(nodes: int, text: str) -> int:
