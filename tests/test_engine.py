@@ -110,8 +110,8 @@ def test_in_bfloat16_a_pooled_batch_over_several_blocks_of_keys_equals_each_sequ
     pooled, alone, ref = [pool.acquire() for _ in prompts], states_with(t, prompts), states_with(stock, prompts)
     for s, p in zip(pooled, prompts):
         t.prefill(s, p[:-1])
-    trees = [Tree.parse("chain:3"), Tree.root_only(), Tree.parse("2x2"), Tree.root_only()]
-    for step in range(2):
+    mixed = [Tree.parse("chain:3"), Tree.root_only(), Tree.parse("2x2"), Tree.root_only()]
+    for step, trees in enumerate([mixed, mixed[::-1], [Tree.root_only()] * 4]):  # last: one query row each
         tokens = [torch.tensor(p[-1:] + [20 + step + k for k in range(tr.size - 1)]) for p, tr in zip(prompts, trees)]
         pos = [s.committed + torch.tensor(tr.depths) for s, tr in zip(pooled, trees)]
         outs = t.forward_batch(pooled, tokens, pos, [tr.ancestors_mask() for tr in trees])
@@ -121,7 +121,6 @@ def test_in_bfloat16_a_pooled_batch_over_several_blocks_of_keys_equals_each_sequ
         for states in (pooled, alone, ref):
             for s in states:
                 t.commit(s, [0])
-        trees = trees[::-1]
 
 
 def drafters(target):

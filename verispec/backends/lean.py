@@ -186,7 +186,9 @@ class LeanLlama:
                                 "was sized for")
         used, n_max, span = max(caches[b].slot for b in short) + 1, max(sizes[b] for b in short), max(ends)
         if self.invariant:
-            n_max, span = max(n_max, 2), whole_blocks(span)
+            span = whole_blocks(span)
+            if self.native is None:  # one row doubled where torch's products run (``_attention``)
+                n_max = max(n_max, 2)
         mask = torch.zeros(used, 1, n_max, span, dtype=torch.bool)
         mask[:, :, :, 0] = True  # padding rows and idle slots see one entry (finite, and thrown away)
         starts = [0, *itertools.accumulate(sizes)]
@@ -215,18 +217,17 @@ class LeanLlama:
             return o[0].transpose(0, 1).reshape(e - s, self.heads * self.head_dim)
         # ``visible`` comes padded from ``_invariant_mask``: the buffer's spare entries (finite) stand in as keys
         width = visible.shape[1]
-        if e - s == 1:  # two query rows at least: one row goes to a matrix-vector kernel that sums in its own order
-            qb = qb.expand(-1, 2, -1)
+        if e - s == 1 and self.native is None:  # two query rows at least: one row goes to a matrix-vector kernel
+            qb = qb.expand(-1, 2, -1)  # that sums in its own order (the native kernels treat every row alike)
         keys, values = layer._kbuf[None, :, :width], layer._vbuf[None, :, :width]
         o = self._grouped_attention(qb[None], keys, values, visible[None, None], limits)
         return o[0, :, :e - s].transpose(0, 1).reshape(e - s, self.heads * self.head_dim)
 
-    @staticmethod
-    def _invariant_mask(visible: torch.Tensor) -> torch.Tensor:
+    def _invariant_mask(self, visible: torch.Tensor) -> torch.Tensor:
         """A sequence's mask for the invariant attention, once per forward: its keys padded with masked entries to
-        whole blocks, and one query row doubled (``_attention``)."""
+        whole blocks, and one query row doubled where torch's products run (``_attention``)."""
         mask = F.pad(visible, (0, whole_blocks(visible.shape[1]) - visible.shape[1]))
-        return mask.expand(2, -1) if mask.shape[0] == 1 else mask
+        return mask.expand(2, -1) if mask.shape[0] == 1 and self.native is None else mask
 
     def _pooled_attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: dict) -> torch.Tensor:
         """Layer ``i``'s attention for every sequence of a pooled batch in one call: the new keys and values written
