@@ -1,0 +1,66 @@
+"""Two verispec methods' closed loops on the same requests, alternating in one process (A B B A ...), so that a slow
+spell of the machine falls on both: the bench runs one cell after another, and on this machine the same plain
+forward of 8 sequences was seen to cost 15-20 % more in one cell than in the next. A quick check of a ratio the
+bench left unresolved, not the benchmark (``verispec bench --concurrency``).
+
+    python scripts/experiments/ab_concurrency.py --methods ar default --concurrency 8 --temperature 0 --pairs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+
+import torch
+
+from verispec import load
+from verispec.bench.concurrency import verispec_loop
+from verispec.datasets import spec_bench_problems
+from verispec.drafters import build_drafter
+from verispec.methods import resolve
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", nargs=2, default=["ar", "default"])
+    ap.add_argument("--draft", default="auto")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--limit", type=int, default=3, help="Spec-Bench questions per category")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--pairs", type=int, default=3, help="rounds of each method (in the order A B B A A B ...)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target = load("smollm2-135m", dtype=args.dtype)
+    drafter = build_drafter(args.draft, target, dtype=args.dtype)
+    problems = spec_bench_problems(args.limit)
+    ids = [target.encode_prompt(p.prompt, chat=p.chat) for p in problems]
+    plans = {m: resolve(m, temperature=args.temperature) for m in args.methods}
+
+    def loop(m: str, n: int | None = None) -> float:
+        reqs = verispec_loop(target, plans[m], drafter, problems[:n] if n else problems, ids[:n] if n else ids,
+                             args.concurrency, args.temperature, 0, args.max_new_tokens if n is None else 8)
+        wall = max(r.finished for r in reqs) - min(r.submitted for r in reqs)
+        return sum(len(r.token_ids) for r in reqs) / wall
+
+    for m in args.methods:  # warm up: first forwards allocate, the batch costs get measured
+        loop(m, n=args.concurrency)
+    rates: dict[str, list[float]] = {m: [] for m in args.methods}
+    a, b = args.methods
+    for k in range(args.pairs):
+        for m in ((a, b) if k % 2 == 0 else (b, a)):
+            rates[m].append(loop(m))
+            print(f"round {k + 1}: {m} {rates[m][-1]:.1f} tokens/s", flush=True)
+    ratios = [y / x for x, y in zip(rates[a], rates[b])]
+    geo = math.exp(statistics.fmean(math.log(r) for r in ratios))
+    print(f"N = {args.concurrency}, T = {args.temperature:g}: {b} / {a} per round "
+          f"{', '.join(f'{r:.2f}' for r in ratios)}; geometric mean {geo:.2f}x (min {min(ratios):.2f}, max "
+          f"{max(ratios):.2f}); {a} {statistics.median(rates[a]):.1f}, {b} {statistics.median(rates[b]):.1f} tokens/s "
+          "(medians)")
+
+
+if __name__ == "__main__":
+    main()
