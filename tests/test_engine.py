@@ -292,6 +292,39 @@ def test_padding_to_the_widest_tree_is_costed_for_every_sequence_of_the_batch():
     assert free[0] > 1 and max(dear) < free[0]
 
 
+def test_a_forward_table_is_fitted_non_decreasing():
+    """More rows never cost less: a measured table that says so is noise, fitted away by pooling the violators
+    (the closest non-decreasing table in squared error; it keeps the total and leaves a sorted table alone)."""
+    import random
+
+    from verispec.backends.costs import _monotone
+
+    assert _monotone([3.0, 1.0, 2.0, 5.0, 4.0]) == pytest.approx([2.0, 2.0, 2.0, 4.5, 4.5])
+    assert _monotone([1.0, 2.0, 2.0, 7.0]) == [1.0, 2.0, 2.0, 7.0]
+    rng = random.Random(0)
+    for _ in range(200):
+        ys = [rng.uniform(0, 10) for _ in range(rng.randint(1, 12))]
+        fit = _monotone(ys)
+        assert len(fit) == len(ys) and all(a <= b + 1e-12 for a, b in zip(fit, fit[1:]))
+        assert sum(fit) == pytest.approx(sum(ys))
+
+
+def test_batch_costs_are_measured_once_as_a_loaded_batch_meets_them(tmp_path, monkeypatch):
+    """``batch_costs`` times a tiny target: a non-decreasing row table, padding measured with one sequence of 8
+    drafting n rows (never negative, never less for wider), kept in the cache and read back without timing again."""
+    from verispec.backends import costs as costs_mod
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    target = tiny_target("lean")
+    measured = costs_mod.batch_costs(target, repeats=1)
+    assert measured.rows == costs_mod.BATCH_SIZES and len(measured.padding) == len(costs_mod.PADDED_ROWS)
+    ys = measured.seconds_by_rows
+    assert all(a <= b for a, b in zip(ys, ys[1:])) and ys[0] > 0
+    assert measured.padding[0] == 0.0 and all(0 <= a <= b for a, b in zip(measured.padding, measured.padding[1:]))
+    monkeypatch.setattr(costs_mod, "_ragged_seconds", lambda *a: pytest.fail("measured again"))
+    assert costs_mod.batch_costs(target, measure=False) == measured
+
+
 def test_the_engine_plans_for_the_batch_and_keeps_the_policys_own_plan_alone(target):
     def run(costs):
         engine = Engine(target, max_batch=4, costs=costs)

@@ -67,12 +67,13 @@ BATCH_CONTEXT = 256  # cache entries of each sequence while a batch's costs are 
 @dataclass(frozen=True)
 class BatchCosts:
     """Seconds of a target forward over ``rows`` tree tokens shared by ``seqs`` sequences whose widest tree has
-    ``widest`` rows: the forward of that many rows of one sequence (measured at ``BATCH_SIZES``, linear in between
-    and beyond), plus ``per_sequence`` for each further sequence (its own attention, its own cache: measured as a
-    batch of 8 one-row sequences against one sequence of 8 rows), plus, for each sequence, ``padding`` at
-    ``widest`` (measured at ``PADDED_ROWS``, linear in between): the attention of a batch runs every sequence's
-    query rows padded to the widest tree's, so one sequence drafting deeper makes the whole batch's attention
-    wider (measured as batches of 8 sequences of n rows each against the two terms before)."""
+    ``widest`` rows: the forward of that many rows of one sequence (measured at ``BATCH_SIZES``, fitted
+    non-decreasing, linear in between and beyond), plus ``per_sequence`` for each further sequence (its own
+    attention, its own cache: measured as a batch of 8 one-row sequences against one sequence of 8 rows), plus, for
+    each sequence, ``padding`` at ``widest`` (measured at ``PADDED_ROWS``, linear in between): the attention of a
+    batch runs every sequence's query rows padded to the widest tree's, so one sequence drafting deeper makes the
+    whole batch's attention wider. It is measured the way a loaded batch meets it: 8 sequences of which one drafts
+    n rows, against 8 of one row in the same rounds, less the extra rows' own cost."""
 
     rows: tuple[int, ...]
     seconds_by_rows: tuple[float, ...]
@@ -96,25 +97,41 @@ class BatchCosts:
         return base + seqs * max(self._line(PADDED_ROWS[:len(self.padding)], self.padding, widest), 0.0)
 
 
-def _batch_seconds(target, states: list, rows: int, repeats: int) -> float:
-    """Median seconds of one ``forward_batch`` of ``states``, a chain of ``rows`` tokens each."""
-    tree = Tree.complete(max(1, rows - 1), 1) if rows > 1 else Tree.root_only()
-    times = []
+def _monotone(ys: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``ys`` in squared error (pooling adjacent violators): a forward of
+    more rows never costs less, and a table that says so is timing noise."""
+    blocks: list[list[float]] = []  # [sum, count] of each pooled run
+    for y in ys:
+        blocks.append([y, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
+
+
+def _ragged_seconds(target, states: list, widths: list[int], repeats: int) -> dict[int, float]:
+    """Median seconds of one ``forward_batch`` of ``states`` where the last drafts a chain of n rows and the others
+    one row each, for each n in ``widths``; the widths take turns within each round (``target_forward_cost``)."""
+    root = Tree.root_only()
+    times: dict[int, list[float]] = {n: [] for n in widths}
     for _ in range(repeats):
-        t = time.perf_counter()
-        target.forward_batch(states, [torch.full((tree.size,), 7)] * len(states),
-                             [s.committed + torch.tensor(tree.depths) for s in states],
-                             [tree.ancestors_mask()] * len(states))
-        times.append(time.perf_counter() - t)
-        for s in states:
-            target.commit(s, [])
-    return statistics.median(times)
+        for n in widths:
+            trees = [root] * (len(states) - 1) + [Tree.complete(n - 1, 1) if n > 1 else root]
+            t = time.perf_counter()
+            target.forward_batch(states, [torch.full((tree.size,), 7) for tree in trees],
+                                 [s.committed + torch.tensor(tree.depths) for s, tree in zip(states, trees)],
+                                 [tree.ancestors_mask() for tree in trees])
+            times[n].append(time.perf_counter() - t)
+            for s in states:
+                target.commit(s, [])
+    return {n: statistics.median(ts) for n, ts in times.items()}
 
 
 def batch_costs(target, repeats: int = 5, measure: bool = True) -> BatchCosts | None:
     """The target's ``BatchCosts`` on this machine, measured once (medians) and kept in the cache under
     ``target.forward_id``; None when not cached and ``measure`` is False."""
-    entry = cache.key("batch", 2, target.forward_id, platform.machine(), os.cpu_count())
+    entry = cache.key("batch", 3, target.forward_id, platform.machine(), os.cpu_count())
     got = cache.read("costs", entry)
     if got and tuple(got.get("rows", ())) == BATCH_SIZES and len(got.get("padding", ())) == len(PADDED_ROWS):
         return BatchCosts(tuple(got["rows"]), tuple(got["seconds"]), got["per_sequence"], tuple(got["padding"]))
@@ -126,11 +143,11 @@ def batch_costs(target, repeats: int = 5, measure: bool = True) -> BatchCosts | 
     states = [pool.acquire() if pool is not None else target.new_state() for _ in range(8)]
     for s in states:
         target.prefill(s, context[:-1])
-    plain = BatchCosts(BATCH_SIZES, tuple(seconds[n] for n in BATCH_SIZES), 0.0)
-    per_sequence = max(_batch_seconds(target, states, 1, repeats) - plain.seconds(8), 0.0) / 7
-    plain = BatchCosts(plain.rows, plain.seconds_by_rows, per_sequence)
-    padding = [0.0] + [max(_batch_seconds(target, states, n, repeats) - plain.seconds(8 * n, 8), 0.0) / 8
-                       for n in PADDED_ROWS[1:]]
+    plain = BatchCosts(BATCH_SIZES, tuple(_monotone([seconds[n] for n in BATCH_SIZES])), 0.0)
+    # the padding is a difference of a few ms between forwards of about the same size: more rounds for it
+    ragged = _ragged_seconds(target, states, list(PADDED_ROWS), 3 * repeats)
+    per_sequence = max(ragged[1] - plain.seconds(8), 0.0) / 7
+    padding = [max(ragged[n] - ragged[1] - (plain.seconds(7 + n) - plain.seconds(8)), 0.0) / 8 for n in PADDED_ROWS]
     padding = list(itertools.accumulate(padding, max))  # wider never costs less: what looks so is timing noise
     out = BatchCosts(plain.rows, plain.seconds_by_rows, per_sequence, tuple(padding))
     cache.write("costs", entry, {"rows": list(out.rows), "seconds": list(out.seconds_by_rows),
