@@ -21,6 +21,8 @@ from verispec.backends.lean import LeanLlama
 class _Path:  # what LeanLlama._grouped_attention reads of its instance
     invariant = True
 
+    _limits = staticmethod(LeanLlama._limits)
+
     def __init__(self, kernels):
         self.native = kernels
 
@@ -29,7 +31,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--context", type=int, default=600)
-    ap.add_argument("--rows", type=int, default=2, help="query rows per sequence (one decoding row runs as two)")
+    ap.add_argument("--rows", type=int, default=2, help="query rows per sequence")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
