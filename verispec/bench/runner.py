@@ -442,18 +442,10 @@ def run_bench(config: BenchConfig, out: str | Path, *, resume: bool = False, ove
     for n in notes:
         log(f"note: left out: {n}")
     out = Path(out)
-    if out.exists() and not (resume or overwrite):
-        raise VerispecError(f"{out} exists: pass --resume to continue it, or --overwrite to start again")
-    kept = _resume_records(out, config) if out.exists() and resume else []
+    kept = _start_records(out, config, resume, overwrite, command, notes)
     done = finished_cells(kept)
     audited = {r["verifier"] for r in kept if r["type"] == "audit"}
     todo = [c for c in cells if cell_id(c.key) not in done]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for r in kept or [header(config, command, notes)]:
-            f.write(json.dumps(r) + "\n")
-    tmp.replace(out)
     if kept:
         log(f"resuming {out}: {len(done)} of {len(cells)} cells done")
     if todo:
@@ -486,6 +478,22 @@ def run_bench(config: BenchConfig, out: str | Path, *, resume: bool = False, ove
     return out
 
 
+def _start_records(out: Path, config: BenchConfig, resume: bool, overwrite: bool, command: str | None,
+                   notes: list[str]) -> list[dict]:
+    """Start ``out`` for a run: refused where it exists unless resumed or overwritten; with ``resume``, the records
+    of an earlier run of this configuration are kept (returned) and written back whole, else a new header."""
+    if out.exists() and not (resume or overwrite):
+        raise VerispecError(f"{out} exists: pass --resume to continue it, or --overwrite to start again")
+    kept = _resume_records(out, config) if out.exists() and resume else []
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for r in kept or [header(config, command, notes)]:
+            f.write(json.dumps(r) + "\n")
+    tmp.replace(out)
+    return kept
+
+
 def _run_groups(config: BenchConfig, methods, problems, out: Path, resume: bool, overwrite: bool, target, progress: bool,
                 warm_up: bool, log, command: str | None) -> Path:
     """``run_bench`` for ``--concurrency``: closed loops, each written whole once it ends (an interrupted one runs
@@ -493,17 +501,9 @@ def _run_groups(config: BenchConfig, methods, problems, out: Path, resume: bool,
     groups, notes = plan_groups(config, methods)
     for n in notes:
         log(f"note: left out: {n}")
-    if out.exists() and not (resume or overwrite):
-        raise VerispecError(f"{out} exists: pass --resume to continue it, or --overwrite to start again")
-    kept = _resume_records(out, config) if out.exists() and resume else []
+    kept = _start_records(out, config, resume, overwrite, command, notes)
     done = {group_id(r["cell"]) for r in kept if r.get("type") == "cell"}
     todo = [g for g in groups if group_id(g.key) not in done]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for r in kept or [header(config, command, notes)]:
-            f.write(json.dumps(r) + "\n")
-    tmp.replace(out)
     if kept:
         log(f"resuming {out}: {len(done)} of {len(groups)} closed loops done")
     if not todo:
