@@ -13,8 +13,9 @@ from conftest import FORWARDS, ByteTokenizer, tiny_model, tiny_target
 
 from verispec.eagle import TrainConfig, train
 from verispec.eagle import corpus as corpus_mod
-from verispec.eagle.corpus import CorpusConfig, Record, _Writer, read_corpus, round_features, write_corpus
+from verispec.eagle.corpus import CorpusConfig, Record, _Writer, features_path, read_corpus, round_features
 from verispec.eagle.head import EagleHead
+from verispec.errors import VerispecError
 
 train_mod = importlib.import_module("verispec.eagle.train")  # the module (the package exports its function train)
 PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [1, 11, 12],
@@ -88,9 +89,9 @@ def chat_target():
 
 def test_corpus_rounds_keep_their_features_resume_and_drop_repeats(tmp_path, monkeypatch):
     t = chat_target()
-    path = tmp_path / "corpus.jsonl"
+    path = tmp_path / "corpus"
     cfg = CorpusConfig(rounds=2, batch=3, layers=(2, -1), top_k=4)
-    records = write_corpus(t, path, cfg)  # round 0: chat, round 1: document
+    records = corpus_mod.write_corpus(t, path, cfg)  # round 0: chat, round 1: document
     assert {r.shape for r in records} == {"chat", "document"}
     joined = [r for r in records if r.shape == "chat" and len(r.spans) == 2]
     assert joined  # two assistant turns in one sequence, trained on both
@@ -103,23 +104,25 @@ def test_corpus_rounds_keep_their_features_resume_and_drop_repeats(tmp_path, mon
             first = r.spans[0][0] - 1
             assert labelled[first:T - 1].all() and not labelled[:first].any()  # the first span's labels too
             assert d["mask"].sum() == sum(b - a for a, b in r.spans)
-    before = path.read_text()
-    saved = (tmp_path / "features" / "00001.pt").read_bytes()
-    # an interrupted round 2: its record is written, its end marker is not
-    with path.open("a") as f:
-        f.write(json.dumps({"tokens": [1, 2, 3], "spans": [[1, 3]], "shape": "qa", "round": 2}) + "\n")
+    before = [corpus_mod.text_path(path, rnd).read_bytes() for rnd in (0, 1)]
+    saved = (path / "features" / "00001.pt").read_bytes()
+    # an interrupted round 2: its features are written, its text is not (only a temporary file)
+    (path / "features" / "00002.pt").write_bytes(b"cut short")
+    corpus_mod.text_path(path, 2).with_suffix(".gz.tmp").write_bytes(b"cut short")
     assert len(read_corpus(path)) == len(records)
-    more = write_corpus(t, path, CorpusConfig(rounds=3, batch=3, layers=(2, -1), top_k=4))
-    assert path.read_text().startswith(before) and (tmp_path / "features" / "00001.pt").read_bytes() == saved
+    more = corpus_mod.write_corpus(t, path, CorpusConfig(rounds=3, batch=3, layers=(2, -1), top_k=4))
+    assert [corpus_mod.text_path(path, rnd).read_bytes() for rnd in (0, 1)] == before
+    assert (path / "features" / "00001.pt").read_bytes() == saved
     assert [r.tokens for r in more[:len(records)]] == [r.tokens for r in records]
-    assert all(r.tokens != [1, 2, 3] for r in more) and {r.round for r in more} == {0, 1, 2}
+    assert {r.round for r in more} == {0, 1, 2} and read_corpus(path) == more
+    assert len(round_features(path, 2, [r for r in more if r.round == 2])) == sum(r.round == 2 for r in more)
 
     def twice(w, shape, n, temperature, rnd):  # a round that writes the same record twice, and one of round 0's
         rec = Record([1, 50, 51, 52], [[1, 4]], "", -1, {"x": torch.zeros(1)})
         return [rec, rec, Record(records[0].tokens, records[0].spans, "", -1, {"x": torch.zeros(1)})]
 
     monkeypatch.setattr(corpus_mod, "_round", twice)
-    again = write_corpus(t, path, CorpusConfig(rounds=4, batch=3, layers=(2, -1), top_k=4))
+    again = corpus_mod.write_corpus(t, path, CorpusConfig(rounds=4, batch=3, layers=(2, -1), top_k=4))
     assert [r.tokens for r in again if r.round == 3] == [[1, 50, 51, 52]]
 
 
@@ -129,15 +132,16 @@ def test_training_streams_rounds_and_ships_the_best_checkpoint(tmp_path, monkeyp
     cfg = TrainConfig(rounds=8, gen_batch=2, top_k=8, epochs=3, batch=2, checkpoint_every=1, held_out=0.2,
                       vocab=0, depths=2, patience=2)
     train(t, tmp_path / "run", cfg, until="corpus", progress=False, log=lambda m: None)
-    records = read_corpus(tmp_path / "run" / "corpus.jsonl")
+    records = read_corpus(tmp_path / "run")
     train_idx, _ = train_mod._split(records, cfg)
     order = train_mod._epoch_order(records, train_idx, cfg.seed, 0)
     assert sorted(order) == sorted(train_idx)
     loads = []
     real_load = train_mod.round_features
-    monkeypatch.setattr(train_mod, "round_features", lambda p, rnd, recs: loads.append(rnd) or real_load(p, rnd, recs))
+    monkeypatch.setattr(train_mod, "round_features",
+                        lambda p, rnd, recs, *a: loads.append(rnd) or real_load(p, rnd, recs, *a))
     info = json.loads((tmp_path / "run" / "config.json").read_text())["corpus"]
-    feats = train_mod._Features(tmp_path / "run" / "corpus.jsonl", records, info, (-1,), 8, 32, 4)
+    feats = train_mod._Features(tmp_path / "run", records, info, (-1,), 8, 32, 4)
     for i in order:  # an epoch loads each round once, holding at most BUFFER_ROUNDS of them
         assert feats[i]["tokens"].tolist() == records[i].tokens and len(feats.cache) <= 2
     assert sorted(loads) == sorted({records[i].round for i in train_idx})
@@ -169,13 +173,14 @@ def test_heads_train_on_another_folders_corpus_and_on_the_first_max_tokens(tmp_p
     t = chat_target()
     cfg = TrainConfig(rounds=4, gen_batch=2, top_k=8, epochs=1, batch=2, vocab=0)
     train(t, tmp_path / "corpus", cfg, until="corpus", progress=False, log=lambda m: None)
-    text = (tmp_path / "corpus" / "corpus.jsonl").read_text()
+    text = sorted((tmp_path / "corpus" / "text").iterdir())
+    kept = [p.read_bytes() for p in text]
     small = TrainConfig(**{**cfg.__dict__, "max_tokens": 300})
     path = train(t, tmp_path / "head", small, progress=False, log=lambda m: None, corpus_dir=tmp_path / "corpus")
-    assert not (tmp_path / "head" / "corpus.jsonl").exists()
-    assert (tmp_path / "corpus" / "corpus.jsonl").read_text() == text
+    assert not (tmp_path / "head" / "text").exists()
+    assert sorted((tmp_path / "corpus" / "text").iterdir()) == text and [p.read_bytes() for p in text] == kept
     meta = EagleHead.load(path, t).meta
-    records = read_corpus(tmp_path / "corpus" / "corpus.jsonl")
+    records = read_corpus(tmp_path / "corpus")
     train_idx, _ = train_mod._split(records, cfg)
     sizes = [sum(b - a for a, b in records[i].spans) for i in train_idx[:meta["sequences"]]]
     assert sum(sizes) >= 300 > sum(sizes[:-1]) and meta["response_tokens"] == sum(sizes)
@@ -200,3 +205,22 @@ def test_held_out_rounds_are_drawn_within_each_shape():
     assert val_idx != sorted(val_idx)  # shuffled: the first VALIDATION records span the held-out rounds
     records, held, _ = split(10, 0.05)  # too small for a round per shape: one round of the commonest shape
     assert len(held) == 1 and records[3 * held.pop()].shape in ("chat", "document", "math")
+
+
+def test_a_corpus_without_its_features_computes_them_again_by_teacher_forcing(tmp_path):
+    """A fresh checkout has a corpus's text (committed) but not its features (a cache): training computes them again
+    from the text, one forward per record, and they agree with what the forwards that wrote the text kept."""
+    t = chat_target()
+    path = tmp_path / "corpus"
+    records = corpus_mod.write_corpus(t, path, CorpusConfig(rounds=1, batch=3, layers=(2, -1), top_k=4))
+    written = round_features(path, 0, records)
+    features_path(path, 0).unlink()
+    with pytest.raises(VerispecError, match="00000.pt is missing"):
+        round_features(path, 0, records)
+    again = round_features(path, 0, records, t, (2, 4), 4)  # hidden-state indices: layer 2 and the last (4 layers)
+    assert features_path(path, 0).is_file()  # kept for the next read
+    for r, a, b in zip(records, written, again):
+        assert b["tokens"].tolist() == r.tokens and torch.equal(a["mask"], b["mask"])
+        assert torch.allclose(a["feat"].float(), b["feat"].float(), atol=2e-2, rtol=1e-2)
+        rows = a["p"].sum(-1) > 0  # where the writer kept labels (the teacher-forced ones cover every position)
+        assert rows.any() and torch.allclose(a["p"][rows].float(), b["p"][rows].float(), atol=2e-3)

@@ -160,7 +160,7 @@ def test_trained_head_drafts_better_than_untrained(tmp_path):
     from verispec.eagle.corpus import read_corpus
     from verispec.eagle.train import _split
 
-    records = read_corpus(tmp_path / "run" / "corpus.jsonl")
+    records = read_corpus(tmp_path / "run")
     prompts = [records[i].tokens[:8] for i in _split(records, cfg)[1]]
     lengths = {}
     for name, head in (("untrained", EagleHead(target)), ("trained", trained)):

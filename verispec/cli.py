@@ -36,6 +36,7 @@ from .bench.runner import BENCH_HELP
 from .datasets import DATASETS_HELP
 from .decode import TextStream, generate
 from .drafters import CHILD_MODES, DRAFT_HELP, DraftSpec, ModelDrafter, build_drafter
+from .eagle.corpus import is_corpus
 from .eagle.train import TRAIN_HELP, TrainConfig, train
 from .errors import VerispecError
 from .methods import DEFAULT_TREE, METHODS, METHODS_HELP, resolve
@@ -532,8 +533,9 @@ def _add_train_draft(sub):
         description="Train a one-layer EAGLE-style draft head for TARGET by distillation on text the target writes "
                     "itself in the shapes of common tasks (chat, documents with summaries, questions and "
                     "translations, edits, instructions, trivia, word problems, code; never the evaluation sets). "
-                    "Stages: the corpus with the target's features and labels (OUT/corpus.jsonl, OUT/features/, "
-                    "written in batches by the forwards that write the text), training with checkpoints "
+                    "Stages: the corpus (its text in OUT/text/, one small file per round, fit to commit; the target's "
+                    "features and labels in OUT/features/, written by the forwards that write the text, or computed "
+                    "again by teacher forcing where missing), training with checkpoints "
                     "(OUT/checkpoint.pt, OUT/log.jsonl), then OUT/head.pt (the checkpoint best on the held-out "
                     "rounds). Run the same command again to resume; a larger --rounds extends the corpus. Use the "
                     "head with --draft eagle:OUT/head.pt; 'verispec eval-draft' measures it.",
@@ -612,8 +614,8 @@ def cmd_eval_draft(args) -> int:
         raise VerispecError(f"eval-draft measures EAGLE heads ('eagle' or 'eagle:PATH'), not {args.draft!r}")
     if args.depths < 1 or args.per_group < 1 or args.max_new_tokens < 1 or args.check < 0:
         raise VerispecError("--depths, --per-group and --max-new-tokens must be >= 1, --check >= 0")
-    if args.corpus and not (Path(args.corpus) / "corpus.jsonl").is_file():
-        raise VerispecError(f"{args.corpus} holds no corpus.jsonl (a 'verispec train-draft' run folder)")
+    if args.corpus and not is_corpus(args.corpus):
+        raise VerispecError(f"{args.corpus} holds no corpus (its text/ folder; a 'verispec train-draft' run folder)")
     _set_threads(args)
     target = load(args.target)
     head = build_drafter(spec, target).head

@@ -14,8 +14,8 @@ from verispec.backends import load
 from verispec.bench.peers import gguf_path
 from verispec.datasets import load_prompts
 from verispec.eagle import EagleHead, shipped_head
-from verispec.eagle.corpus import Record
-from verispec.eagle.train import features, head_loss, new_counts, summarize_counts
+from verispec.eagle.corpus import Record, features
+from verispec.eagle.train import head_loss, new_counts, summarize_counts
 
 torch.set_num_threads(2)
 hf = load("smollm2-135m")

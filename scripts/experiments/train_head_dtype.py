@@ -35,11 +35,11 @@ def main() -> None:
     config = module.TrainConfig(rounds=args.rounds, gen_batch=recipe["gen_batch"], feature_layers=recipe["feature_layers"],
                                 depths=recipe["depths"], epochs=1, max_tokens=args.max_tokens, checkpoint_every=10 ** 6)
     target = load("smollm2-135m")
-    corpus = Path(args.corpus) / "corpus.jsonl"
+    corpus = Path(args.corpus)
     records = [r for r in read_corpus(corpus) if r.round < args.rounds]
     _, val_idx = module._split(records, config)
     feats = module._Features(corpus, records, recipe["corpus"], config.layers(), config.top_k,
-                             target.config.hidden_size, target.num_layers)
+                             target.config.hidden_size, target.num_layers, target)
     val = [feats[i] for i in val_idx[:module.VALIDATION]]
     results = {}
     for dtype in (torch.bfloat16, torch.float32):

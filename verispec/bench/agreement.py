@@ -24,9 +24,9 @@ from ..datasets import SPEC_BENCH_GROUPS, spec_bench_prompts
 from ..decode import generate
 from ..drafters import NoDrafter
 from ..drafters.eagle import EagleDrafter
-from ..eagle.corpus import Record, read_corpus
+from ..eagle.corpus import Record, features, read_corpus
 from ..eagle.head import EagleHead
-from ..eagle.train import TrainConfig, _labels, _split, depth_outputs, features, head_loss, new_counts, summarize_counts
+from ..eagle.train import TrainConfig, _labels, _split, depth_outputs, head_loss, new_counts, summarize_counts
 from ..tree import Tree
 from ..verifiers import get_verifier
 
@@ -158,7 +158,7 @@ def agreement_report(target, head: EagleHead, depths: int = 4, per_group: int = 
         folder = Path(corpus)
         cfg = json.loads((folder / "config.json").read_text()) if (folder / "config.json").exists() else {}
         config = TrainConfig(**{k: v for k, v in cfg.items() if k in TrainConfig.__dataclass_fields__})
-        records = [r for r in read_corpus(folder / "corpus.jsonl") if r.round < config.rounds]
+        records = [r for r in read_corpus(folder) if r.round < config.rounds]
         _, val = _split(records, config)
         held = [records[i] for i in val][:held_out_records]
         out["sets"]["self-written (held-out rounds)"] = {"sequences": len(held), **teacher_forced(head, held, depths)}

@@ -26,20 +26,23 @@ cycle over ``answer_temperatures`` round by round (greedy included: the text a t
 assistant, the only positions a draft head is trained and evaluated on. A record whose tokens repeat an earlier
 record's is dropped (greedy answers to a request written twice).
 
-What training reads comes with the text (``CorpusConfig.layers``): each record's features (the target's hidden
-states of those layers at every position, float16) and the target's top-k next-token laws where a response token
-follows, kept per round in ``features/NNNNN.pt`` beside ``corpus.jsonl``. They are computed by the forwards that
-wrote the text, so they cost no forward of their own (``_Writer.sample``).
+A corpus is a folder. Its text is what it keeps: ``text/NNNNN.jsonl.gz``, one file per round, small enough to commit
+(a few hundred kB a round), so that the corpus grows across sessions and machines. What training reads of it
+(``CorpusConfig.layers``: each record's features, the target's hidden states of those layers at every position in
+float16, and the target's top-k next-token laws) is a cache beside it, ``features/NNNNN.pt``, hundreds of MB a
+round: written with the text by the forwards that wrote it (``_Writer.sample``, no forward of its own), and where
+it is missing (a fresh checkout) computed again by teacher forcing, one forward per record (``round_features``).
 
-A round's records are appended together, after its features file, then its end marker: a corpus resumes at its
-first unfinished round, and a corpus of n rounds is the first n rounds of any longer one with the same options
-(each round is seeded by its number).
+A round's features file is written before its text file (each by a rename): a corpus resumes at its first round
+without text, and a corpus of n rounds is the first n rounds of any longer one with the same options (each round is
+seeded by its number).
 
 Without a chat template (a base model) every round is free text: the target continues an opening.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import random
@@ -366,45 +369,69 @@ def _round(w: _Writer, shape: str, n: int, temperature: float, rnd: random.Rando
     raise VerispecError(f"unknown corpus shape {shape!r}; choose from {', '.join(SHAPES)}")
 
 
-def read_corpus(path: str | Path) -> list[Record]:
-    """The complete rounds of a corpus file (records of a round cut short by an interruption are dropped), without
-    their features (``round_features`` loads a round's).
+def text_path(folder: str | Path, rnd: int) -> Path:
+    return Path(folder) / "text" / f"{rnd:05d}.jsonl.gz"
 
-    Also reads the older format, one token list per line (the whole sequence counts as written text)."""
-    path = Path(path)
-    records, last_round_done = [], -1
-    if not path.exists():
-        return records
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            if not line.endswith("\n"):
-                break
-            try:
+
+def features_path(folder: str | Path, rnd: int) -> Path:
+    return Path(folder) / "features" / f"{rnd:05d}.pt"
+
+
+def is_corpus(folder: str | Path) -> bool:
+    return (Path(folder) / "text").is_dir()
+
+
+def read_corpus(folder: str | Path) -> list[Record]:
+    """The records of a corpus folder's complete rounds (``text/00000.jsonl.gz``, ``text/00001.jsonl.gz``, ... up to
+    the first one missing), without their features (``round_features`` loads or computes a round's)."""
+    folder = Path(folder)
+    if (folder / "corpus.jsonl").exists():
+        raise VerispecError(f"{folder} holds a corpus of the older layout (one corpus.jsonl); use another folder")
+    records, rnd = [], 0
+    while text_path(folder, rnd).is_file():
+        with gzip.open(text_path(folder, rnd), "rt", encoding="utf-8") as f:
+            for line in f:
                 d = json.loads(line)
-            except json.JSONDecodeError:
-                break
-            if isinstance(d, list):
-                records.append(Record(d, [[1, len(d)]], "legacy", len(records)))
-            elif d.get("type") == "end":  # a round's records are followed by its end marker
-                last_round_done = d["round"]
-            else:
                 records.append(Record(d["tokens"], d["spans"], d["shape"], d["round"]))
-    if records and records[0].shape != "legacy":
-        records = [r for r in records if r.round <= last_round_done]
+        rnd += 1
     return records
 
 
-def features_path(corpus_path: str | Path, rnd: int) -> Path:
-    return Path(corpus_path).parent / "features" / f"{rnd:05d}.pt"
+def features(target, record: Record | list[int], top_k: int, layers: tuple[int, ...] = (-1,)) -> dict:
+    """The target's features ``[T, k H]`` (fp16, hidden-state indices ``layers``), top-k next-token laws and the
+    response mask of one sequence, by teacher forcing (one forward over the whole sequence)."""
+    if isinstance(record, list):
+        record = Record(record, [[1, len(record)]], "", -1)
+    out = target.hf(input_ids=torch.tensor([record.tokens]), output_hidden_states=True)
+    hs = out.hidden_states
+    feat = torch.cat([hs[i][0] for i in layers], dim=-1)
+    p, i = torch.softmax(out.logits[0].float(), dim=-1).topk(top_k, dim=-1)
+    return {"feat": feat.half(), "p": p.half(), "i": i.int(), "tokens": torch.tensor(record.tokens),
+            "mask": response_mask(record)}
 
 
-def round_features(corpus_path: str | Path, rnd: int, records: list[Record]) -> list[dict]:
+def _save(obj, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, out)
+
+
+def round_features(folder: str | Path, rnd: int, records: list[Record], target=None,
+                   layers: tuple[int, ...] = (), top_k: int = 0) -> list[dict]:
     """What training reads of round ``rnd``'s ``records`` (in order): features ``feat [T, k H]``, labels ``p``,
-    ``i [T, top k]``, ``tokens`` and the response ``mask``, from the round's features file."""
-    path = features_path(corpus_path, rnd)
+    ``i [T, top k]``, ``tokens`` and the response ``mask``, from the round's features file.
+
+    The text is what a corpus keeps (it is small enough to commit); the features file is a cache. Where it is
+    missing, ``target`` computes it by teacher forcing (hidden-state indices ``layers``, ``top_k`` labels at every
+    position) and it is kept for the next read."""
+    path = features_path(folder, rnd)
     if not path.is_file():
-        raise VerispecError(f"{path} is missing: the corpus holds round {rnd}'s text but not its features; "
-                            "write the corpus again in a new folder")
+        if target is None:
+            raise VerispecError(f"{path} is missing: the corpus holds round {rnd}'s text but not its features")
+        with torch.inference_mode():
+            blob = [{k: v for k, v in features(target, r, top_k, layers).items() if k != "mask"} for r in records]
+        _save({"data": blob}, path)
     blob = torch.load(path, map_location="cpu", weights_only=True)["data"]
     if len(blob) != len(records) or any(len(d["tokens"]) != len(r.tokens) for d, r in zip(blob, records)):
         raise VerispecError(f"{path} does not match round {rnd} of the corpus beside it")
@@ -421,21 +448,14 @@ def response_mask(record: Record) -> torch.Tensor:
     return mask
 
 
-def write_corpus(target, path: str | Path, config: CorpusConfig,
+def write_corpus(target, folder: str | Path, config: CorpusConfig,
                  on_round: Callable[[int, list[Record]], None] | None = None) -> list[Record]:
-    """Generate (or resume) ``config.rounds`` rounds into the JSONL file ``path`` (and, with ``config.layers``, each
-    round's features beside it); returns every record, without features."""
-    path = Path(path)
-    records = read_corpus(path)
-    if records and records[0].shape == "legacy":
-        raise VerispecError(f"{path} holds a corpus of the older format; use another folder")
+    """Generate (or resume) ``config.rounds`` rounds into ``folder``: each round's text ``text/NNNNN.jsonl.gz``,
+    written last, after (with ``config.layers``) its features ``features/NNNNN.pt``; returns every record, without
+    features."""
+    folder = Path(folder)
+    records = read_corpus(folder)
     done = max((r.round for r in records), default=-1) + 1
-    # rewrite the complete rounds only (drops a cut-off round), then append
-    with path.open("w", encoding="utf-8") as f:
-        for rnd in range(done):
-            for r in (r for r in records if r.round == rnd):
-                f.write(r.to_json() + "\n")
-            f.write(json.dumps({"type": "end", "round": rnd}) + "\n")
     seen = {hash(tuple(r.tokens)) for r in records}
     w = _Writer(target, config.layers, config.top_k, SLOTS)
     for rnd_i in range(done, config.rounds):
@@ -446,15 +466,13 @@ def write_corpus(target, path: str | Path, config: CorpusConfig,
                 seen.add(key)
                 new.append(r)
         if config.layers is not None:
-            out = features_path(path, rnd_i)
-            out.parent.mkdir(exist_ok=True)
-            tmp = out.with_suffix(".tmp")
-            torch.save({"data": [{k: v for k, v in r.data.items()} for r in new]}, tmp)
-            os.replace(tmp, out)
-        with path.open("a", encoding="utf-8") as f:
-            for r in new:
-                f.write(r.to_json() + "\n")
-            f.write(json.dumps({"type": "end", "round": rnd_i}) + "\n")
+            _save({"data": [{k: v for k, v in r.data.items()} for r in new]}, features_path(folder, rnd_i))
+        out = text_path(folder, rnd_i)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        with tmp.open("wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f:
+            f.write("".join(r.to_json() + "\n" for r in new).encode())  # no name or time: a round, its bytes
+        os.replace(tmp, out)
         for r in new:
             r.data = None
         records += new

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from ..errors import VerispecError
 from .corpus import FORMAT as CORPUS_FORMAT
-from .corpus import CorpusConfig, Record, read_corpus, response_mask, round_features, write_corpus
+from .corpus import CorpusConfig, Record, is_corpus, read_corpus, round_features, write_corpus
 from .head import EagleHead
 
 
@@ -100,18 +100,6 @@ TRAIN_HELP = {
 # ---------------------------------------------------------------- data
 
 @torch.inference_mode()
-def features(target, record: Record | list[int], top_k: int, layers: tuple[int, ...] = (-1,)) -> dict:
-    """The target's features ``[T, k H]`` (fp16), top-k next-token laws and the response mask of one sequence."""
-    if isinstance(record, list):
-        record = Record(record, [[1, len(record)]], "", -1)
-    out = target.hf(input_ids=torch.tensor([record.tokens]), output_hidden_states=True)
-    hs = out.hidden_states
-    feat = torch.cat([hs[i][0] for i in layers], dim=-1)
-    p, i = torch.softmax(out.logits[0].float(), dim=-1).topk(top_k, dim=-1)
-    return {"feat": feat.half(), "p": p.half(), "i": i.int(), "tokens": torch.tensor(record.tokens),
-            "mask": response_mask(record)}
-
-
 def draft_vocabulary(corpus: list[list[int]], size: int, vocab_size: int, always=()) -> torch.Tensor:
     """The ``size`` token ids a restricted draft head keeps: ``always`` (end-of-sequence tokens) first, then by
     frequency in the training corpus, then unseen tokens by id (BPE ids roughly follow merge frequency)."""
@@ -349,9 +337,9 @@ class _Features:
     """The corpus's features by record, loaded a round at a time and kept for the last ``BUFFER_ROUNDS`` rounds
     asked, with the columns of the head's layers only and ``top_k`` labels."""
 
-    def __init__(self, corpus_path: Path, records: list[Record], info: dict, layers: tuple[int, ...], top_k: int,
-                 hidden: int, n_layers: int):
-        self.path, self.records, self.top_k = corpus_path, records, top_k
+    def __init__(self, folder: Path, records: list[Record], info: dict, layers: tuple[int, ...], top_k: int,
+                 hidden: int, n_layers: int, target=None):
+        self.path, self.records, self.top_k, self.target, self.info = folder, records, top_k, target, info
         self.by_round: dict[int, list[int]] = {}
         self.place: dict[int, int] = {}  # record -> its place in its round
         for i, r in enumerate(records):
@@ -369,7 +357,7 @@ class _Features:
             if len(self.cache) >= BUFFER_ROUNDS:
                 self.cache.pop(next(iter(self.cache)))
             recs = [self.records[j] for j in self.by_round[rnd]]
-            data = round_features(self.path, rnd, recs)
+            data = round_features(self.path, rnd, recs, self.target, tuple(self.info["layers"]), self.info["top_k"])
             for d in data:
                 if self.cols is not None:
                     d["feat"] = d["feat"][:, self.cols].contiguous()
@@ -398,7 +386,7 @@ def _epoch_order(records: list[Record], train_idx: list[int], seed: int, epoch: 
 def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = True, progress: bool = True, log=print,
           max_steps: int | None = None, until: str | None = None, store_layers: tuple[int, ...] | None = None,
           corpus_dir: str | Path | None = None) -> Path:
-    """The whole pipeline into ``out_dir``: the corpus with its features (``corpus.jsonl``, ``features/``), training
+    """The whole pipeline into ``out_dir``: the corpus (``text/``, with its features in ``features/``), training
     with checkpoints (``checkpoint.pt``) and a log (``log.jsonl``), then ``head.pt`` (the checkpoint that did best on
     the held-out rounds). Each stage resumes.
 
@@ -410,11 +398,10 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     source = Path(corpus_dir) if corpus_dir is not None else out
-    corpus_path = source / "corpus.jsonl"
     info = _corpus_info(target, config, store_layers)
-    if corpus_dir is not None and not ((source / "config.json").is_file() and corpus_path.is_file()):
-        raise VerispecError(f"{source} holds no corpus of 'verispec train-draft' (config.json and corpus.jsonl)")
-    if (source / "config.json").exists() and resume and corpus_path.exists():  # one corpus serves many trainings
+    if corpus_dir is not None and not ((source / "config.json").is_file() and is_corpus(source)):
+        raise VerispecError(f"{source} holds no corpus of 'verispec train-draft' (config.json and text/)")
+    if (source / "config.json").exists() and resume and is_corpus(source):  # one corpus serves many trainings
         had = json.loads((source / "config.json").read_text()).get("corpus")
         if had is None:
             raise VerispecError(f"{source} holds a corpus of an older format (text without features); use another "
@@ -435,7 +422,7 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
     t_start = time.time()
 
     # 1. corpus, with its features
-    records = read_corpus(corpus_path) if resume or corpus_dir is not None else []
+    records = read_corpus(source) if resume or corpus_dir is not None else []
     done = len({r.round for r in records})
     if done < config.rounds and corpus_dir is not None:
         raise VerispecError(f"{source} holds {done} complete corpus rounds, fewer than --rounds {config.rounds}; "
@@ -450,7 +437,7 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
             bar.set_postfix_str(f"{new[0].shape if new else '-'}: {len(new)} sequences, {written[0]:,} response tokens")
             bar.update(1)
 
-        records = write_corpus(target, corpus_path, CorpusConfig(config.rounds, config.gen_batch, config.seed,
+        records = write_corpus(target, source, CorpusConfig(config.rounds, config.gen_batch, config.seed,
                                                                  layers=tuple(info["layers"]), top_k=info["top_k"]),
                                on_round=tick)
         bar.close()
@@ -459,7 +446,7 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
     log(f"corpus: {len(records)} sequences, {sum(len(r.tokens) for r in records):,} tokens, "
         f"{response(range(len(records))):,} written by the target")
     if until == "corpus":
-        return corpus_path
+        return source
 
     # 2. training (the target's own weights stay frozen: only the head's are trained)
     train_idx, val_idx = _split(records, config)
@@ -470,7 +457,8 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
             n += 1
         train_idx = train_idx[:n]
     layers = config.layers()
-    feats = _Features(corpus_path, records, info, layers, config.top_k, target.config.hidden_size, target.num_layers)
+    feats = _Features(source, records, info, layers, config.top_k, target.config.hidden_size, target.num_layers,
+                      target)
     val = [feats[i] for i in val_idx[:VALIDATION]]
     for p in target.hf.parameters():
         p.requires_grad_(False)
