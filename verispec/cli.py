@@ -550,8 +550,9 @@ def _add_train_draft(sub):
                    help="keep target features of these layers in the corpus (a superset of --feature-layers), so that "
                         "heads reading other subsets train on it")
     t.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="what the target writes the corpus in (auto: bfloat16 where the CPU has bfloat16 arithmetic; "
-                        "about 1.25x the float32 rate there); training reads the float32 target's tables")
+                   help="what the target writes the corpus in, and computes the features a corpus lacks in (auto: "
+                        "bfloat16 where the CPU has bfloat16 arithmetic; about 1.25x the float32 rate there); training "
+                        "reads the float32 target's tables")
     t.add_argument("--corpus", default=None, metavar="DIR",
                    help="train on the corpus of another run folder (read only), e.g. heads of other options or data "
                         "sizes on one corpus; --rounds must not exceed its complete rounds")
@@ -573,7 +574,7 @@ def cmd_train_draft(args) -> int:
                    corpus_dir=args.corpus)
     if args.corpus is not None and args.until == "corpus":
         raise VerispecError("--until corpus writes a corpus; --corpus reads another folder's (use one or the other)")
-    target = load(args.target, dtype=args.dtype if args.corpus is None else "float32")
+    target = load(args.target, dtype=args.dtype)  # the corpus's writer (and its features' where they are missing)
     if target.dtype != torch.float32 and not (out / "head.pt").exists():
         path = train(target, out, config, until="corpus", **options)
         if args.until == "corpus":

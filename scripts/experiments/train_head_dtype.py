@@ -39,7 +39,7 @@ def main() -> None:
     records = [r for r in read_corpus(corpus) if r.round < args.rounds]
     _, val_idx = module._split(records, config)
     feats = module._Features(corpus, records, recipe["corpus"], config.layers(), config.top_k,
-                             target.config.hidden_size, target.num_layers, target)
+                             target.config.hidden_size, target.num_layers)
     val = [feats[i] for i in val_idx[:module.VALIDATION]]
     results = {}
     for dtype in (torch.bfloat16, torch.float32):

@@ -31,7 +31,8 @@ A corpus is a folder. Its text is what it keeps: ``text/NNNNN.jsonl.gz``, one fi
 (``CorpusConfig.layers``: each record's features, the target's hidden states of those layers at every position in
 float16, and the target's top-k next-token laws) is a cache beside it, ``features/NNNNN.pt``, hundreds of MB a
 round: written with the text by the forwards that wrote it (``_Writer.sample``, no forward of its own), and where
-it is missing (a fresh checkout) computed again by teacher forcing, one forward per record (``round_features``).
+it is missing (a fresh checkout) computed again by teacher forcing, one forward per record (``fill_features``; in
+bfloat16 the same bits).
 
 A round's features file is written before its text file (each by a rename): a corpus resumes at its first round
 without text, and a corpus of n rounds is the first n rounds of any longer one with the same options (each round is
@@ -397,16 +398,19 @@ def read_corpus(folder: str | Path) -> list[Record]:
     return records
 
 
+@torch.inference_mode()
 def features(target, record: Record | list[int], top_k: int, layers: tuple[int, ...] = (-1,)) -> dict:
     """The target's features ``[T, k H]`` (fp16, hidden-state indices ``layers``), top-k next-token laws and the
-    response mask of one sequence, by teacher forcing (one forward over the whole sequence)."""
+    response mask of one sequence, by teacher forcing: one forward of the target's own (``Target.forward``) over the
+    whole sequence on a fresh cache. In bfloat16 these are the bits the forwards that wrote the text kept (a row's
+    result does not depend on the rows beside it)."""
     if isinstance(record, list):
         record = Record(record, [[1, len(record)]], "", -1)
-    out = target.hf(input_ids=torch.tensor([record.tokens]), output_hidden_states=True)
-    hs = out.hidden_states
-    feat = torch.cat([hs[i][0] for i in layers], dim=-1)
-    p, i = torch.softmax(out.logits[0].float(), dim=-1).topk(top_k, dim=-1)
-    return {"feat": feat.half(), "p": p.half(), "i": i.int(), "tokens": torch.tensor(record.tokens),
+    n = len(record.tokens)
+    out = target.forward(target.new_state(), torch.tensor(record.tokens), torch.arange(n),
+                         torch.ones(n, n, dtype=torch.bool).tril(), features=layers)
+    p, i = torch.softmax(out.logits.float(), dim=-1).topk(top_k, dim=-1)
+    return {"feat": out.hidden.half(), "p": p.half(), "i": i.int(), "tokens": torch.tensor(record.tokens),
             "mask": response_mask(record)}
 
 
@@ -417,21 +421,42 @@ def _save(obj, out: Path) -> None:
     os.replace(tmp, out)
 
 
-def round_features(folder: str | Path, rnd: int, records: list[Record], target=None,
-                   layers: tuple[int, ...] = (), top_k: int = 0) -> list[dict]:
-    """What training reads of round ``rnd``'s ``records`` (in order): features ``feat [T, k H]``, labels ``p``,
-    ``i [T, top k]``, ``tokens`` and the response ``mask``, from the round's features file.
+@torch.inference_mode()
+def fill_features(target, folder: str | Path, records: list[Record], layers: tuple[int, ...], top_k: int,
+                  progress: bool = True) -> None:
+    """Compute the features file of every round of ``records`` that lacks one (a corpus whose text came without
+    them, as a fresh checkout has it) by teacher forcing (``features``; labels where the writer keeps them, from
+    the first response token's position to the last but one), a round at a time, each kept as it is done."""
+    by_round: dict[int, list[Record]] = {}
+    for r in records:
+        by_round.setdefault(r.round, []).append(r)
+    missing = [rnd for rnd in sorted(by_round) if not features_path(folder, rnd).is_file()]
+    if not missing:
+        return
+    from tqdm import tqdm  # noqa: PLC0415 - the progress bar of this stage only
 
-    The text is what a corpus keeps (it is small enough to commit); the features file is a cache. Where it is
-    missing, ``target`` computes it by teacher forcing (hidden-state indices ``layers``, ``top_k`` labels at every
-    position) and it is kept for the next read."""
+    bar = tqdm(total=sum(len(r.tokens) for rnd in missing for r in by_round[rnd]), unit="token", unit_scale=True,
+               desc=f"features of {len(missing)} rounds (teacher forcing)", disable=not progress)
+    for rnd in missing:
+        blob = []
+        for r in by_round[rnd]:
+            d = features(target, r, top_k, layers)
+            first = r.spans[0][0] - 1
+            d["p"][:first], d["i"][:first], d["p"][-1], d["i"][-1] = 0, 0, 0, 0
+            blob.append({k: v for k, v in d.items() if k != "mask"})
+            bar.update(len(r.tokens))
+        _save({"data": blob}, features_path(folder, rnd))
+    bar.close()
+
+
+def round_features(folder: str | Path, rnd: int, records: list[Record]) -> list[dict]:
+    """What training reads of round ``rnd``'s ``records`` (in order): features ``feat [T, k H]``, labels ``p``,
+    ``i [T, top k]``, ``tokens`` and the response ``mask``, from the round's features file (``fill_features``
+    computes a missing one)."""
     path = features_path(folder, rnd)
     if not path.is_file():
-        if target is None:
-            raise VerispecError(f"{path} is missing: the corpus holds round {rnd}'s text but not its features")
-        with torch.inference_mode():
-            blob = [{k: v for k, v in features(target, r, top_k, layers).items() if k != "mask"} for r in records]
-        _save({"data": blob}, path)
+        raise VerispecError(f"{path} is missing: the corpus holds round {rnd}'s text but not its features (run "
+                            "'verispec train-draft' on it, which computes them)")
     blob = torch.load(path, map_location="cpu", weights_only=True)["data"]
     if len(blob) != len(records) or any(len(d["tokens"]) != len(r.tokens) for d, r in zip(blob, records)):
         raise VerispecError(f"{path} does not match round {rnd} of the corpus beside it")

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from ..errors import VerispecError
 from .corpus import FORMAT as CORPUS_FORMAT
-from .corpus import CorpusConfig, Record, is_corpus, read_corpus, round_features, write_corpus
+from .corpus import CorpusConfig, Record, fill_features, is_corpus, read_corpus, round_features, write_corpus
 from .head import EagleHead
 
 
@@ -338,8 +338,8 @@ class _Features:
     asked, with the columns of the head's layers only and ``top_k`` labels."""
 
     def __init__(self, folder: Path, records: list[Record], info: dict, layers: tuple[int, ...], top_k: int,
-                 hidden: int, n_layers: int, target=None):
-        self.path, self.records, self.top_k, self.target, self.info = folder, records, top_k, target, info
+                 hidden: int, n_layers: int):
+        self.path, self.records, self.top_k = folder, records, top_k
         self.by_round: dict[int, list[int]] = {}
         self.place: dict[int, int] = {}  # record -> its place in its round
         for i, r in enumerate(records):
@@ -357,7 +357,7 @@ class _Features:
             if len(self.cache) >= BUFFER_ROUNDS:
                 self.cache.pop(next(iter(self.cache)))
             recs = [self.records[j] for j in self.by_round[rnd]]
-            data = round_features(self.path, rnd, recs, self.target, tuple(self.info["layers"]), self.info["top_k"])
+            data = round_features(self.path, rnd, recs)
             for d in data:
                 if self.cols is not None:
                     d["feat"] = d["feat"][:, self.cols].contiguous()
@@ -445,6 +445,7 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
     response = lambda idx: sum(b - a for i in idx for a, b in records[i].spans)  # noqa: E731
     log(f"corpus: {len(records)} sequences, {sum(len(r.tokens) for r in records):,} tokens, "
         f"{response(range(len(records))):,} written by the target")
+    fill_features(target, source, records, tuple(info["layers"]), info["top_k"], progress)  # a checkout's corpus
     if until == "corpus":
         return source
 
@@ -457,8 +458,7 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
             n += 1
         train_idx = train_idx[:n]
     layers = config.layers()
-    feats = _Features(source, records, info, layers, config.top_k, target.config.hidden_size, target.num_layers,
-                      target)
+    feats = _Features(source, records, info, layers, config.top_k, target.config.hidden_size, target.num_layers)
     val = [feats[i] for i in val_idx[:VALIDATION]]
     for p in target.hf.parameters():
         p.requires_grad_(False)
