@@ -72,8 +72,8 @@ AGREEMENT_COMMANDS = {  # as run (docs/archive/findings.md, "Head variants")
                                         "--per-group 5 --json > results/agreement_eagle3.json"}
 CURVE = ROOT / "results" / "head_curve"  # `verispec eval-draft --json` reports of heads trained on more and more of one corpus
 CURVE_CORPUS = ("verispec train-draft --until corpus --rounds 128 --gen-batch 128 --feature-layers 3,15,27 --depths 3 "
-                "--out runs/eagle3-smollm2-135m")
-CURVE_TRAIN = ("verispec train-draft --corpus runs/eagle3-smollm2-135m --out runs/curve-rR --rounds R --gen-batch 128 "
+                "--out data/corpus/smollm2-135m")
+CURVE_TRAIN = ("verispec train-draft --corpus data/corpus/smollm2-135m --out runs/curve-rR --rounds R --gen-batch 128 "
                "--feature-layers 3,15,27 --depths 3 --epochs 2 --patience 4 --checkpoint-every 150")
 VARIANTS = ROOT / "results" / "head_variants.json"  # `python scripts/experiments/head_variants.py RUN... --out ...`
 
@@ -599,7 +599,10 @@ def curve_section(figs: Path) -> list[str]:
             f"Made by {made}.", "",
             "Heads of one recipe trained on the first rounds of one self-written corpus, each the checkpoint best on "
             "the corpus's held-out rounds; agreement per drafted depth on the held-out Spec-Bench answers as in the "
-            "table above. The corpus: `" + CURVE_CORPUS + "`; a head on its first R rounds: `" + CURVE_TRAIN + "`.", "",
+            "table above. The corpus (committed, its text only: data/README.md): `" + CURVE_CORPUS + "`; a head on its "
+            "first R rounds: `" + CURVE_TRAIN + "`. The heads above trained on the same command's rounds written "
+            "to runs/eagle3-smollm2-135m, which was lost with its checkout; each round is seeded by its number, and "
+            "the committed corpus is that command run again from round 0.", "",
             *lines, "", fig(path), ""]
 
 
