@@ -233,3 +233,30 @@ def test_a_corpus_without_its_features_computes_them_again_by_teacher_forcing(tm
     saved = features_path(path, 0).read_bytes()
     corpus_mod.fill_features(target, path, records, (2, n), 4, progress=False)  # nothing missing: nothing redone
     assert features_path(path, 0).read_bytes() == saved
+
+
+def test_training_can_start_from_an_earlier_head(tmp_path, monkeypatch):
+    """--init: a head goes on training from an earlier one (its weights and draft vocabulary), e.g. an earlier
+    session's head on a grown corpus; a head reading other layers, or a missing file, is refused in one line."""
+    t = chat_target()
+    cfg = TrainConfig(rounds=4, gen_batch=2, top_k=8, epochs=1, batch=2, vocab=40, checkpoint_every=1)
+    first = EagleHead.load(train(t, tmp_path / "a", cfg, progress=False, log=lambda m: None, store_layers=(2, -1)),
+                           t)
+    seen = {}
+    real = train_mod.head_loss
+
+    def spy(head, *a, **k):  # the head's weights when its first step begins
+        seen.setdefault("state", head.head_state())
+        seen.setdefault("vocab", head.vocab.clone())
+        return real(head, *a, **k)
+
+    monkeypatch.setattr(train_mod, "head_loss", spy)
+    again = TrainConfig(**{**cfg.__dict__, "init": str(tmp_path / "a" / "head.pt"), "vocab": 16})
+    train(t, tmp_path / "b", again, progress=False, log=lambda m: None, corpus_dir=tmp_path / "a")
+    assert torch.equal(seen["vocab"], first.vocab)  # the earlier head's vocabulary, not a new one of 16
+    assert all(torch.equal(seen["state"][k], v) for k, v in first.head_state().items())
+    with pytest.raises(VerispecError, match="reads target layers"):
+        train(t, tmp_path / "c", TrainConfig(**{**again.__dict__, "feature_layers": "2,-1"}), progress=False,
+              log=lambda m: None, corpus_dir=tmp_path / "a")
+    with pytest.raises(VerispecError, match="no such head file"):
+        TrainConfig(init=str(tmp_path / "nowhere.pt")).validate()

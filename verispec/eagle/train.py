@@ -57,6 +57,7 @@ class TrainConfig:
     patience: int = 0  # stop when this many checkpoints in a row do no better on the held-out rounds (0: never)
     checkpoint_every: int = 50  # optimiser steps
     vocab: int = 16384  # draft vocabulary (the most frequent tokens of the corpus); 0: the target's whole vocabulary
+    init: str = ""  # a head file to start from (its weights and draft vocabulary) instead of a fresh head
 
     def layers(self) -> tuple[int, ...]:
         try:
@@ -71,6 +72,8 @@ class TrainConfig:
                 or self.patience < 0:
             raise VerispecError("need --rounds >= 2, --gen-batch, --epochs, --batch, --depths, --top-k >= 1, "
                                 "0 < --held-out < 1, --vocab, --max-tokens and --patience >= 0")
+        if self.init and not Path(self.init).is_file():
+            raise VerispecError(f"--init {self.init}: no such head file")
         self.layers()
 
 
@@ -94,6 +97,9 @@ TRAIN_HELP = {
     "checkpoint_every": "optimiser steps between checkpoints (and validations on the held-out rounds)",
     "vocab": "draft vocabulary: the head's output layer keeps this many tokens (the corpus's most frequent), cutting "
              "its cost; other tokens get draft probability 0, which every verifier handles exactly. 0: all",
+    "init": "start from this head file (its weights and its draft vocabulary; --vocab is then unused), e.g. to go on "
+            "training an earlier session's head on a grown corpus with a new schedule (the checkpoint, with its "
+            "optimiser state, stays in its run folder)",
 }
 
 
@@ -463,11 +469,19 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
     for p in target.hf.parameters():
         p.requires_grad_(False)
     torch.manual_seed(config.seed)
-    vocab = None
-    if 0 < config.vocab < target.vocab_size:
+    vocab, start = None, None
+    if config.init:
+        start = EagleHead.load(config.init, target)
+        if tuple(start.feature_layers) != tuple(layers):
+            raise VerispecError(f"{config.init} reads target layers {list(start.feature_layers)}, not the "
+                                f"--feature-layers {list(layers)} of this run")
+        vocab = start.vocab
+    elif 0 < config.vocab < target.vocab_size:
         vocab = draft_vocabulary([records[i].tokens for i in train_idx], config.vocab, target.vocab_size,
                                  always=target.eos_token_ids)
     head = EagleHead(target, vocab, head_dtype=TRAIN_HEAD_DTYPE, feature_layers=layers)
+    if start is not None:
+        head.load_state_dict(start.head_state(), strict=False)
     opt = torch.optim.AdamW(head.trainable(), lr=config.lr, weight_decay=0.0)
     steps_per_epoch = math.ceil(len(train_idx) / config.batch)
     total = steps_per_epoch * config.epochs
