@@ -73,9 +73,18 @@ class KVBuffer:
         self._set_length(need)
         return self.keys, self.values
 
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """The entries so far (a view of the buffer), made when read: the lean forward sets a length once per layer
+        and sequence each step and reads the buffer itself."""
+        return None if self._kbuf is None else self._kbuf[..., : self._len, :]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._vbuf is None else self._vbuf[..., : self._len, :]
+
     def _set_length(self, n: int) -> None:
         self._len = n
-        self.keys, self.values = self._kbuf[..., :n, :], self._vbuf[..., :n, :]
 
     def keep(self, idx: torch.Tensor | int) -> None:
         """Keep the entries ``idx`` (an int n: the first n) in this order."""
@@ -94,6 +103,12 @@ class KVBuffer:
 class _BufferLayer(KVBuffer):
     """Mixed into ``DynamicLayer`` (which concatenates, copying the whole cache at every forward): its entries live
     in a ``KVBuffer``."""
+
+    keys = values = None  # attributes, not the views made when read: ``DynamicLayer`` assigns them
+
+    def _set_length(self, n: int) -> None:
+        self._len = n
+        self.keys, self.values = self._kbuf[..., :n, :], self._vbuf[..., :n, :]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
