@@ -31,8 +31,8 @@ A corpus is a folder. Its text is what it keeps: ``text/NNNNN.jsonl.gz``, one fi
 (``CorpusConfig.layers``: each record's features, the target's hidden states of those layers at every position in
 float16, and the target's top-k next-token laws) is a cache beside it, ``features/NNNNN.pt``, hundreds of MB a
 round: written with the text by the forwards that wrote it (``_Writer.sample``, no forward of its own), and where
-it is missing (a fresh checkout) computed again by teacher forcing, one forward per record (``fill_features``; in
-bfloat16 the same bits).
+it is missing (a fresh checkout) computed again by teacher forcing, one forward per record (``fill_features``: the
+same bits on the tiny test models, the same to bfloat16 rounding on the default one, docs/design.md).
 
 A round's features file is written before its text file (each by a rename): a corpus resumes at its first round
 without text, and a corpus of n rounds is the first n rounds of any longer one with the same options (each round is
@@ -384,7 +384,7 @@ def is_corpus(folder: str | Path) -> bool:
 
 def read_corpus(folder: str | Path) -> list[Record]:
     """The records of a corpus folder's complete rounds (``text/00000.jsonl.gz``, ``text/00001.jsonl.gz``, ... up to
-    the first one missing), without their features (``round_features`` loads or computes a round's)."""
+    the first one missing), without their features (``round_features`` loads a round's)."""
     folder = Path(folder)
     if (folder / "corpus.jsonl").exists():
         raise VerispecError(f"{folder} holds a corpus of the older layout (one corpus.jsonl); use another folder")
@@ -402,8 +402,8 @@ def read_corpus(folder: str | Path) -> list[Record]:
 def features(target, record: Record | list[int], top_k: int, layers: tuple[int, ...] = (-1,)) -> dict:
     """The target's features ``[T, k H]`` (fp16, hidden-state indices ``layers``), top-k next-token laws and the
     response mask of one sequence, by teacher forcing: one forward of the target's own (``Target.forward``) over the
-    whole sequence on a fresh cache. In bfloat16 these are the bits the forwards that wrote the text kept (a row's
-    result does not depend on the rows beside it)."""
+    whole sequence on a fresh cache: what the forwards that wrote the text kept, to rounding (the bits themselves
+    where every product of both rounds alike: not across oneDNN's 33-row line, docs/design.md)."""
     if isinstance(record, list):
         record = Record(record, [[1, len(record)]], "", -1)
     n = len(record.tokens)

@@ -105,7 +105,6 @@ TRAIN_HELP = {
 
 # ---------------------------------------------------------------- data
 
-@torch.inference_mode()
 def draft_vocabulary(corpus: list[list[int]], size: int, vocab_size: int, always=()) -> torch.Tensor:
     """The ``size`` token ids a restricted draft head keeps: ``always`` (end-of-sequence tokens) first, then by
     frequency in the training corpus, then unseen tokens by id (BPE ids roughly follow merge frequency)."""
