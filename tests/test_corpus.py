@@ -138,8 +138,7 @@ def test_training_streams_rounds_and_ships_the_best_checkpoint(tmp_path, monkeyp
     assert sorted(order) == sorted(train_idx)
     loads = []
     real_load = train_mod.round_features
-    monkeypatch.setattr(train_mod, "round_features",
-                        lambda p, rnd, recs, *a: loads.append(rnd) or real_load(p, rnd, recs, *a))
+    monkeypatch.setattr(train_mod, "round_features", lambda p, rnd, recs: loads.append(rnd) or real_load(p, rnd, recs))
     info = json.loads((tmp_path / "run" / "config.json").read_text())["corpus"]
     feats = train_mod._Features(tmp_path / "run", records, info, (-1,), 8, 32, 4)
     for i in order:  # an epoch loads each round once, holding at most BUFFER_ROUNDS of them
