@@ -425,8 +425,9 @@ def _save(obj, out: Path) -> None:
 def fill_features(target, folder: str | Path, records: list[Record], layers: tuple[int, ...], top_k: int,
                   progress: bool = True) -> None:
     """Compute the features file of every round of ``records`` that lacks one (a corpus whose text came without
-    them, as a fresh checkout has it) by teacher forcing (``features``; labels where the writer keeps them, from
-    the first response token's position to the last but one), a round at a time, each kept as it is done."""
+    them, as a fresh checkout has it) by teacher forcing (as ``features``, several records a forward; labels where
+    the writer keeps them, from the first response token's position to the last but one), a round at a time, each
+    kept as it is done."""
     by_round: dict[int, list[Record]] = {}
     for r in records:
         by_round.setdefault(r.round, []).append(r)
@@ -438,13 +439,21 @@ def fill_features(target, folder: str | Path, records: list[Record], layers: tup
     bar = tqdm(total=sum(len(r.tokens) for rnd in missing for r in by_round[rnd]), unit="token", unit_scale=True,
                desc=f"features of {len(missing)} rounds (teacher forcing)", disable=not progress)
     for rnd in missing:
-        blob = []
-        for r in by_round[rnd]:
-            d = features(target, r, top_k, layers)
-            first = r.spans[0][0] - 1
-            d["p"][:first], d["i"][:first], d["p"][-1], d["i"][-1] = 0, 0, 0, 0
-            blob.append({k: v for k, v in d.items() if k != "mask"})
-            bar.update(len(r.tokens))
+        recs, blob = by_round[rnd], []
+        for group in _by_rows([(i, len(r.tokens)) for i, r in enumerate(recs)], PREFILL_ROWS):
+            # a prefill of several records in one forward, as the writer prefills its prompts: each on a fresh cache
+            n = [len(recs[i].tokens) for i in group]
+            outs = target.forward_batch([target.new_state() for _ in group],
+                                        [torch.tensor(recs[i].tokens) for i in group], [torch.arange(m) for m in n],
+                                        [torch.ones(m, m, dtype=torch.bool).tril() for m in n], features=layers)
+            for i, m, o in zip(group, n, outs):
+                first = max(recs[i].spans[0][0] - 1, 0)  # labels where the writer keeps them: rows first .. m - 2
+                p = torch.zeros(m, top_k, dtype=torch.half)
+                ix = torch.zeros(m, top_k, dtype=torch.int)
+                top = torch.softmax(o.logits[first:m - 1].float(), dim=-1).topk(top_k, dim=-1)
+                p[first:m - 1], ix[first:m - 1] = top.values.half(), top.indices.int()
+                blob.append({"feat": o.hidden.half(), "p": p, "i": ix, "tokens": torch.tensor(recs[i].tokens)})
+            bar.update(sum(n))
         _save({"data": blob}, features_path(folder, rnd))
     bar.close()
 
