@@ -27,12 +27,12 @@ assistant, the only positions a draft head is trained and evaluated on. A record
 record's is dropped (greedy answers to a request written twice).
 
 A corpus is a folder. Its text is what it keeps: ``text/NNNNN.jsonl.gz``, one file per round, small enough to commit
-(a few hundred kB a round), so that the corpus grows across sessions and machines. What training reads of it
+(30-300 kB a round), so that the corpus grows across sessions and machines. What training reads of it
 (``CorpusConfig.layers``: each record's features, the target's hidden states of those layers at every position in
-float16, and the target's top-k next-token laws) is a cache beside it, ``features/NNNNN.pt``, hundreds of MB a
-round: written with the text by the forwards that wrote it (``_Writer.sample``, no forward of its own), and where
-it is missing (a fresh checkout) computed again by teacher forcing, one forward per record (``fill_features``: the
-same bits on the tiny test models, the same to bfloat16 rounding on the default one, docs/design.md).
+float16, and the target's top-k next-token laws) is a cache beside it, ``features/NNNNN.pt``, 0.1-1 GB a round:
+written with the text by the forwards that wrote it (``_Writer.sample``, no forward of its own), and where it is
+missing (a fresh checkout) computed again by teacher forcing, a prefill of the finished text (``fill_features``:
+the same bits on the tiny test models, the same to bfloat16 rounding on the default one, docs/design.md).
 
 A round's features file is written before its text file (each by a rename): a corpus resumes at its first round
 without text, and a corpus of n rounds is the first n rounds of any longer one with the same options (each round is
