@@ -35,8 +35,8 @@ missing (a fresh checkout) computed again by teacher forcing, a prefill of the f
 the same bits on the tiny test models, the same to bfloat16 rounding on the default one, docs/design.md).
 
 A round's features file is written before its text file (each by a rename): a corpus resumes at its first round
-without text, and a corpus of n rounds is the first n rounds of any longer one with the same options (each round is
-seeded by its number).
+without text, keeping the rounds it has. Each round is seeded by its number, though the writer is not deterministic
+from run to run on the default model (docs/design.md), so a round written again may differ.
 
 Without a chat template (a base model) every round is free text: the target continues an opening.
 """
@@ -105,7 +105,10 @@ REQUEST_T = 0.8
 LIMITS = {"request": 40, "document": 320, "answer": 192, "short": 40, "sentence": 80, "paragraph": 160}
 MAX_PROMPT = 1536  # tokens; a longer prompt keeps its end
 PREFILL_ROWS = 4096  # prompt tokens per prefill forward
-SLOTS = 64  # sequences decoding at once (a round of more items keeps them full: the next joins as one finishes)
+# sequences decoding at once: a stage of a round (128 items) starts whole, so its tail is the one wave's longest
+# answers, not a second wave's (scripts/experiments/writer_tail.py: 306 and 307 against 199 and 248 tokens/s at 64,
+# alternated; rounds 0-7 of data/corpus/smollm2-135m were written with 64)
+SLOTS = 128
 FORMAT = 2  # 1: text only (features computed afterwards); 2: features and labels written with the text
 
 
