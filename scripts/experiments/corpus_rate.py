@@ -1,5 +1,7 @@
 """How fast the corpus writer samples (``verispec.eagle.corpus._Writer.sample``): N chat prompts through SLOTS
-slots of the target's batched forward, keeping features and labels as a corpus round does.
+slots of the target's batched forward, keeping features and labels as a corpus round does, with the target's
+forwards timed by kind: prefills, full-batch decoding steps, and the tail (steps with fewer live sequences, the
+stage waiting for its longest answers).
 
     python scripts/experiments/corpus_rate.py --prompts 128 --slots 64 --dtype bfloat16
     python scripts/experiments/corpus_rate.py --prompts 64 --slots 64 --document 800   # as a document round
@@ -35,12 +37,31 @@ def main() -> None:
     text = " ".join(words[i % len(words)] for i in range(args.document))
     ask = "Summarise this text in a short paragraph:\n" + text + "\n" if args.document else ""
     prompts = [w.prompt([ask + f"Write a short paragraph about topic number {i}."]) for i in range(args.prompts)]
+    log: list[tuple[int, int, float]] = []  # (sequences, rows, seconds) of each forward
+    forward = target.forward_batch
+
+    def timed(states, tokens, *a, **k):
+        t0 = time.perf_counter()
+        out = forward(states, tokens, *a, **k)
+        log.append((len(states), sum(len(x) for x in tokens), time.perf_counter() - t0))
+        return out
+
+    target.forward_batch = timed
     t0 = time.perf_counter()
     outs, _ = w.sample(prompts, args.max_new_tokens, 0.6, labels_from=[len(p) - 1 for p in prompts])
     dt = time.perf_counter() - t0
-    tokens = sum(len(o) for o in outs)
-    print(f"{args.prompts} prompts, {args.slots} slots, {args.dtype}, features {not args.no_features}: {tokens} tokens "
-          f"in {dt:.1f} s = {tokens / dt:.0f} tokens/s")
+    lengths = sorted(len(o) for o in outs)
+    steps = [(s, d) for s, r, d in log if r == s]  # one row per sequence: decoding
+    full = [d for s, d in steps if s == args.slots]
+    tail = [(s, d) for s, d in steps if s < args.slots]
+    rate = lambda tokens, seconds: tokens / max(seconds, 1e-9)  # noqa: E731
+    print(f"{args.prompts} prompts, {args.slots} slots, {args.dtype}, features {not args.no_features}: "
+          f"{sum(lengths)} tokens in {dt:.1f} s = {sum(lengths) / dt:.0f} tokens/s; prefills "
+          f"{sum(d for s, r, d in log if r != s):.1f} s; full-batch steps {len(full)}, {sum(full):.1f} s "
+          f"({rate(args.slots * len(full), sum(full)):.0f} tokens/s); tail steps {len(tail)}, "
+          f"{sum(d for _, d in tail):.1f} s ({rate(sum(s for s, _ in tail), sum(d for _, d in tail)):.0f} tokens/s, "
+          f"mean live {sum(s for s, _ in tail) / max(len(tail), 1):.1f}); answers: median "
+          f"{lengths[len(lengths) // 2]}, longest {lengths[-1]} tokens")
 
 
 if __name__ == "__main__":

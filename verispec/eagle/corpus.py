@@ -106,7 +106,7 @@ LIMITS = {"request": 40, "document": 320, "answer": 192, "short": 40, "sentence"
 MAX_PROMPT = 1536  # tokens; a longer prompt keeps its end
 PREFILL_ROWS = 4096  # prompt tokens per prefill forward
 # sequences decoding at once: a stage of a round (128 items) starts whole, so its tail is the one wave's longest
-# answers, not a second wave's (scripts/experiments/writer_tail.py: 306 and 307 against 199 and 248 tokens/s at 64,
+# answers, not a second wave's (scripts/experiments/corpus_rate.py: 306 and 307 against 199 and 248 tokens/s at 64,
 # alternated; rounds 0-7 of data/corpus/smollm2-135m were written with 64)
 SLOTS = 128
 FORMAT = 2  # 1: text only (features computed afterwards); 2: features and labels written with the text
@@ -402,35 +402,54 @@ def read_corpus(folder: str | Path) -> list[Record]:
 
 
 @torch.inference_mode()
+def _teacher_forced(target, records: list[Record], top_k: int, layers: tuple[int, ...],
+                    writer_labels: bool) -> list[dict]:
+    """What training reads of ``records`` by teacher forcing: one prefill of them all on fresh caches (the target's
+    own ``forward_batch``), each record's features ``[T, k H]`` (fp16, hidden-state indices ``layers``), top-k
+    next-token laws ``p``, ``i`` and ``tokens``. Labels at every row, or with ``writer_labels`` where the writer keeps
+    them (from the first response token's position to the last but one; zeros elsewhere). What the forwards that
+    wrote the text kept, to rounding (the bits themselves where every product of both rounds alike: not across
+    oneDNN's 33-row line, docs/design.md)."""
+    n = [len(r.tokens) for r in records]
+    outs = target.forward_batch([target.new_state() for _ in records], [torch.tensor(r.tokens) for r in records],
+                                [torch.arange(m) for m in n], [torch.ones(m, m, dtype=torch.bool).tril() for m in n],
+                                features=layers)
+    data = []
+    for r, m, o in zip(records, n, outs):
+        lo, hi = (max(r.spans[0][0] - 1, 0), m - 1) if writer_labels else (0, m)
+        p, ix = torch.zeros(m, top_k, dtype=torch.half), torch.zeros(m, top_k, dtype=torch.int)
+        top = torch.softmax(o.logits[lo:hi].float(), dim=-1).topk(top_k, dim=-1)
+        p[lo:hi], ix[lo:hi] = top.values.half(), top.indices.int()
+        data.append({"feat": o.hidden.half(), "p": p, "i": ix, "tokens": torch.tensor(r.tokens)})
+    return data
+
+
 def features(target, record: Record | list[int], top_k: int, layers: tuple[int, ...] = (-1,)) -> dict:
-    """The target's features ``[T, k H]`` (fp16, hidden-state indices ``layers``), top-k next-token laws and the
-    response mask of one sequence, by teacher forcing: one forward of the target's own (``Target.forward``) over the
-    whole sequence on a fresh cache: what the forwards that wrote the text kept, to rounding (the bits themselves
-    where every product of both rounds alike: not across oneDNN's 33-row line, docs/design.md)."""
+    """The target's features, top-k next-token laws at every position and the response mask of one sequence, by
+    teacher forcing (``_teacher_forced``)."""
     if isinstance(record, list):
         record = Record(record, [[1, len(record)]], "", -1)
-    n = len(record.tokens)
-    out = target.forward(target.new_state(), torch.tensor(record.tokens), torch.arange(n),
-                         torch.ones(n, n, dtype=torch.bool).tril(), features=layers)
-    p, i = torch.softmax(out.logits.float(), dim=-1).topk(top_k, dim=-1)
-    return {"feat": out.hidden.half(), "p": p.half(), "i": i.int(), "tokens": torch.tensor(record.tokens),
-            "mask": response_mask(record)}
+    (data,) = _teacher_forced(target, [record], top_k, layers, writer_labels=False)
+    return {**data, "mask": response_mask(record)}
 
 
-def _save(obj, out: Path) -> None:
+def _replace(out: Path, write: Callable[[Path], None]) -> None:
+    """``write`` a file at ``out`` whole or not at all: into a temporary file beside it, then a rename."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    torch.save(obj, tmp)
+    write(tmp)
     os.replace(tmp, out)
 
 
-@torch.inference_mode()
+def _save(obj, out: Path) -> None:
+    _replace(out, lambda tmp: torch.save(obj, tmp))
+
+
 def fill_features(target, folder: str | Path, records: list[Record], layers: tuple[int, ...], top_k: int,
                   progress: bool = True) -> None:
     """Compute the features file of every round of ``records`` that lacks one (a corpus whose text came without
-    them, as a fresh checkout has it) by teacher forcing (as ``features``, several records a forward; labels where
-    the writer keeps them, from the first response token's position to the last but one), a round at a time, each
-    kept as it is done."""
+    them, as a fresh checkout has it) by teacher forcing (``_teacher_forced``, up to ``PREFILL_ROWS`` rows a
+    forward, labels where the writer keeps them), a round at a time, each kept as it is done."""
     by_round: dict[int, list[Record]] = {}
     for r in records:
         by_round.setdefault(r.round, []).append(r)
@@ -444,19 +463,8 @@ def fill_features(target, folder: str | Path, records: list[Record], layers: tup
     for rnd in missing:
         recs, blob = by_round[rnd], []
         for group in _by_rows([(i, len(r.tokens)) for i, r in enumerate(recs)], PREFILL_ROWS):
-            # a prefill of several records in one forward, as the writer prefills its prompts: each on a fresh cache
-            n = [len(recs[i].tokens) for i in group]
-            outs = target.forward_batch([target.new_state() for _ in group],
-                                        [torch.tensor(recs[i].tokens) for i in group], [torch.arange(m) for m in n],
-                                        [torch.ones(m, m, dtype=torch.bool).tril() for m in n], features=layers)
-            for i, m, o in zip(group, n, outs):
-                first = max(recs[i].spans[0][0] - 1, 0)  # labels where the writer keeps them: rows first .. m - 2
-                p = torch.zeros(m, top_k, dtype=torch.half)
-                ix = torch.zeros(m, top_k, dtype=torch.int)
-                top = torch.softmax(o.logits[first:m - 1].float(), dim=-1).topk(top_k, dim=-1)
-                p[first:m - 1], ix[first:m - 1] = top.values.half(), top.indices.int()
-                blob.append({"feat": o.hidden.half(), "p": p, "i": ix, "tokens": torch.tensor(recs[i].tokens)})
-            bar.update(sum(n))
+            blob += _teacher_forced(target, [recs[i] for i in group], top_k, layers, writer_labels=True)
+            bar.update(sum(len(recs[i].tokens) for i in group))
         _save({"data": blob}, features_path(folder, rnd))
     bar.close()
 
@@ -504,12 +512,8 @@ def write_corpus(target, folder: str | Path, config: CorpusConfig,
                 new.append(r)
         if config.layers is not None:
             _save({"data": [{k: v for k, v in r.data.items()} for r in new]}, features_path(folder, rnd_i))
-        out = text_path(folder, rnd_i)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        with tmp.open("wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f:
-            f.write("".join(r.to_json() + "\n" for r in new).encode())  # no name or time: a round, its bytes
-        os.replace(tmp, out)
+        text = gzip.compress("".join(r.to_json() + "\n" for r in new).encode(), mtime=0)  # no time: a round, its bytes
+        _replace(text_path(folder, rnd_i), lambda tmp, text=text: tmp.write_bytes(text))
         for r in new:
             r.data = None
         records += new
