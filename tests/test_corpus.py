@@ -81,6 +81,39 @@ def test_sampled_features_and_labels_are_the_teacher_forced_ones(target):
             assert o == ref
 
 
+def test_tasks_share_the_batch_and_each_keeps_its_own_law(target, monkeypatch):
+    """Two tasks of two stages each (the second stage's prompts made from the first's answers) in flight at once
+    through 4 slots: their sequences share forwards, a greedy job beside a sampled one stays greedy (generate's text
+    in float32), and a job that keeps features gets the teacher-forced ones though it shares steps with one that
+    keeps none."""
+    bf16 = target.dtype == torch.bfloat16
+    w = _Writer(target, (2, -1), 8, max_batch=4)  # a slot is free from the start: the second task starts at once
+    temperatures = []  # per batched forward: the temperatures of the jobs its sequences belong to
+    real = _Writer._features
+    monkeypatch.setattr(_Writer, "_features", lambda self, seqs: temperatures.append(
+        {s.job.job.temperature for s in seqs}) or real(self, seqs))
+
+    def task(temperature, keep):
+        first, _ = yield corpus_mod.Job(PROMPTS[:3], 6, temperature, [len(p) - 1 for p in PROMPTS[:3]] if keep else None)
+        follow = [p + o[:2] + [1] for p, o in zip(PROMPTS[:3], first)]
+        second, data = yield corpus_mod.Job(follow, 8, temperature, [len(p) - 1 for p in follow] if keep else None)
+        return follow, second, data
+
+    results = dict(w.run(iter([task(0.0, keep=True), task(1.0, keep=False)]), at_once=2))
+    assert set(results) == {0, 1}
+    assert {0.0, 1.0} in temperatures  # a forward held sequences of both tasks
+    for p, o, d in zip(*results[0]):
+        feat, _, _ = teacher_forced(target, p + o, (2, -1), 8)
+        if bf16:
+            assert torch.equal(d["feat"], feat)
+        else:
+            assert torch.allclose(d["feat"].float(), feat.float(), atol=2e-3, rtol=2e-3)
+            ref = target.hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, pad_token_id=0,
+                                     eos_token_id=2)[0, len(p):].tolist()
+            assert o == ref
+    assert results[1][2] == [None] * 3
+
+
 def chat_target():
     t = tiny_model("llama")
     t.tokenizer = ChatBytes(t.vocab_size)
@@ -119,6 +152,7 @@ def test_corpus_rounds_keep_their_features_resume_and_drop_repeats(tmp_path, mon
 
     def twice(w, shape, n, temperature, rnd):  # a round that writes the same record twice, and one of round 0's
         rec = Record([1, 50, 51, 52], [[1, 4]], "", -1, {"x": torch.zeros(1)})
+        yield from ()  # a round is a generator of its stages' jobs: this one has none
         return [rec, rec, Record(records[0].tokens, records[0].spans, "", -1, {"x": torch.zeros(1)})]
 
     monkeypatch.setattr(corpus_mod, "_round", twice)

@@ -5,6 +5,12 @@ stage waiting for its longest answers).
 
     python scripts/experiments/corpus_rate.py --prompts 128 --slots 64 --dtype bfloat16
     python scripts/experiments/corpus_rate.py --prompts 64 --slots 64 --document 800   # as a document round
+
+With ``--rounds``, whole corpus rounds instead (their shapes and seeds by number, nothing saved) through
+``_Writer.run`` with ``--at-once`` rounds in flight: tokens sampled per second and the mean live sequences per
+decoding step (how full the batch stays while stages wait for their longest answers):
+
+    python scripts/experiments/corpus_rate.py --rounds 18 20 --slots 128 --at-once 1
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ import time
 import torch
 
 from verispec.backends import load
-from verispec.eagle.corpus import _Writer
+from verispec.eagle import corpus
+from verispec.eagle.corpus import CorpusConfig, _Writer
 
 
 def main() -> None:
@@ -28,9 +35,14 @@ def main() -> None:
                     help="each prompt opens with a text of this many words to be worked on, as a document round's")
     ap.add_argument("--no-features", action="store_true", help="text only")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, nargs="*", help="corpus rounds to write (128 items each, as the committed "
+                    "corpus), instead of the prompts")
+    ap.add_argument("--at-once", type=int, default=corpus.ROUNDS_AT_ONCE, help="rounds in flight (with --rounds)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target = load("smollm2-135m", dtype=args.dtype)
+    if args.rounds:
+        return rounds(target, args)
     w = _Writer(target, None if args.no_features else (3, 15, 27), 64, max_batch=args.slots)
     torch.manual_seed(0)
     words = "the old town by the river grew up around a mill that ground grain for farms across the valley".split()
@@ -62,6 +74,27 @@ def main() -> None:
           f"{sum(d for _, d in tail):.1f} s ({rate(sum(s for s, _ in tail), sum(d for _, d in tail)):.0f} tokens/s, "
           f"mean live {sum(s for s, _ in tail) / max(len(tail), 1):.1f}); answers: median "
           f"{lengths[len(lengths) // 2]}, longest {lengths[-1]} tokens")
+
+
+def rounds(target, args) -> None:
+    config = CorpusConfig(rounds=max(args.rounds) + 1, batch=128, layers=None if args.no_features else (3, 15, 27))
+    w = _Writer(target, config.layers, 64, args.slots, capacity=corpus.MAX_PROMPT + max(corpus.LIMITS.values()) + 1)
+    live: list[int] = []  # sequences of each decoding step
+    forward = target.forward_batch
+
+    def counted(states, tokens, *a, **k):
+        if all(len(x) == 1 for x in tokens):
+            live.append(len(states))
+        return forward(states, tokens, *a, **k)
+
+    target.forward_batch = counted
+    t0 = time.perf_counter()
+    made = dict(w.run((corpus._round_task(w, config, r) for r in args.rounds), at_once=args.at_once))
+    dt = time.perf_counter() - t0
+    response = sum(b - a for recs in made.values() for r in recs for a, b in r.spans)
+    print(f"rounds {args.rounds} ({', '.join(corpus.CYCLE[r % len(corpus.CYCLE)] for r in args.rounds)}), "
+          f"{args.slots} slots, {args.at_once} at once, {args.dtype}: {response} response tokens in {dt:.1f} s = "
+          f"{response / dt:.0f} tokens/s; {len(live)} decoding steps, mean live {sum(live) / max(len(live), 1):.1f}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Training text the target writes itself, in the shapes of the tasks a draft head meets (never their questions),
 with what training reads of it.
 
-Each *round* runs one task shape on a batch of items, every stage one batch on the target's batched forward:
+Each *round* runs one task shape on a batch of items, every stage one batch of prompts (a ``Job``) on the target's
+batched forward, where two rounds' stages share the slots (``_Writer.run``):
 
 * ``chat``: the target writes a user turn from an empty one, answers it, writes a follow-up turn and answers it
   (two assistant turns in one sequence, like a multi-turn conversation);
@@ -47,7 +48,7 @@ import gzip
 import json
 import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,6 +110,9 @@ PREFILL_ROWS = 4096  # prompt tokens per prefill forward
 # answers, not a second wave's (scripts/experiments/corpus_rate.py: 306 and 307 against 199 and 248 tokens/s at 64,
 # alternated; rounds 0-7 of data/corpus/smollm2-135m were written with 64)
 SLOTS = 128
+# corpus rounds sharing the batch: a stage waits for all its answers, so a round's last long answers decode beside
+# the next round's prompts instead of alone
+ROUNDS_AT_ONCE = 2
 FORMAT = 2  # 1: text only (features computed afterwards); 2: features and labels written with the text
 
 
@@ -152,13 +156,16 @@ class _Writer:
 
     MARK = "\x00VERISPEC\x00"
 
-    def __init__(self, target, layers: tuple[int, ...] | None = None, top_k: int = 64, max_batch: int = SLOTS):
+    def __init__(self, target, layers: tuple[int, ...] | None = None, top_k: int = 64, max_batch: int = SLOTS,
+                 capacity: int = 0, seed: int = 0):
         self.target = target
         self.tok = target.tokenizer
         if self.tok is None:
             raise VerispecError("self-generated training data needs the target's tokenizer")
         self.chat = bool(getattr(self.tok, "chat_template", None))
         self.layers, self.top_k, self.max_batch = layers, top_k, max_batch
+        self.capacity = capacity  # cache entries a state holds at least (so that a pool made once fits every job)
+        self.generator = torch.Generator().manual_seed(seed)  # the draws' random numbers
         self._pool, self._pool_size = None, (0, 0)
 
     def ids(self, text: str) -> list[int]:
@@ -181,123 +188,226 @@ class _Writer:
         return self.ids(text[: text.index(self.MARK)] + opening)[-MAX_PROMPT:]
 
     def _states(self, slots: int, capacity: int):
-        """A pool of ``slots`` states of ``capacity`` entries, kept between calls while it is large enough."""
+        """A pool of ``slots`` states of ``capacity`` entries, kept between calls while it is large enough (it is
+        made again, larger, only while no sequence holds one of its states)."""
         if slots > self._pool_size[0] or capacity > self._pool_size[1]:
             size = (max(slots, self._pool_size[0]), max(capacity, self._pool_size[1]))
             self._pool, self._pool_size = None, (0, 0)  # free the old buffers before the new ones are made
             self._pool, self._pool_size = self.target.state_pool(*size), size
         return self._pool
 
-    @torch.inference_mode()
     def sample(self, prompts: list[list[int]], max_new: int, temperature: float,
                labels_from: list[int] | None = None) -> tuple[list[list[int]], list[dict | None]]:
         """One continuation per prompt, cut after its first end-of-sequence token, and with ``labels_from`` (one
         index per prompt) what training reads of each whole sequence: its features (the ``layers``' hidden states,
         every position, float16) and the target's top-k next-token law at positions ``labels_from[i]`` onwards.
+        One ``Job`` through ``run`` (which see)."""
+        def one():
+            return (yield Job(prompts, max_new, temperature, labels_from))
 
-        Continuous batching on ``Target.forward_batch``: up to ``max_batch`` sequences decode together, a finished
-        one frees its slot and the next prompt is prefilled into it. The features come with the tokens at no
-        extra forward (a finished sequence runs its last token once more for that token's features): a sequence's
-        rows do not depend on the batch beside them (the lean forward's invariance), so they are the teacher-forced
-        features of the finished text. Draws are inverse-CDF lookups over the batch (one ``torch.rand`` per step)."""
-        t, n = self.target, len(prompts)
-        keep = labels_from is not None and self.layers is not None
-        layers = self.layers if keep else (-1,)
-        eos = t.eos_token_ids
-        pool = self._states(min(n, self.max_batch), max(len(p) for p in prompts) + max_new + 1)
-        acquire = pool.acquire if pool is not None else t.new_state
-        release = pool.release if pool is not None else (lambda s: None)
-        out: list[list[int]] = [[] for _ in prompts]
-        feats: list[list[torch.Tensor]] = [[] for _ in prompts]
-        probs: list[list[torch.Tensor]] = [[] for _ in prompts]
-        index: list[list[torch.Tensor]] = [[] for _ in prompts]
-        waiting = list(range(n))[::-1]
-        live: dict[int, object] = {}  # prompt index -> its state
-        closing: set[int] = set()  # finished; its last token runs once more for its features
+        ((_, result),) = self.run(iter([one()]))
+        return result
 
-        def labels(ids: list[int], logits: list[torch.Tensor]) -> None:
-            """The top-k laws of each of ``ids``' rows ``logits``, in one softmax and one top-k over all of them."""
-            if keep:
-                p, ix = torch.softmax(torch.cat(logits), dim=-1).topk(self.top_k, dim=-1)
-                sizes = [int(x.shape[0]) for x in logits]
-                for i, pp, ii in zip(ids, p.half().split(sizes), ix.int().split(sizes)):
-                    probs[i].append(pp)
-                    index[i].append(ii)
+    @torch.inference_mode()
+    def run(self, tasks: Iterator[Generator], at_once: int = 1) -> Iterator[tuple[int, object]]:
+        """Drive ``tasks``, generators that each yield ``Job``s and receive each one's ``(continuations, data)`` (see
+        ``sample``), on one continuous batch; yields ``(i, value)`` as the i-th task returns ``value``.
 
-        def draw(rows: list[int], logits: torch.Tensor) -> None:
-            if temperature == 0:
-                tok = logits.argmax(-1)
-            else:
-                cdf = torch.softmax(logits / temperature, dim=-1).cumsum(-1)
-                u = torch.rand(len(rows), 1) * cdf[:, -1:]
-                tok = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_max(cdf.shape[-1] - 1)
-            for i, v in zip(rows, tok.tolist()):
-                out[i].append(v)
-                if v in eos or len(out[i]) == max_new:
-                    closing.add(i)
+        Up to ``max_batch`` sequences decode together on ``Target.forward_batch``; a finished one frees its slot and
+        the next waiting prompt is prefilled into it. Up to ``at_once`` tasks are in flight: another one starts when
+        no prompt is waiting and a slot is free, so that one task's last long answers (a stage waits for all its
+        answers) decode beside the next task's prompts instead of alone. Every sequence is drawn from the target at
+        its own job's temperature, whatever it shares a step with. The features come with the tokens at no extra
+        forward (a finished sequence runs its last token once more for that token's features): a sequence's rows do
+        not depend on the batch beside them (the lean forward's invariance, docs/design.md), so they are the
+        teacher-forced features of the finished text. Draws are inverse-CDF lookups over the batch."""
+        t, eos = self.target, self.target.eos_token_ids
+        tasks = enumerate(tasks)
+        flight: dict[int, tuple[Generator, _Running]] = {}  # task -> (its generator, its running job)
+        waiting: list[_Seq] = []
+        live: list[_Seq] = []
+        more = True
 
-        while waiting or live:
-            new = [waiting.pop() for _ in range(min(len(waiting), self.max_batch - len(live)))]
-            if new:  # prefill the newcomers in one forward, a few thousand rows at a time
-                for part in _by_rows([(i, len(prompts[i])) for i in new], PREFILL_ROWS):
-                    states = [acquire() for _ in part]
-                    lens = [len(prompts[i]) for i in part]
-                    first = [min(labels_from[i], m - 1) if keep else m - 1 for i, m in zip(part, lens)]
-                    res = t.forward_batch(states, [torch.tensor(prompts[i]) for i in part],
-                                          [torch.arange(m) for m in lens],
-                                          [torch.ones(m, m, dtype=torch.bool).tril() for m in lens], features=layers,
-                                          last_logits_only=[f == m - 1 for f, m in zip(first, lens)])
-                    for i, s, o, m in zip(part, states, res, lens):
-                        t.commit(s, list(range(m)))
-                        live[i] = s
-                        if keep:
-                            feats[i].append(o.hidden.half())
-                    labels(part, [o.logits[f - m:] for o, m, f in zip(res, lens, first)])  # rows f..m-1
-                    draw(part, torch.cat([o.logits[-1:] for o in res]))
-                for i in [i for i in new if i in closing and not keep]:
-                    release(live.pop(i))
+        def give(i: int, gen: Generator, result) -> Iterator[tuple[int, object]]:
+            try:
+                job = gen.send(result) if result is not None else next(gen)
+            except StopIteration as stop:
+                flight.pop(i, None)
+                yield i, stop.value
+                return
+            running = _Running(job, self.layers is not None and job.labels_from is not None)
+            flight[i] = (gen, running)
+            waiting.extend(_Seq(running, k) for k in range(len(job.prompts)))
+            if not job.prompts:  # nothing to sample: done at once
+                yield from give(i, gen, running.result(self.top_k))
+
+        def finished(s: _Seq) -> Iterator[tuple[int, object]]:
+            if s.state is not None:
+                release(s.state)
+                s.state = None
+            s.job.left -= 1
+            if s.job.left == 0:
+                i = next(i for i, (_, r) in flight.items() if r is s.job)
+                yield from give(i, flight[i][0], s.job.result(self.top_k))
+
+        pool = release = acquire = None
+        while True:
+            while more and len(flight) < at_once and not waiting and len(live) < self.max_batch:
+                nxt = next(tasks, None)
+                if nxt is None:
+                    more = False
+                    break
+                yield from give(nxt[0], nxt[1], None)
+            if not waiting and not live:  # every task in flight has a job with sequences: none is in flight
+                if not more:
+                    return
                 continue
-            rows = list(live)
-            states = [live[i] for i in rows]
-            res = t.forward_batch(states, [torch.tensor(out[i][-1:]) for i in rows],
-                                  [torch.tensor([len(prompts[i]) + len(out[i]) - 1]) for i in rows],
-                                  [torch.ones(1, 1, dtype=torch.bool)] * len(rows), features=layers)
-            for i, s, o in zip(rows, states, res):
-                t.commit(s, [0])
-                if keep:
-                    feats[i].append(o.hidden.half())
-            going = [b for b, i in enumerate(rows) if i not in closing]
-            for i in [i for i in rows if i in closing]:  # its last token has run: done
-                release(live.pop(i))
+            free = self.max_batch - len(live)
+            need = max((s.need for s in waiting[:free]), default=0)
+            if waiting and free and (pool is None or need > self._pool_size[1]) and not live:
+                pool = self._states(self.max_batch, max(need, self.capacity))
+                acquire = pool.acquire if pool is not None else t.new_state
+                release = pool.release if pool is not None else (lambda s: None)
+            fits = [s for s in waiting[:free] if pool is None or s.need <= self._pool_size[1]]
+            if fits:
+                for s in fits:
+                    waiting.remove(s)
+                done: list[_Seq] = []
+                for part in _by_rows([(k, len(s.prompt)) for k, s in enumerate(fits)], PREFILL_ROWS):
+                    seqs = [fits[k] for k in part]
+                    lens = [len(s.prompt) for s in seqs]
+                    for s in seqs:
+                        s.state = acquire()
+                    firsts = [min(s.labels_from, m - 1) if s.keep else m - 1 for s, m in zip(seqs, lens)]
+                    res = t.forward_batch([s.state for s in seqs], [torch.tensor(s.prompt) for s in seqs],
+                                          [torch.arange(m) for m in lens],
+                                          [torch.ones(m, m, dtype=torch.bool).tril() for m in lens],
+                                          features=self._features(seqs),
+                                          last_logits_only=[f == m - 1 for f, m in zip(firsts, lens)])
+                    for s, o, m in zip(seqs, res, lens):
+                        t.commit(s.state, list(range(m)))
+                        if s.keep:
+                            s.feats.append(o.hidden.half())
+                    self._labels([(s, o.logits[f - m:]) for s, o, m, f in zip(seqs, res, lens, firsts) if s.keep])
+                    done += self._draw(seqs, torch.cat([o.logits[-1:] for o in res]), eos)
+                live += fits
+                for s in done:
+                    if not s.keep:  # no features wanted: its last token need not run
+                        live.remove(s)
+                        yield from finished(s)
+                continue
+            if not live:  # the waiting prompts need a larger pool: wait for nothing (none is live)
+                continue
+            res = t.forward_batch([s.state for s in live], [torch.tensor(s.out[-1:]) for s in live],
+                                  [torch.tensor([len(s.prompt) + len(s.out) - 1]) for s in live],
+                                  [torch.ones(1, 1, dtype=torch.bool)] * len(live), features=self._features(live))
+            for s, o in zip(live, res):
+                t.commit(s.state, [0])
+                if s.keep:
+                    s.feats.append(o.hidden.half())
+            going = [(s, o) for s, o in zip(live, res) if not s.closing]
+            ended = [s for s in live if s.closing]  # its last token has run: done
+            live = [s for s, _ in going]
+            for s in ended:
+                yield from finished(s)
             if going:
-                labels([rows[b] for b in going], [res[b].logits for b in going])
-                draw([rows[b] for b in going], torch.cat([res[b].logits for b in going]))
-            for i in [rows[b] for b in going if rows[b] in closing and not keep]:
-                release(live.pop(i))
-        data: list[dict | None] = [None] * n
-        if keep:
-            k = self.top_k
-            for i, p in enumerate(prompts):
-                tokens = p + out[i]
-                lab_p, lab_i = torch.zeros(len(tokens), k, dtype=torch.half), torch.zeros(len(tokens), k, dtype=torch.int)
-                first = min(labels_from[i], len(p) - 1)
-                got_p, got_i = torch.cat(probs[i]), torch.cat(index[i])
+                self._labels([(s, o.logits) for s, o in going if s.keep])
+                for s in self._draw([s for s, _ in going], torch.cat([o.logits for _, o in going]), eos):
+                    if not s.keep:
+                        live.remove(s)
+                        yield from finished(s)
+
+    def _features(self, seqs: list[_Seq]) -> tuple[int, ...]:
+        return self.layers if any(s.keep for s in seqs) else (-1,)
+
+    def _labels(self, rows: list[tuple[_Seq, torch.Tensor]]) -> None:
+        """The top-k laws of each sequence's ``logits`` rows, in one softmax and one top-k over all of them."""
+        if rows:
+            p, ix = torch.softmax(torch.cat([lg for _, lg in rows]), dim=-1).topk(self.top_k, dim=-1)
+            sizes = [int(lg.shape[0]) for _, lg in rows]
+            for (s, _), pp, ii in zip(rows, p.half().split(sizes), ix.int().split(sizes)):
+                s.probs.append(pp)
+                s.index.append(ii)
+
+    def _draw(self, seqs: list[_Seq], logits: torch.Tensor, eos) -> list[_Seq]:
+        """Each sequence's next token at its own temperature (greedy at 0); returns those that just finished."""
+        tok = logits.argmax(-1)
+        temps = torch.tensor([s.job.job.temperature for s in seqs])
+        hot = torch.nonzero(temps > 0).flatten()
+        if len(hot):
+            cdf = torch.softmax(logits[hot].float() / temps[hot, None], dim=-1).cumsum(-1)
+            u = torch.rand(len(hot), 1, generator=self.generator) * cdf[:, -1:]
+            tok[hot] = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_max(cdf.shape[-1] - 1)
+        closed = []
+        for s, v in zip(seqs, tok.tolist()):
+            s.out.append(v)
+            if v in eos or len(s.out) == s.job.job.max_new:
+                s.closing = True
+                closed.append(s)
+        return closed
+
+
+@dataclass
+class Job:
+    """One batch of continuations a corpus stage asks for: ``prompts``, at most ``max_new`` new tokens each, at
+    ``temperature``, and with ``labels_from`` (one position per prompt) what training reads (``_Writer.sample``)."""
+    prompts: list[list[int]]
+    max_new: int
+    temperature: float
+    labels_from: list[int] | None = None
+
+
+class _Running:
+    """A job being sampled: its sequences' outputs, and how many have not finished."""
+
+    def __init__(self, job: Job, keep: bool):
+        self.job, self.keep, self.left = job, keep, len(job.prompts)
+        self.seqs: list[_Seq] = []
+
+    def result(self, top_k: int) -> tuple[list[list[int]], list[dict | None]]:
+        outs = [s.out for s in self.seqs]
+        data: list[dict | None] = [None] * len(self.seqs)
+        if self.keep:
+            for k, s in enumerate(self.seqs):
+                tokens = s.prompt + s.out
+                lab_p = torch.zeros(len(tokens), top_k, dtype=torch.half)
+                lab_i = torch.zeros(len(tokens), top_k, dtype=torch.int)
+                first = min(s.labels_from, len(s.prompt) - 1)
+                got_p, got_i = torch.cat(s.probs), torch.cat(s.index)
                 lab_p[first:first + len(got_p)], lab_i[first:first + len(got_i)] = got_p, got_i
-                data[i] = {"feat": torch.cat(feats[i]), "p": lab_p, "i": lab_i, "tokens": torch.tensor(tokens)}
-        return out, data
-
-    def answer(self, prompts: list[list[int]], temperature: float, limit: int = LIMITS["answer"],
-               labels_from: list[int] | None = None, keep: bool = True) -> list[Record]:
-        """Sample answers; each record is prompt + answer with the answer as its one span (and, with ``keep``, what
-        training reads of it, labels from ``labels_from`` on: by default the answer's positions)."""
-        first = (labels_from or [len(p) - 1 for p in prompts]) if keep else None
-        outs, data = self.sample(prompts, limit, temperature, first)
-        return [Record(p + a, [[len(p), len(p) + len(a)]], "", -1, d) for p, a, d in zip(prompts, outs, data)]
+                data[k] = {"feat": torch.cat(s.feats), "p": lab_p, "i": lab_i, "tokens": torch.tensor(tokens)}
+        return outs, data
 
 
-def _finish_requests(w: _Writer, prefixes: list[list[int]], openings: list[str], limit: int) -> list[str]:
-    """The user requests the target writes after each opening (opening + its continuation)."""
-    outs, _ = w.sample(prefixes, limit, REQUEST_T)
+class _Seq:
+    """One prompt of a running job and its continuation so far."""
+
+    def __init__(self, job: _Running, k: int):
+        self.job, self.prompt, self.keep = job, job.job.prompts[k], job.keep
+        self.labels_from = job.job.labels_from[k] if job.keep else None
+        self.need = len(self.prompt) + job.job.max_new + 1  # cache entries
+        self.out: list[int] = []
+        self.feats: list[torch.Tensor] = []
+        self.probs: list[torch.Tensor] = []
+        self.index: list[torch.Tensor] = []
+        self.state = None
+        self.closing = False
+        job.seqs.append(self)
+
+
+def _answer(w: _Writer, prompts: list[list[int]], temperature: float, limit: int = LIMITS["answer"],
+            labels_from: list[int] | None = None, keep: bool = True):
+    """Sample answers (a stage: yields its ``Job``); each record is prompt + answer with the answer as its one span
+    (and, with ``keep``, what training reads of it, labels from ``labels_from`` on: by default the answer's
+    positions)."""
+    first = (labels_from or [len(p) - 1 for p in prompts]) if keep else None
+    outs, data = yield Job(prompts, limit, temperature, first)
+    return [Record(p + a, [[len(p), len(p) + len(a)]], "", -1, d) for p, a, d in zip(prompts, outs, data)]
+
+
+def _finish_requests(w: _Writer, prefixes: list[list[int]], openings: list[str], limit: int):
+    """The user requests the target writes after each opening (opening + its continuation); a stage."""
+    outs, _ = yield Job(prefixes, limit, REQUEST_T)
     return [(o + ("" if o.endswith(" ") else " ") + w.text(c)).strip() if w.text(c) else o + " the weather"
             for o, c in zip(openings, outs)]
 
@@ -312,63 +422,68 @@ def _said(w: _Writer, r: Record) -> str:
     return w.text(r.tokens[r.spans[0][0]:r.spans[0][1]])
 
 
-def _round(w: _Writer, shape: str, n: int, temperature: float, rnd: random.Random) -> list[Record]:
-    """One round of ``shape`` on ``n`` items: the records it produces (see the module docstring)."""
+def _round(w: _Writer, shape: str, n: int, temperature: float, rnd: random.Random):
+    """One round of ``shape`` on ``n`` items, a generator of its stages' ``Job``s (``_Writer.run``) that returns the
+    records it produces (see the module docstring)."""
     if not w.chat:
         openings = [rnd.choice(FREE_OPENINGS) for _ in range(n)]
         bos = [w.tok.bos_token_id] if w.tok.bos_token_id is not None else []
         starts = [bos + w.ids(o) for o in openings]
-        return w.answer(starts, max(temperature, 0.6), LIMITS["document"])
+        records = yield from _answer(w, starts, max(temperature, 0.6), LIMITS["document"])
+        return records
     if shape == "chat":
-        first = _finish_requests(w, [w.user_start([], "") for _ in range(n)], [""] * n, LIMITS["request"])
-        a1 = w.answer([w.prompt([u]) for u in first], temperature, keep=False)  # kept only inside the second
+        first = yield from _finish_requests(w, [w.user_start([], "") for _ in range(n)], [""] * n, LIMITS["request"])
+        a1 = yield from _answer(w, [w.prompt([u]) for u in first], temperature, keep=False)  # kept only inside the second
         replies = [_said(w, r) for r in a1]
-        follow = _finish_requests(w, [w.user_start([u, a], "") for u, a in zip(first, replies)], [""] * n,
+        follow = yield from _finish_requests(w, [w.user_start([u, a], "") for u, a in zip(first, replies)], [""] * n,
                                   LIMITS["request"])
         prompts = [w.prompt([u, a, f]) for u, a, f in zip(first, replies, follow)]
         # one sequence, two assistant turns where the second prompt extends the first exchange (labels from the first)
         joined = [p[:len(r.tokens)] == r.tokens for p, r in zip(prompts, a1)]
-        a2 = w.answer(prompts, temperature, labels_from=[r.spans[0][0] - 1 if j else len(p) - 1
+        a2 = yield from _answer(w, prompts, temperature, labels_from=[r.spans[0][0] - 1 if j else len(p) - 1
                                                          for p, r, j in zip(prompts, a1, joined)])
         return [Record(r2.tokens, [r1.spans[0], r2.spans[0]], "", -1, r2.data) if j else r2
                 for r1, r2, j in zip(a1, a2, joined)]
     if shape == "document":
         openings = [rnd.choice(OPENINGS["document"]) for _ in range(n)]
-        requests = _finish_requests(w, [w.user_start([], o) for o in openings], openings, LIMITS["request"])
-        docs = w.answer([w.prompt([r]) for r in requests], REQUEST_T, LIMITS["document"])
+        requests = yield from _finish_requests(w, [w.user_start([], o) for o in openings], openings, LIMITS["request"])
+        docs = yield from _answer(w, [w.prompt([r]) for r in requests], REQUEST_T, LIMITS["document"])
         texts = [_said(w, d) or r for d, r in zip(docs, requests)]
-        summaries = w.answer([w.prompt([f"Summarize: {t}"]) for t in texts], temperature, 160)
-        questions = w.answer([w.prompt([f"Write one question that this text answers.\n\n{t}"]) for t in texts], REQUEST_T,
+        summaries = yield from _answer(w, [w.prompt([f"Summarize: {t}"]) for t in texts], temperature, 160)
+        questions = yield from _answer(w, [w.prompt([f"Write one question that this text answers.\n\n{t}"]) for t in texts], REQUEST_T,
                              LIMITS["short"])
         asked = [_said(w, q) or "What is this text about?" for q in questions]
-        rag = w.answer([w.prompt([f"{t}\n{q}"]) for t, q in zip(texts, asked)], temperature, 160)
+        rag = yield from _answer(w, [w.prompt([f"{t}\n{q}"]) for t, q in zip(texts, asked)], temperature, 160)
         sentences = [_sentence(t, rnd) for t in texts]
-        german = w.answer([w.prompt([f"Translate English to German: {s}"]) for s in sentences], temperature,
+        german = yield from _answer(w, [w.prompt([f"Translate English to German: {s}"]) for s in sentences], temperature,
                           LIMITS["sentence"])
-        back = w.answer([w.prompt([f"Translate German to English: {_said(w, g) or s}"])
+        back = yield from _answer(w, [w.prompt([f"Translate German to English: {_said(w, g) or s}"])
                          for g, s in zip(german, sentences)], temperature, LIMITS["sentence"])
         return docs + summaries + questions + rag + german + back
     if shape == "edit":
         asks = [f"{rnd.choice(OPENINGS['edit'])} {rnd.choice(TOPICS)}." for _ in range(n)]
-        texts = w.answer([w.prompt([a]) for a in asks], REQUEST_T, LIMITS["paragraph"])
+        texts = yield from _answer(w, [w.prompt([a]) for a in asks], REQUEST_T, LIMITS["paragraph"])
         said = [_said(w, t) for t in texts]
         jobs = [(e, s) for s in said if s for e in rnd.sample(EDITS, 2)]
-        return texts + w.answer([w.prompt([e.format(s)]) for e, s in jobs], temperature, LIMITS["paragraph"])
+        edited = yield from _answer(w, [w.prompt([e.format(s)]) for e, s in jobs], temperature, LIMITS["paragraph"])
+        return texts + edited
     if shape == "instruct":
         openings = [rnd.choice(OPENINGS["instruct"]) for _ in range(n)]
-        requests = _finish_requests(w, [w.user_start([], o) for o in openings], openings, LIMITS["request"])
-        return w.answer([w.prompt([r]) for r in requests], temperature)
+        requests = yield from _finish_requests(w, [w.user_start([], o) for o in openings], openings, LIMITS["request"])
+        answers = yield from _answer(w, [w.prompt([r]) for r in requests], temperature)
+        return answers
     if shape in ("qa", "math"):
-        asks = w.answer([w.prompt([ASK[shape].format(rnd.choice(TOPICS))]) for _ in range(n)], REQUEST_T,
+        asks = yield from _answer(w, [w.prompt([ASK[shape].format(rnd.choice(TOPICS))]) for _ in range(n)], REQUEST_T,
                         {"qa": LIMITS["short"], "math": 96}[shape])
         written = [_said(w, a) for a in asks]
-        return asks + w.answer([w.prompt([q]) for q in written if q], temperature)
+        answers = yield from _answer(w, [w.prompt([q]) for q in written if q], temperature)
+        return asks + answers
     if shape == "code":
         openings = [rnd.choice(OPENINGS[shape]) for _ in range(n)]
-        requests = _finish_requests(w, [w.user_start([], o) for o in openings], openings, LIMITS["request"])
-        answers = w.answer([w.prompt([r]) for r in requests], temperature)
+        requests = yield from _finish_requests(w, [w.user_start([], o) for o in openings], openings, LIMITS["request"])
+        answers = yield from _answer(w, [w.prompt([r]) for r in requests], temperature)
         code = [_said(w, a) for a in answers]
-        explained = w.answer([w.prompt([f"Explain what this code does:\n{c}"]) for c in code if c], temperature)
+        explained = yield from _answer(w, [w.prompt([f"Explain what this code does:\n{c}"]) for c in code if c], temperature)
         return answers + explained
     raise VerispecError(f"unknown corpus shape {shape!r}; choose from {', '.join(SHAPES)}")
 
@@ -497,36 +612,44 @@ def write_corpus(target, folder: str | Path, config: CorpusConfig,
                  on_round: Callable[[int, list[Record]], None] | None = None) -> list[Record]:
     """Generate (or resume) ``config.rounds`` rounds into ``folder``: each round's text ``text/NNNNN.jsonl.gz``,
     written last, after (with ``config.layers``) its features ``features/NNNNN.pt``; returns every record, without
-    features."""
+    features. Up to ``ROUNDS_AT_ONCE`` rounds share the writer's batch (``_Writer.run``); they are written in order,
+    a round finished early waiting in memory for the ones before it."""
     folder = Path(folder)
     records = read_corpus(folder)
     done = max((r.round for r in records), default=-1) + 1
     seen = {hash(tuple(r.tokens)) for r in records}
-    w = _Writer(target, config.layers, config.top_k, SLOTS)
-    for rnd_i in range(done, config.rounds):
-        new = []
-        for r in _rounds_from(w, config, rnd_i):
-            key = hash(tuple(r.tokens))
-            if key not in seen:
-                seen.add(key)
-                new.append(r)
-        if config.layers is not None:
-            _save({"data": [{k: v for k, v in r.data.items()} for r in new]}, features_path(folder, rnd_i))
-        text = gzip.compress("".join(r.to_json() + "\n" for r in new).encode(), mtime=0)  # no time: a round, its bytes
-        _replace(text_path(folder, rnd_i), lambda tmp, text=text: tmp.write_bytes(text))
-        for r in new:
-            r.data = None
-        records += new
-        if on_round is not None:
-            on_round(rnd_i, new)
+    w = _Writer(target, config.layers, config.top_k, SLOTS, capacity=MAX_PROMPT + max(LIMITS.values()) + 1,
+                seed=config.seed * 1_000_003 + done)
+    todo = list(range(done, config.rounds))
+    finished: dict[int, list[Record]] = {}
+    for i, made in w.run((_round_task(w, config, rnd_i) for rnd_i in todo), at_once=ROUNDS_AT_ONCE):
+        finished[todo[i]] = made
+        while done in finished:
+            new = []
+            for r in finished.pop(done):
+                key = hash(tuple(r.tokens))
+                if key not in seen:
+                    seen.add(key)
+                    new.append(r)
+            if config.layers is not None:
+                _save({"data": [{k: v for k, v in r.data.items()} for r in new]}, features_path(folder, done))
+            text = gzip.compress("".join(r.to_json() + "\n" for r in new).encode(), mtime=0)  # no time: its bytes
+            _replace(text_path(folder, done), lambda tmp, text=text: tmp.write_bytes(text))
+            for r in new:
+                r.data = None
+            records += new
+            if on_round is not None:
+                on_round(done, new)
+            done += 1
     return records
 
 
-def _rounds_from(w: _Writer, config: CorpusConfig, rnd_i: int):
-    torch.manual_seed(config.seed * 1_000_003 + rnd_i)
+def _round_task(w: _Writer, config: CorpusConfig, rnd_i: int):
+    """Round ``rnd_i`` as a task of ``_Writer.run``: its shape and answer temperature by its number, its choices
+    (openings, topics, edits) seeded by it; returns its records."""
     rnd = random.Random(config.seed * 1_000_003 + rnd_i)
     shape = CYCLE[rnd_i % len(CYCLE)]
     temperature = config.answer_temperatures[rnd_i % len(config.answer_temperatures)]
-    for r in _round(w, shape, config.batch, temperature, rnd):
-        if len(r.tokens) > 2 and r.spans and r.spans[0][1] > r.spans[0][0]:
-            yield Record(r.tokens, r.spans, shape, rnd_i, r.data)
+    made = yield from _round(w, shape, config.batch, temperature, rnd)
+    return [Record(r.tokens, r.spans, shape, rnd_i, r.data) for r in made
+            if len(r.tokens) > 2 and r.spans and r.spans[0][1] > r.spans[0][0]]
