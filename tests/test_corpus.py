@@ -149,6 +149,10 @@ def test_corpus_rounds_keep_their_features_resume_and_drop_repeats(tmp_path, mon
     assert [r.tokens for r in more[:len(records)]] == [r.tokens for r in records]
     assert {r.round for r in more} == {0, 1, 2} and read_corpus(path) == more
     assert len(round_features(path, 2, [r for r in more if r.round == 2])) == sum(r.round == 2 for r in more)
+    # each round's draws follow from its number: written in one go, the corpus is the one written in two sittings
+    corpus_mod.write_corpus(t, tmp_path / "fresh", CorpusConfig(rounds=3, batch=3, layers=(2, -1), top_k=4))
+    assert [corpus_mod.text_path(tmp_path / "fresh", rnd).read_bytes() for rnd in range(3)] == \
+        [corpus_mod.text_path(path, rnd).read_bytes() for rnd in range(3)]
 
     def twice(w, shape, n, temperature, rnd):  # a round that writes the same record twice, and one of round 0's
         rec = Record([1, 50, 51, 52], [[1, 4]], "", -1, {"x": torch.zeros(1)})

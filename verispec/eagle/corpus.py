@@ -36,8 +36,9 @@ missing (a fresh checkout) computed again by teacher forcing, a prefill of the f
 the same bits on the tiny test models, the same to bfloat16 rounding on the default one, docs/design.md).
 
 A round's features file is written before its text file (each by a rename): a corpus resumes at its first round
-without text, keeping the rounds it has. Each round is seeded by its number, though the writer is not deterministic
-from run to run on the default model (docs/design.md), so a round written again may differ.
+without text, keeping the rounds it has. Each round's choices and draws are seeded by its number, so a corpus written
+in one go is the one written in several sittings (tested on the tiny models; on the default model see
+docs/design.md).
 
 Without a chat template (a base model) every round is free text: the target continues an opening.
 """
@@ -110,9 +111,9 @@ PREFILL_ROWS = 4096  # prompt tokens per prefill forward
 # answers, not a second wave's (scripts/experiments/corpus_rate.py: 306 and 307 against 199 and 248 tokens/s at 64,
 # alternated; rounds 0-7 of data/corpus/smollm2-135m were written with 64)
 SLOTS = 128
-# corpus rounds sharing the batch: a stage waits for all its answers, so a round's last long answers decode beside
-# the next round's prompts instead of alone
-ROUNDS_AT_ONCE = 2
+# corpus rounds sharing the batch (a stage waits for all its answers; with 2, a round's last long answers decode
+# beside the next round's prompts instead of alone)
+ROUNDS_AT_ONCE = 1  # 2 measured no faster at 128 slots, where the batch is compute-bound (docs/design.md)
 FORMAT = 2  # 1: text only (features computed afterwards); 2: features and labels written with the text
 
 
@@ -618,8 +619,7 @@ def write_corpus(target, folder: str | Path, config: CorpusConfig,
     records = read_corpus(folder)
     done = max((r.round for r in records), default=-1) + 1
     seen = {hash(tuple(r.tokens)) for r in records}
-    w = _Writer(target, config.layers, config.top_k, SLOTS, capacity=MAX_PROMPT + max(LIMITS.values()) + 1,
-                seed=config.seed * 1_000_003 + done)
+    w = _Writer(target, config.layers, config.top_k, SLOTS, capacity=MAX_PROMPT + max(LIMITS.values()) + 1)
     todo = list(range(done, config.rounds))
     finished: dict[int, list[Record]] = {}
     for i, made in w.run((_round_task(w, config, rnd_i) for rnd_i in todo), at_once=ROUNDS_AT_ONCE):
@@ -646,8 +646,9 @@ def write_corpus(target, folder: str | Path, config: CorpusConfig,
 
 def _round_task(w: _Writer, config: CorpusConfig, rnd_i: int):
     """Round ``rnd_i`` as a task of ``_Writer.run``: its shape and answer temperature by its number, its choices
-    (openings, topics, edits) seeded by it; returns its records."""
+    (openings, topics, edits) and draws seeded by it; returns its records."""
     rnd = random.Random(config.seed * 1_000_003 + rnd_i)
+    w.generator.manual_seed(config.seed * 1_000_003 + rnd_i)  # one round at a time: its draws follow from its number
     shape = CYCLE[rnd_i % len(CYCLE)]
     temperature = config.answer_temperatures[rnd_i % len(config.answer_temperatures)]
     made = yield from _round(w, shape, config.batch, temperature, rnd)
