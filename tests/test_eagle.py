@@ -77,7 +77,7 @@ def test_training_on_its_own_outputs_lowers_the_depth_2_loss():
 
 
 def test_loss_from_response_logits_only_equals_the_dense_loss():
-    """Training computes depth 1's output layer only where a response token is predicted; the loss and its
+    """Training computes the output layer only where a response token is predicted, at every depth; the loss and its
     gradient equal those of the dense computation (which the counting path still uses)."""
     from verispec.eagle.corpus import Record
     from verispec.eagle.train import new_counts
