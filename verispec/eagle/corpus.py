@@ -2,7 +2,7 @@
 with what training reads of it.
 
 Each *round* runs one task shape on a batch of items, every stage one batch of prompts (a ``Job``) on the target's
-batched forward, where two rounds' stages share the slots (``_Writer.run``):
+batched forward (``_Writer.run``, which can also run several rounds' stages on one batch):
 
 * ``chat``: the target writes a user turn from an empty one, answers it, writes a follow-up turn and answers it
   (two assistant turns in one sequence, like a multi-turn conversation);
@@ -399,8 +399,8 @@ class _Seq:
         job.seqs.append(self)
 
 
-def _answer(w: _Writer, prompts: list[list[int]], temperature: float, limit: int = LIMITS["answer"],
-            labels_from: list[int] | None = None, keep: bool = True):
+def _answer(prompts: list[list[int]], temperature: float, limit: int = LIMITS["answer"],
+           labels_from: list[int] | None = None, keep: bool = True):
     """Sample answers (a stage: yields its ``Job``); each record is prompt + answer with the answer as its one span
     (and, with ``keep``, what training reads of it, labels from ``labels_from`` on: by default the answer's
     positions)."""
@@ -433,61 +433,61 @@ def _round(w: _Writer, shape: str, n: int, temperature: float, rnd: random.Rando
         openings = [rnd.choice(FREE_OPENINGS) for _ in range(n)]
         bos = [w.tok.bos_token_id] if w.tok.bos_token_id is not None else []
         starts = [bos + w.ids(o) for o in openings]
-        records = yield from _answer(w, starts, max(temperature, 0.6), LIMITS["document"])
+        records = yield from _answer(starts, max(temperature, 0.6), LIMITS["document"])
         return records
     if shape == "chat":
         first = yield from _finish_requests(w, [w.user_start([], "") for _ in range(n)], [""] * n, LIMITS["request"])
-        a1 = yield from _answer(w, [w.prompt([u]) for u in first], temperature, keep=False)  # kept only inside the second
+        a1 = yield from _answer([w.prompt([u]) for u in first], temperature, keep=False)  # kept only inside the second
         replies = [_said(w, r) for r in a1]
         follow = yield from _finish_requests(w, [w.user_start([u, a], "") for u, a in zip(first, replies)], [""] * n,
                                   LIMITS["request"])
         prompts = [w.prompt([u, a, f]) for u, a, f in zip(first, replies, follow)]
         # one sequence, two assistant turns where the second prompt extends the first exchange (labels from the first)
         joined = [p[:len(r.tokens)] == r.tokens for p, r in zip(prompts, a1)]
-        a2 = yield from _answer(w, prompts, temperature, labels_from=[r.spans[0][0] - 1 if j else len(p) - 1
+        a2 = yield from _answer(prompts, temperature, labels_from=[r.spans[0][0] - 1 if j else len(p) - 1
                                                          for p, r, j in zip(prompts, a1, joined)])
         return [Record(r2.tokens, [r1.spans[0], r2.spans[0]], "", -1, r2.data) if j else r2
                 for r1, r2, j in zip(a1, a2, joined)]
     if shape == "document":
         openings = [rnd.choice(OPENINGS["document"]) for _ in range(n)]
         requests = yield from _finish_requests(w, [w.user_start([], o) for o in openings], openings, LIMITS["request"])
-        docs = yield from _answer(w, [w.prompt([r]) for r in requests], REQUEST_T, LIMITS["document"])
+        docs = yield from _answer([w.prompt([r]) for r in requests], REQUEST_T, LIMITS["document"])
         texts = [_said(w, d) or r for d, r in zip(docs, requests)]
-        summaries = yield from _answer(w, [w.prompt([f"Summarize: {t}"]) for t in texts], temperature, 160)
-        questions = yield from _answer(w, [w.prompt([f"Write one question that this text answers.\n\n{t}"]) for t in texts], REQUEST_T,
+        summaries = yield from _answer([w.prompt([f"Summarize: {t}"]) for t in texts], temperature, 160)
+        questions = yield from _answer([w.prompt([f"Write one question that this text answers.\n\n{t}"]) for t in texts], REQUEST_T,
                              LIMITS["short"])
         asked = [_said(w, q) or "What is this text about?" for q in questions]
-        rag = yield from _answer(w, [w.prompt([f"{t}\n{q}"]) for t, q in zip(texts, asked)], temperature, 160)
+        rag = yield from _answer([w.prompt([f"{t}\n{q}"]) for t, q in zip(texts, asked)], temperature, 160)
         sentences = [_sentence(t, rnd) for t in texts]
-        german = yield from _answer(w, [w.prompt([f"Translate English to German: {s}"]) for s in sentences], temperature,
+        german = yield from _answer([w.prompt([f"Translate English to German: {s}"]) for s in sentences], temperature,
                           LIMITS["sentence"])
-        back = yield from _answer(w, [w.prompt([f"Translate German to English: {_said(w, g) or s}"])
+        back = yield from _answer([w.prompt([f"Translate German to English: {_said(w, g) or s}"])
                          for g, s in zip(german, sentences)], temperature, LIMITS["sentence"])
         return docs + summaries + questions + rag + german + back
     if shape == "edit":
         asks = [f"{rnd.choice(OPENINGS['edit'])} {rnd.choice(TOPICS)}." for _ in range(n)]
-        texts = yield from _answer(w, [w.prompt([a]) for a in asks], REQUEST_T, LIMITS["paragraph"])
+        texts = yield from _answer([w.prompt([a]) for a in asks], REQUEST_T, LIMITS["paragraph"])
         said = [_said(w, t) for t in texts]
         jobs = [(e, s) for s in said if s for e in rnd.sample(EDITS, 2)]
-        edited = yield from _answer(w, [w.prompt([e.format(s)]) for e, s in jobs], temperature, LIMITS["paragraph"])
+        edited = yield from _answer([w.prompt([e.format(s)]) for e, s in jobs], temperature, LIMITS["paragraph"])
         return texts + edited
     if shape == "instruct":
         openings = [rnd.choice(OPENINGS["instruct"]) for _ in range(n)]
         requests = yield from _finish_requests(w, [w.user_start([], o) for o in openings], openings, LIMITS["request"])
-        answers = yield from _answer(w, [w.prompt([r]) for r in requests], temperature)
+        answers = yield from _answer([w.prompt([r]) for r in requests], temperature)
         return answers
     if shape in ("qa", "math"):
-        asks = yield from _answer(w, [w.prompt([ASK[shape].format(rnd.choice(TOPICS))]) for _ in range(n)], REQUEST_T,
+        asks = yield from _answer([w.prompt([ASK[shape].format(rnd.choice(TOPICS))]) for _ in range(n)], REQUEST_T,
                         {"qa": LIMITS["short"], "math": 96}[shape])
         written = [_said(w, a) for a in asks]
-        answers = yield from _answer(w, [w.prompt([q]) for q in written if q], temperature)
+        answers = yield from _answer([w.prompt([q]) for q in written if q], temperature)
         return asks + answers
     if shape == "code":
         openings = [rnd.choice(OPENINGS[shape]) for _ in range(n)]
         requests = yield from _finish_requests(w, [w.user_start([], o) for o in openings], openings, LIMITS["request"])
-        answers = yield from _answer(w, [w.prompt([r]) for r in requests], temperature)
+        answers = yield from _answer([w.prompt([r]) for r in requests], temperature)
         code = [_said(w, a) for a in answers]
-        explained = yield from _answer(w, [w.prompt([f"Explain what this code does:\n{c}"]) for c in code if c], temperature)
+        explained = yield from _answer([w.prompt([f"Explain what this code does:\n{c}"]) for c in code if c], temperature)
         return answers + explained
     raise VerispecError(f"unknown corpus shape {shape!r}; choose from {', '.join(SHAPES)}")
 
