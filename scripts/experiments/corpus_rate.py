@@ -10,7 +10,7 @@ With ``--rounds``, whole corpus rounds instead (their shapes and seeds by number
 ``_Writer.run`` with ``--at-once`` rounds in flight: tokens sampled per second and the mean live sequences per
 decoding step (how full the batch stays while stages wait for their longest answers):
 
-    python scripts/experiments/corpus_rate.py --rounds 18 20 --slots 128 --at-once 1
+    python scripts/experiments/corpus_rate.py --rounds 19 20 --slots 128 --at-once 1
 """
 
 from __future__ import annotations
