@@ -402,14 +402,15 @@ def test_cli_bench_report_and_plot_on_the_default_model(tmp_path, capsys):
 
 
 def test_committed_summaries_match_what_report_derives_from_their_records():
-    """Every results/NAME.summary.md is what `verispec report results/NAME.jsonl` prints today."""
+    """Every results/NAME.summary.md is what `verispec report results/NAME.jsonl.gz` prints today (the records are
+    kept gzipped; a plain NAME.jsonl is a run still going, which git ignores)."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent / "results"
-    files = sorted(root.glob("*.jsonl"))
+    files = sorted(root.glob("*.jsonl.gz"))
     assert files
     for path in files:
-        summary = path.with_name(path.stem + ".summary.md")
+        summary = path.with_name(path.name.removesuffix(".jsonl.gz") + ".summary.md")
         assert summary.exists(), summary
         assert summary.read_text().strip() == report(Results.load(path)).strip(), path.name
 
@@ -471,3 +472,29 @@ def test_closed_loops_of_concurrent_requests(tmp_path, tiny_target):
     run_bench(config, cut, target=tiny_target, progress=False, resume=True, log=lambda m: None)
     again = Results.load(cut)
     assert len(again.cells) == 8 and len(again.prompts) == 24
+
+
+def test_gzipped_records_read_as_the_plain_ones_and_runs_write_plain(tmp_path, capsys):
+    """The repository keeps its records gzipped (results/*.jsonl.gz): they read as the plain file they came from, a
+    folder's gzipped records are reported, a cut-off gzip is refused in one line, and a run refuses a .gz --out
+    (it appends its records line by line)."""
+    import gzip
+    import shutil
+    from pathlib import Path
+
+    kept = Path(__file__).resolve().parent.parent / "results" / "kernel.jsonl.gz"
+    plain = tmp_path / "kernel.jsonl"
+    with gzip.open(kept, "rb") as src, open(plain, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    assert read_records(kept) == read_records(plain) and len(read_records(plain)) > 10
+    folder = tmp_path / "kept"
+    folder.mkdir()
+    shutil.copy(kept, folder)
+    assert cli.main(["report", str(folder), "--csv"]) == 0 and capsys.readouterr().out.startswith("T,draft")
+    cut = folder / "cut.jsonl.gz"
+    cut.write_bytes(kept.read_bytes()[:2000])
+    assert cli.main(["report", str(cut)]) == 2
+    err = capsys.readouterr().err
+    assert "not a verispec results file" in err and "Traceback" not in err
+    assert cli.main(["bench", "--methods", "ar", "--out", str(tmp_path / "new.jsonl.gz")]) == 2
+    assert "writes its records plain" in capsys.readouterr().err

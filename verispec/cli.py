@@ -447,6 +447,9 @@ def cmd_bench(args) -> int:
     for draft in config.drafts:
         DraftSpec.parse(draft)
     out = _writable_file(args.out, "--out")
+    if out.name.endswith(".gz"):
+        raise VerispecError(f"--out {args.out}: a run writes its records plain, line by line (give NAME.jsonl; "
+                            "gzip them once the run is done, as scripts/make_results.py does)")
     if out.exists() and not (args.resume or args.overwrite):
         raise VerispecError(f"{out} exists: pass --resume to continue it, or --overwrite to start again")
     _set_threads(args)
@@ -468,7 +471,8 @@ def _add_report(sub):
                        description="Print the summary tables (Markdown, or CSV with --csv) derived from the records "
                                    "of results files written by 'verispec bench'. A folder means every results file "
                                    "in it.")
-    r.add_argument("results", nargs="*", default=["results"], help="results files (JSONL) or folders (default results/)")
+    r.add_argument("results", nargs="*", default=["results"], help="results files (JSONL, or gzipped JSONL) or folders "
+                   "(default results/)")
     r.add_argument("--csv", action="store_true", help="print the per-method rows as CSV instead")
     r.add_argument("--by-category", action="store_true", help="with --csv: one row per task category too")
     r.set_defaults(func=cmd_report)
@@ -478,9 +482,9 @@ def _results_files(paths: list[str]) -> list[Path]:
     out = []
     for p in map(Path, paths):
         if p.is_dir():
-            found = sorted(p.glob("*.jsonl"))
+            found = sorted([*p.glob("*.jsonl"), *p.glob("*.jsonl.gz")])
             if not found:
-                raise VerispecError(f"{p} holds no results files (*.jsonl)")
+                raise VerispecError(f"{p} holds no results files (*.jsonl, *.jsonl.gz)")
             out += found
         elif p.is_file():
             out.append(p)

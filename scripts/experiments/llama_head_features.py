@@ -1,10 +1,9 @@
 """Are llama.cpp's features usable by the EAGLE head? Teacher-forced agreement of the shipped head with llama.cpp's
 greedy next tokens (SmolLM2 Q4_1), fed llama.cpp's own final hidden states (embeddings, no pooling) against the
-float32 Hugging Face model's, on the llama.cpp greedy Spec-Bench answers recorded in results/llama_smollm2.jsonl.
+float32 Hugging Face model's, on the llama.cpp greedy Spec-Bench answers recorded in results/llama_smollm2.jsonl.gz.
 
     python scripts/experiments/llama_head_features.py      # needs llama-cpp-python (bash scripts/install_llama.sh); about a minute
 """
-import json
 
 import llama_cpp
 import numpy as np
@@ -12,6 +11,7 @@ import torch
 
 from verispec.backends import load
 from verispec.bench.peers import gguf_path
+from verispec.bench.records import read_records
 from verispec.datasets import load_prompts
 from verispec.eagle import EagleHead, shipped_head
 from verispec.eagle.corpus import Record, features
@@ -32,8 +32,7 @@ def rows(get, n: int, width: int) -> torch.Tensor:
 
 probs = {p.id: p for p in load_prompts("spec-bench", 3)}
 recs = []
-for line in open("results/llama_smollm2.jsonl"):
-    r = json.loads(line)
+for r in read_records("results/llama_smollm2.jsonl.gz"):
     if r.get("type") == "prompt" and r["cell"]["method"] == "llama-cpp" and r["cell"]["T"] == 0.0:
         p = probs[r["cell"]["prompt"]]
         ids = hf.encode_prompt(p.prompt, chat=p.chat)

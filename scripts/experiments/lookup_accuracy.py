@@ -5,7 +5,7 @@ with the target's tokenizer and chat template, and at every answer position asks
 of up to 3 tokens) for its longest match and its most frequent continuation. This is what chose the hybrid draft's
 threshold (`verispec/drafters/hybrid.py`): lookup where a match of 2 or more tokens exists, the head elsewhere.
 
-    python scripts/experiments/lookup_accuracy.py results/speed.jsonl --target smollm2-135m
+    python scripts/experiments/lookup_accuracy.py results/speed.jsonl.gz --target smollm2-135m
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ group counts as done once its cell record is written; the requests of an unfinis
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import os
@@ -73,10 +74,12 @@ def finished_cells(records: list[dict]) -> set[tuple]:
 
 
 def read_records(path: str | Path, warn=None) -> list[dict]:
-    """All complete JSON lines of a results file. A last line cut short by an interrupted write is dropped, and
-    ``warn(message)`` (if given) is told; a broken line elsewhere is an error."""
+    """All complete JSON lines of a results file (``NAME.jsonl`` as a run writes it, or gzipped, ``NAME.jsonl.gz``,
+    as the repository keeps it). A last line cut short by an interrupted write is dropped, and ``warn(message)`` (if
+    given) is told; a broken line elsewhere is an error."""
     out = []
-    with open(path, encoding="utf-8") as f:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         lines = f.readlines()
     for n, line in enumerate(lines, start=1):
         try:
@@ -175,8 +178,8 @@ class Results:
             raise VerispecError(f"results file not found: {path}")
         try:
             records = read_records(path, warn)
-        except UnicodeDecodeError:
-            raise VerispecError(f"{path} is not a verispec results file (not text)") from None
+        except (UnicodeDecodeError, gzip.BadGzipFile, EOFError):
+            raise VerispecError(f"{path} is not a verispec results file (not text, or not whole gzip)") from None
         if not records or not isinstance(records[0], dict) or records[0].get("type") != "header":
             raise VerispecError(f"{path} is not a verispec results file (no header line)")
         res = cls.from_records(records)
