@@ -37,8 +37,8 @@ the same bits on the tiny test models, the same to bfloat16 rounding on the defa
 
 A round's features file is written before its text file (each by a rename): a corpus resumes at its first round
 without text, keeping the rounds it has. Each round's choices and draws are seeded by its number, so a corpus written
-in one go is the one written in several sittings (tested on the tiny models; on the default model see
-docs/design.md).
+in one go is the one written in several sittings (tested on the tiny models; on the default model a round written
+again was the same bytes, docs/design.md).
 
 Without a chat template (a base model) every round is free text: the target continues an opening.
 """
