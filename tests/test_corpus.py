@@ -91,7 +91,7 @@ def test_tasks_share_the_batch_and_each_keeps_its_own_law(target, monkeypatch):
     temperatures = []  # per batched forward: the temperatures of the jobs its sequences belong to
     real = _Writer._features
     monkeypatch.setattr(_Writer, "_features", lambda self, seqs: temperatures.append(
-        {s.job.job.temperature for s in seqs}) or real(self, seqs))
+        {s.running.spec.temperature for s in seqs}) or real(self, seqs))
 
     def task(temperature, keep):
         first, _ = yield corpus_mod.Job(PROMPTS[:3], 6, temperature, [len(p) - 1 for p in PROMPTS[:3]] if keep else None)

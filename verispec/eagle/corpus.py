@@ -139,6 +139,13 @@ class Record:
         return json.dumps({"tokens": self.tokens, "spans": self.spans, "shape": self.shape, "round": self.round})
 
 
+def _top_labels(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k next-token laws of ``logits`` rows: probabilities in float16, token ids in int32 (what training
+    reads, whether the writer or teacher forcing computed them)."""
+    p, ix = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
+    return p.half(), ix.int()
+
+
 def _by_rows(items: list[tuple[int, int]], budget: int) -> list[list[int]]:
     """``items`` (id, rows) in order, grouped so that each group's rows stay within ``budget`` (one item at least)."""
     groups, rows = [[]], 0
@@ -238,7 +245,7 @@ class _Writer:
                 return
             running = _Running(job, self.layers is not None and job.labels_from is not None)
             flight[i] = (gen, running)
-            waiting.extend(_Seq(running, k) for k in range(len(job.prompts)))
+            waiting.extend(running.seqs)
             if not job.prompts:  # nothing to sample: done at once
                 yield from give(i, gen, running.result(self.top_k))
 
@@ -246,10 +253,10 @@ class _Writer:
             if s.state is not None:
                 release(s.state)
                 s.state = None
-            s.job.left -= 1
-            if s.job.left == 0:
-                i = next(i for i, (_, r) in flight.items() if r is s.job)
-                yield from give(i, flight[i][0], s.job.result(self.top_k))
+            s.running.left -= 1
+            if s.running.left == 0:
+                i = next(i for i, (_, r) in flight.items() if r is s.running)
+                yield from give(i, flight[i][0], s.running.result(self.top_k))
 
         pool = release = acquire = None
         while True:
@@ -324,15 +331,15 @@ class _Writer:
     def _labels(self, rows: list[tuple[_Seq, torch.Tensor]]) -> None:
         """The top-k laws of each sequence's ``logits`` rows, in one softmax and one top-k over all of them."""
         if rows:
-            p, ix = torch.softmax(torch.cat([lg for _, lg in rows]), dim=-1).topk(self.top_k, dim=-1)
+            p, ix = _top_labels(torch.cat([lg for _, lg in rows]), self.top_k)
             sizes = [int(lg.shape[0]) for _, lg in rows]
-            for (s, _), pp, ii in zip(rows, p.half().split(sizes), ix.int().split(sizes)):
+            for (s, _), pp, ii in zip(rows, p.split(sizes), ix.split(sizes)):
                 s.probs.append(pp)
                 s.index.append(ii)
 
     def _draw(self, seqs: list[_Seq], logits: torch.Tensor, eos) -> list[_Seq]:
         """Each sequence's next token at its own temperature (greedy at 0); returns those that just finished."""
-        temps = torch.tensor([s.job.job.temperature for s in seqs])
+        temps = torch.tensor([s.running.spec.temperature for s in seqs])
         hot = torch.nonzero(temps > 0).flatten()
         tok = torch.zeros(len(seqs), dtype=torch.long)
         cold = torch.nonzero(temps <= 0).flatten()
@@ -345,7 +352,7 @@ class _Writer:
         closed = []
         for s, v in zip(seqs, tok.tolist()):
             s.out.append(v)
-            if v in eos or len(s.out) == s.job.job.max_new:
+            if v in eos or len(s.out) == s.running.spec.max_new:
                 s.closing = True
                 closed.append(s)
         return closed
@@ -364,9 +371,9 @@ class Job:
 class _Running:
     """A job being sampled: its sequences' outputs, and how many have not finished."""
 
-    def __init__(self, job: Job, keep: bool):
-        self.job, self.keep, self.left = job, keep, len(job.prompts)
-        self.seqs: list[_Seq] = []
+    def __init__(self, spec: Job, keep: bool):
+        self.spec, self.keep, self.left = spec, keep, len(spec.prompts)
+        self.seqs = [_Seq(self, k) for k in range(len(spec.prompts))]
 
     def result(self, top_k: int) -> tuple[list[list[int]], list[dict | None]]:
         outs = [s.out for s in self.seqs]
@@ -386,17 +393,16 @@ class _Running:
 class _Seq:
     """One prompt of a running job and its continuation so far."""
 
-    def __init__(self, job: _Running, k: int):
-        self.job, self.prompt, self.keep = job, job.job.prompts[k], job.keep
-        self.labels_from = job.job.labels_from[k] if job.keep else None
-        self.need = len(self.prompt) + job.job.max_new + 1  # cache entries
+    def __init__(self, running: _Running, k: int):
+        self.running, self.prompt, self.keep = running, running.spec.prompts[k], running.keep
+        self.labels_from = running.spec.labels_from[k] if running.keep else None
+        self.need = len(self.prompt) + running.spec.max_new + 1  # cache entries
         self.out: list[int] = []
         self.feats: list[torch.Tensor] = []
         self.probs: list[torch.Tensor] = []
         self.index: list[torch.Tensor] = []
         self.state = None
         self.closing = False
-        job.seqs.append(self)
 
 
 def _answer(prompts: list[list[int]], temperature: float, limit: int = LIMITS["answer"],
@@ -537,8 +543,7 @@ def _teacher_forced(target, records: list[Record], top_k: int, layers: tuple[int
     for r, m, o in zip(records, n, outs):
         lo, hi = (max(r.spans[0][0] - 1, 0), m - 1) if writer_labels else (0, m)
         p, ix = torch.zeros(m, top_k, dtype=torch.half), torch.zeros(m, top_k, dtype=torch.int)
-        top = torch.softmax(o.logits[lo:hi].float(), dim=-1).topk(top_k, dim=-1)
-        p[lo:hi], ix[lo:hi] = top.values.half(), top.indices.int()
+        p[lo:hi], ix[lo:hi] = _top_labels(o.logits[lo:hi], top_k)
         data.append({"feat": o.hidden.half(), "p": p, "i": ix, "tokens": torch.tensor(r.tokens)})
     return data
 
