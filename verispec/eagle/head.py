@@ -1,5 +1,5 @@
 """The EAGLE-style draft head (Li et al. 2024; EAGLE-3's fused features, Li et al. 2025): one decoder layer of the
-target's own architecture, sharing the target's embeddings and output head.
+target's own architecture (or several: ``decoder_layers``), sharing the target's embeddings and output head.
 
 At a committed position t the head reads the pair ``(g_t, x_{t+1})``: ``g_t`` is made from the target's hidden
 states at t and ``x_{t+1}`` is the next token. Its input is ``fc([g_t; embedding(x_{t+1})])``; its own last hidden
@@ -83,7 +83,8 @@ def unit_rms(x: torch.Tensor, chunks: int) -> torch.Tensor:
 
 
 class EagleHead(nn.Module):
-    """``fuse`` (several feature layers only) + ``fc`` + a one-layer causal LM of the target's architecture.
+    """``fuse`` (several feature layers only) + ``fc`` + a causal LM of the target's architecture with
+    ``decoder_layers`` layers (EAGLE's is one; more cost that much more per drafted level).
 
     ``vocab`` (token ids), if given, restricts the head's output to those tokens: the draft's logits cost
     ``len(vocab) / V`` of the full output head, and every other token gets probability 0 (``full_logits``).
@@ -91,7 +92,7 @@ class EagleHead(nn.Module):
     """
 
     def __init__(self, target, vocab: torch.Tensor | None = None, head_dtype: torch.dtype = torch.bfloat16,
-                 feature_layers: tuple[int, ...] = (-1,)):
+                 feature_layers: tuple[int, ...] = (-1,), decoder_layers: int = 1):
         super().__init__()
         from transformers import AutoModelForCausalLM  # noqa: PLC0415 - a 0.7 s import, needed here only
 
@@ -100,18 +101,21 @@ class EagleHead(nn.Module):
         if not layers or len(set(layers)) != len(layers) or any(not -1 <= i <= n_layers for i in layers):
             raise VerispecError(f"feature layers must be distinct indices in [0, {n_layers}] (or -1 for the last), "
                                 f"got {list(feature_layers)}")
+        if isinstance(decoder_layers, bool) or not isinstance(decoder_layers, int) or not 1 <= decoder_layers <= n_layers:
+            raise VerispecError(f"a draft head has 1 to {n_layers} decoder layers (the target's count), "
+                                f"got {decoder_layers!r}")
         self.feature_layers = layers
         cfg = copy.deepcopy(target.hf.config.get_text_config(decoder=True))
-        cfg.num_hidden_layers = 1
+        cfg.num_hidden_layers = decoder_layers
         if getattr(cfg, "layer_types", None):
-            cfg.layer_types = cfg.layer_types[-1:]
+            cfg.layer_types = cfg.layer_types[-decoder_layers:]
         n_vocab = target.vocab_size
         cfg.vocab_size, cfg.pad_token_id, cfg.tie_word_embeddings = 1, None, False  # no big tables allocated here
         hf = AutoModelForCausalLM.from_config(cfg).float()
         hidden = int(cfg.hidden_size)
         self.fuse = nn.Linear(len(layers) * hidden, hidden, bias=False) if len(layers) > 1 else None
         self.fc = nn.Linear(2 * hidden, hidden)
-        self.body = hf.base_model  # trainable: its decoder layer and final norm
+        self.body = hf.base_model  # trainable: its decoder layers and final norm
         # share the target's tables (not parameters of this module: they are never saved or trained here)
         hf.set_input_embeddings(target.hf.get_input_embeddings())
         self.vocab = None if vocab is None else torch.as_tensor(vocab, dtype=torch.long)
@@ -178,7 +182,8 @@ class EagleHead(nn.Module):
     def shape(self) -> dict:
         return {"vocab_size": self.target.vocab_size, "hidden_size": self.hidden,
                 "target_layers": self.target.num_layers, "feature_layers": list(self.feature_layers),
-                "draft_vocab": self.target.vocab_size if self.vocab is None else len(self.vocab)}
+                "draft_vocab": self.target.vocab_size if self.vocab is None else len(self.vocab),
+                "decoder_layers": len(self.body.layers)}
 
     def save(self, path: str | Path, meta: dict | None = None, half: bool = True) -> None:
         state = {n: (t.half() if half else t) for n, t in self.head_state().items()}
@@ -203,7 +208,10 @@ class EagleHead(nn.Module):
         layers = tuple(meta.get("feature_layers", (-1,)))
         if any(not -1 <= i <= target.num_layers for i in layers):
             raise VerispecError(f"{path} does not fit target {target.name!r} (it reads layers {list(layers)})")
-        head = cls(target, None if vocab is None else vocab.long(), feature_layers=layers)
+        n = meta.get("decoder_layers", 1)  # heads saved before the option have one
+        if not isinstance(n, int) or not 1 <= n <= target.num_layers:
+            raise VerispecError(f"{path} does not fit target {target.name!r} (it has {n!r} decoder layers)")
+        head = cls(target, None if vocab is None else vocab.long(), feature_layers=layers, decoder_layers=n)
         state = {n: t.float() for n, t in blob["state"].items()}
         missing = set(head.head_state()) - set(state)
         wrong = [k for k, v in head.shape().items() if k in meta and meta[k] != v]

@@ -45,6 +45,7 @@ class TrainConfig:
     seed: int = 0
     top_k: int = 64  # target probabilities kept per position
     feature_layers: str = "-1"  # target hidden states the head reads: "-1" (EAGLE-1) or e.g. "3,15,-1" (EAGLE-3)
+    decoder_layers: int = 1  # the head's own decoder layers (EAGLE: one)
     depths: int = 3  # training-time test: train depths 1..depths on the head's own outputs
     depth_weight: float = 0.8
     epochs: int = 2
@@ -69,8 +70,9 @@ class TrainConfig:
     def validate(self) -> None:
         if self.rounds < 2 or self.gen_batch < 1 or self.epochs < 1 or self.batch < 1 or self.depths < 1 \
                 or not 0 < self.held_out < 1 or self.vocab < 0 or self.top_k < 1 or self.max_tokens < 0 \
-                or self.patience < 0:
-            raise VerispecError("need --rounds >= 2, --gen-batch, --epochs, --batch, --depths, --top-k >= 1, "
+                or self.patience < 0 or self.decoder_layers < 1:
+            raise VerispecError("need --rounds >= 2, --gen-batch, --epochs, --batch, --depths, --top-k, "
+                                "--decoder-layers >= 1, "
                                 "0 < --held-out < 1, --vocab, --max-tokens and --patience >= 0")
         if self.init and not Path(self.init).is_file():
             raise VerispecError(f"--init {self.init}: no such head file")
@@ -83,6 +85,8 @@ TRAIN_HELP = {
     "seed": "seed of the corpus and of training",
     "top_k": "target probabilities kept per position (the distillation label)",
     "feature_layers": "target hidden states the head reads: -1 (the last, EAGLE-1) or several, e.g. 3,15,-1 (EAGLE-3)",
+    "decoder_layers": "decoder layers of the head itself (EAGLE uses one; each more costs about as much again per "
+                      "drafted level, minus the shared output layer)",
     "depths": "train depths 1..D, the head reading its own outputs from depth 2 on (training-time test); 1: off",
     "depth_weight": "loss weight of depth k is depth-weight^(k-1)",
     "epochs": "passes over the training sequences",
@@ -480,10 +484,14 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
             raise VerispecError(f"{config.init} reads target layers {list(start.feature_layers)}, not the "
                                 f"--feature-layers {list(layers)} of this run")
         vocab = start.vocab
+        if len(start.body.layers) != config.decoder_layers:
+            raise VerispecError(f"{config.init} has {len(start.body.layers)} decoder layers, not the "
+                                f"--decoder-layers {config.decoder_layers} of this run")
     elif 0 < config.vocab < target.vocab_size:
         vocab = draft_vocabulary([records[i].tokens for i in train_idx], config.vocab, target.vocab_size,
                                  always=target.eos_token_ids)
-    head = EagleHead(target, vocab, head_dtype=TRAIN_HEAD_DTYPE, feature_layers=layers)
+    head = EagleHead(target, vocab, head_dtype=TRAIN_HEAD_DTYPE, feature_layers=layers,
+                     decoder_layers=config.decoder_layers)
     if start is not None:
         head.load_state_dict(start.head_state(), strict=False)
     opt = torch.optim.AdamW(head.trainable(), lr=config.lr, weight_decay=0.0)
