@@ -299,5 +299,29 @@ def test_teacher_forced_agreement_runs_on_a_freshly_loaded_target():
         p.requires_grad_(False)
     frozen = teacher_forced(head, records, depths=3)
     assert len(loaded["agreement"]) == 3 and loaded.keys() == frozen.keys()
+    assert loaded.pop("per_sequence") == frozen.pop("per_sequence")
     assert all(loaded[k] == pytest.approx(frozen[k], nan_ok=True) for k in loaded)
     assert all(0 <= a <= 1 for a in loaded["agreement"] + loaded["chain_acceptance"] if a == a)
+
+
+def test_two_heads_on_the_same_sequences_compare_paired():
+    from verispec.bench.agreement import agreement_difference, teacher_forced
+
+    target = tiny_model("llama")
+    for p in target.hf.parameters():
+        p.requires_grad_(False)
+    records = corpus(target, n=6)
+    torch.manual_seed(3)
+    one = EagleHead(target, feature_layers=(1, 3, -1))
+    trained = EagleHead(target, feature_layers=(1, 3, -1), decoder_layers=2)
+    train_steps(trained, [features(target, s, 8, (1, 3, -1)) for s in corpus(target, n=8)], 30, depths=2)
+    a, b = teacher_forced(trained, records, depths=2), teacher_forced(one, records, depths=2)
+    for rep in (a, b):  # each sequence's counts add up to the totals
+        assert len(rep["per_sequence"]) == len(records)
+        assert [sum(s[1][k] for s in rep["per_sequence"]) for k in range(2)] == rep["positions"]
+        assert sum(s[0][0] for s in rep["per_sequence"]) / rep["positions"][0] == pytest.approx(rep["agreement"][0])
+    est, low, high = agreement_difference(a, b)
+    assert est == pytest.approx(a["agreement"][0] - b["agreement"][0]) and low <= est <= high
+    assert agreement_difference(a, a) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="same sequences"):
+        agreement_difference(a, teacher_forced(one, records[:3], depths=2))

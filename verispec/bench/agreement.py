@@ -2,7 +2,8 @@
 
 * ``teacher_forced``: per depth 1..D, on the response tokens of given sequences, the head's top-1 agreement with
   the target and the greedy chain acceptance (``verispec.eagle.train.depth_counts``: from depth 2 on the head
-  reads its own outputs, as in the loop);
+  reads its own outputs, as in the loop), with each sequence's counts, so that two heads measured on the same
+  sequences compare paired (``agreement_difference``, an interval over sequences);
 * ``spec_bench_answers``: the target's greedy answers to held-out Spec-Bench questions (each category's *last*
   questions, which the benchmarks never use), the sequences to measure on;
 * ``in_loop_check``: the acceptance per depth of a greedy chain in the real decoding loop, beside the
@@ -26,21 +27,35 @@ from ..drafters import NoDrafter
 from ..drafters.eagle import EagleDrafter
 from ..eagle.corpus import Record, features, read_corpus
 from ..eagle.head import EagleHead
-from ..eagle.train import TrainConfig, _labels, _split, depth_outputs, head_loss, new_counts, summarize_counts
+from ..eagle.train import TrainConfig, _labels, _split, depth_counts, depth_outputs, new_counts, summarize_counts
 from ..tree import Tree
 from ..verifiers import get_verifier
+from .stats import ratio_of_sums
 
 FIXED_PROMPT = "Explain why the sky is blue in a short paragraph."  # a shipped head records its acceptance here
 FIXED_TOKENS = 64
 
 
 def teacher_forced(head: EagleHead, records: list[Record], depths: int = 4) -> dict[str, list[float]]:
-    """Per-depth agreement and greedy chain acceptance of ``head`` on the response tokens of ``records``."""
-    counts = new_counts(depths)
+    """Per-depth agreement and greedy chain acceptance of ``head`` on the response tokens of ``records``, and
+    ``per_sequence``: each record's ``[agreeing positions, positions]`` per depth."""
+    counts, each = new_counts(depths), []
     with torch.no_grad():  # counting only (the target's features come from inference mode, no gradient is wanted)
         for r in records:
-            head_loss(head, features(head.target, r, 1, head.feature_layers), depths, counts=counts)
-    return summarize_counts(counts)
+            one = depth_counts(head, features(head.target, r, 1, head.feature_layers), depths)
+            each.append([one["agree"], one["n"]])
+            for key in counts:
+                counts[key] = [a + b for a, b in zip(counts[key], one[key])]
+    return {**summarize_counts(counts), "per_sequence": each}
+
+
+def agreement_difference(a: dict, b: dict, depth: int = 1) -> tuple[float, float, float]:
+    """Agreement at ``depth`` of set report ``a`` minus that of ``b`` (``teacher_forced`` of two heads on the same
+    sequences), with a 95 % paired bootstrap interval over sequences."""
+    pa, pb = a["per_sequence"], b["per_sequence"]
+    if len(pa) != len(pb) or any(x[1][depth - 1] != y[1][depth - 1] for x, y in zip(pa, pb)):
+        raise ValueError("the two reports were not measured on the same sequences")
+    return ratio_of_sums([x[0][depth - 1] - y[0][depth - 1] for x, y in zip(pa, pb)], [x[1][depth - 1] for x in pa])
 
 
 def spec_bench_answers(target, per_group: int = 2, max_new_tokens: int = 96, cache: str | Path | None = None,
@@ -143,9 +158,11 @@ def agreement_report(target, head: EagleHead, depths: int = 4, per_group: int = 
     tick = progress or (lambda n=1: None)
     kept = cache.path("answers", f"{target.name}-{per_group}x{max_new_tokens}.jsonl")
     answers = spec_bench_answers(target, per_group, max_new_tokens, cache=kept, progress=tick)
-    out = {"head": head.meta.get("target", "?"), "feature_layers": list(head.feature_layers), "depths": depths,
+    out = {"head": head.meta.get("target", "?"), "feature_layers": list(head.feature_layers),
+           "decoder_layers": len(head.body.layers), "head_parameters": sum(p.numel() for _, p in head.own_parameters()),
+           "depths": depths,
            "training": {k: head.meta.get(k) for k in ("response_tokens", "corpus_tokens", "sequences", "steps",
-                                                      "best_step")},
+                                                      "best_step", "session_s")},
            "sets": {}}
     by_group: dict[str, list[Record]] = {}
     for r in answers:
