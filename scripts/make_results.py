@@ -651,7 +651,7 @@ def capacity_section() -> list[str]:
     depths = base["depths"]
     lines = ["| decoder layers | head parameters | training minutes | "
              + " | ".join(f"Spec-Bench agree d{k}" for k in range(1, depths + 1))
-             + f" | d1 gain over {base['decoder_layers']} layer(s) | self-written agree d1 | gain |",
+             + f" | d1 gain over {base['decoder_layers']} | self-written agree d1 | gain |",
              "|" + "---|" * (6 + depths)]
     for r in reports:
         gains = [fmt(*agreement_difference(r["sets"][s], base["sets"][s]), spec="+.3f") if r is not base else "-"
