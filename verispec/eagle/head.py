@@ -208,10 +208,10 @@ class EagleHead(nn.Module):
         layers = tuple(meta.get("feature_layers", (-1,)))
         if any(not -1 <= i <= target.num_layers for i in layers):
             raise VerispecError(f"{path} does not fit target {target.name!r} (it reads layers {list(layers)})")
-        n = meta.get("decoder_layers", 1)  # heads saved before the option have one
-        if not isinstance(n, int) or not 1 <= n <= target.num_layers:
-            raise VerispecError(f"{path} does not fit target {target.name!r} (it has {n!r} decoder layers)")
-        head = cls(target, None if vocab is None else vocab.long(), feature_layers=layers, decoder_layers=n)
+        count = meta.get("decoder_layers", 1)  # heads saved before the option have one
+        if not isinstance(count, int) or not 1 <= count <= target.num_layers:
+            raise VerispecError(f"{path} does not fit target {target.name!r} (it has {count!r} decoder layers)")
+        head = cls(target, None if vocab is None else vocab.long(), feature_layers=layers, decoder_layers=count)
         state = {n: t.float() for n, t in blob["state"].items()}
         missing = set(head.head_state()) - set(state)
         wrong = [k for k, v in head.shape().items() if k in meta and meta[k] != v]
