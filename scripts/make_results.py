@@ -649,9 +649,10 @@ def capacity_section() -> list[str]:
     spec, own = "spec-bench (held out)", "self-written (held-out rounds)"
     base = reports[0]
     depths = base["depths"]
-    lines = ["| decoder layers | head parameters | training minutes | "
+    n_base = base["decoder_layers"]
+    lines = ["| decoder layers | head parameters | train-draft minutes | "
              + " | ".join(f"Spec-Bench agree d{k}" for k in range(1, depths + 1))
-             + f" | d1 gain over {base['decoder_layers']} | self-written agree d1 | gain |",
+             + f" | d1 gain over {n_base} layer{'s' if n_base > 1 else ''} | self-written agree d1 | gain |",
              "|" + "---|" * (6 + depths)]
     for r in reports:
         gains = [fmt(*agreement_difference(r["sets"][s], base["sets"][s]), spec="+.3f") if r is not base else "-"
@@ -667,7 +668,8 @@ def capacity_section() -> list[str]:
             " response tokens, one epoch), differing only in their decoder layers: `" + CAPACITY_TRAIN + "`. "
             f"Agreement as above, on {n} held-out Spec-Bench answers and {m} sequences of the corpus's held-out "
             "round; a gain is the agreement difference at depth 1 with a 95 % bootstrap interval over sequences, "
-            "both heads measured on the same ones. Both trained at once, one thread each, so the minutes compare.",
+            "both heads measured on the same ones. Both trained at once, one thread each, so the minutes (the whole "
+            "train-draft run; the corpus and its features were already there) compare with each other only.",
             "", *lines, ""]
 
 
