@@ -297,3 +297,75 @@ def test_training_can_start_from_an_earlier_head(tmp_path, monkeypatch):
               log=lambda m: None, corpus_dir=tmp_path / "a")
     with pytest.raises(VerispecError, match="no such head file"):
         TrainConfig(init=str(tmp_path / "nowhere.pt")).validate()
+
+
+def test_a_time_budget_stops_training_at_a_checkpoint_and_the_same_command_resumes(tmp_path):
+    """--max-minutes: training stops at the first checkpoint past the budget and writes head.pt from the best
+    checkpoint (e.g. inside a lent GPU's minutes); running again goes on with the same schedule to its end."""
+    t = chat_target()
+    cfg = TrainConfig(rounds=4, gen_batch=2, top_k=8, epochs=2, batch=2, vocab=0, checkpoint_every=2)
+    lines = []
+    path = train(t, tmp_path / "run", cfg, progress=False, log=lines.append, max_minutes=1e-9)
+    early = EagleHead.load(path, t).meta
+    assert any("--max-minutes 1e-09 has passed: stopping at step 2" in x for x in lines)
+    assert early["steps"] == 2 and early["stopped_early"] and early["device"] == "cpu"
+    lines.clear()
+    path = train(t, tmp_path / "run", cfg, progress=False, log=lines.append)
+    done = EagleHead.load(path, t).meta
+    assert any("resuming training at step 2" in x for x in lines)
+    assert done["steps"] > 2 and "stopped_early" not in done
+    with pytest.raises(VerispecError, match="--max-minutes must be > 0"):
+        train(t, tmp_path / "other", cfg, progress=False, log=lambda m: None, max_minutes=0)
+
+
+def test_a_target_off_the_cpu_trains_on_a_written_corpus_and_never_writes_one(tmp_path, monkeypatch):
+    """On a GPU (train-draft --device) training reads a corpus whose text is there; new rounds are written on the
+    CPU, and asking a GPU target for them is refused in one line before anything runs."""
+    from verispec.backends import CausalLM
+
+    t = chat_target()
+    monkeypatch.setattr(CausalLM, "device", property(lambda self: torch.device("cuda")))
+    with pytest.raises(VerispecError, match="0 complete corpus rounds, fewer than --rounds 4; new rounds are written "
+                                            "on the CPU"):
+        train(t, tmp_path / "run", TrainConfig(rounds=4, gen_batch=2, top_k=8, vocab=0), progress=False,
+              log=lambda m: None)
+
+
+def test_devices_are_checked_in_one_line():
+    from verispec.backends.loading import check_device
+
+    assert check_device("cpu") == torch.device("cpu")
+    with pytest.raises(VerispecError, match="unknown device 'gpu0'"):
+        check_device("gpu0")
+    with pytest.raises(VerispecError, match="verispec runs on cpu or cuda"):
+        check_device("meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(VerispecError, match="torch sees no CUDA GPU"):
+            check_device("cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here (scripts/gpu_head.sh runs this on a lent "
+                                                          "one before it trains there)")
+def test_features_and_training_on_a_gpu_match_the_cpu(tmp_path):
+    """The GPU path of train-draft --device: the corpus written on the CPU, its features computed again on the GPU
+    (the stock forward in float32) equal the CPU's to float rounding, and a head trained there loads and drafts on
+    the CPU."""
+    from verispec.backends import CausalLM
+
+    t = chat_target()
+    cfg = TrainConfig(rounds=4, gen_batch=2, top_k=8, epochs=1, batch=2, vocab=40, checkpoint_every=2, depths=2)
+    train(t, tmp_path / "run", cfg, until="corpus", progress=False, log=lambda m: None)
+    records = read_corpus(tmp_path / "run")
+    cpu = [d for rnd in range(4) for d in round_features(tmp_path / "run", rnd, [r for r in records if r.round == rnd])]
+    for rnd in range(4):
+        features_path(tmp_path / "run", rnd).unlink()
+    gpu = CausalLM(t.hf.to("cuda"), t.tokenizer, name=t.name, lean=False)
+    path = train(gpu, tmp_path / "run", cfg, progress=False, log=lambda m: None)
+    again = [d for rnd in range(4) for d in round_features(tmp_path / "run", rnd, [r for r in records if r.round == rnd])]
+    for a, b in zip(cpu, again, strict=True):
+        assert b["feat"].device.type == "cpu" and torch.equal(a["tokens"], b["tokens"])
+        assert torch.allclose(a["feat"].float(), b["feat"].float(), atol=2e-3, rtol=2e-3)
+        assert torch.allclose(a["p"].float(), b["p"].float(), atol=1e-3)
+    t.hf.to("cpu")
+    head = EagleHead.load(path, t)
+    assert head.meta["device"] == "cuda" and head.meta["steps"] > 0 and head.vocab.device.type == "cpu"

@@ -560,6 +560,13 @@ def _add_train_draft(sub):
     t.add_argument("--corpus", default=None, metavar="DIR",
                    help="train on the corpus of another run folder (read only), e.g. heads of other options or data "
                         "sizes on one corpus; --rounds must not exceed its complete rounds")
+    t.add_argument("--device", default="cpu",
+                   help="where the features a corpus lacks are computed and the head trains: cpu, or a GPU (cuda, "
+                        "cuda:1, ...; the target then runs in float32 with the stock transformers forward, and new "
+                        "corpus rounds must be written on the CPU first). scripts/gpu_head.sh runs it on a lent GPU")
+    t.add_argument("--max-minutes", type=float, default=None,
+                   help="stop training at the first checkpoint after this many minutes of the command and write "
+                        "head.pt from the best checkpoint so far (the same command resumes the schedule)")
     t.add_argument("--no-resume", action="store_true", help="refuse to continue a run folder that exists")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     _threads(t)
@@ -575,9 +582,14 @@ def cmd_train_draft(args) -> int:
         raise VerispecError(f"{out} exists and is not empty (--no-resume)")
     _set_threads(args)
     options = dict(progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr), store_layers=store,
-                   corpus_dir=args.corpus)
+                   corpus_dir=args.corpus, max_minutes=args.max_minutes)
     if args.corpus is not None and args.until == "corpus":
         raise VerispecError("--until corpus writes a corpus; --corpus reads another folder's (use one or the other)")
+    if args.device != "cpu":  # features and training on a GPU, in float32; the corpus's text is already there
+        if args.dtype not in ("auto", "float32"):
+            raise VerispecError(f"--device {args.device} computes in float32, not --dtype {args.dtype}")
+        print(train(load(args.target, device=args.device), out, config, until=args.until, **options))
+        return 0
     target = load(args.target, dtype=args.dtype)  # the corpus's writer (and its features' where they are missing)
     if target.dtype != torch.float32 and not (out / "head.pt").exists():
         path = train(target, out, config, until="corpus", **options)

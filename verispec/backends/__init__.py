@@ -33,11 +33,14 @@ def default_threads() -> int:
 
 
 def load(spec: str = DEFAULT_TARGET, dtype: str = "float32", backend: str = "hf", threads: int | None = None,
-         kernel: bool = True):
+         kernel: bool = True, device: str = "cpu"):
     """A target by alias, GGUF file, folder or hub id, run by ``backend``: ``hf`` (Hugging Face ``transformers``,
-    the default) or ``llama`` (llama.cpp on a GGUF file; ``bash scripts/install_llama.sh``)."""
+    the default) or ``llama`` (llama.cpp on a GGUF file; ``bash scripts/install_llama.sh``). ``device``: where an
+    ``hf`` target runs (``loading.load``)."""
     if backend == "hf":
-        return _load_hf(spec, dtype=dtype, kernel=kernel)
+        return _load_hf(spec, dtype=dtype, kernel=kernel, device=device)
+    if device != "cpu":
+        raise VerispecError(f"the {backend} backend runs on the CPU only, not on {device!r}")
     if backend == "llama":
         return load_llama(spec, threads=threads)
     raise VerispecError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")

@@ -73,14 +73,20 @@ class CausalLM:
         torch's threads."""
         plan = next((getattr(m, "_verispec_plan", None) for m in self.hf.modules() if type(m) is nn.Linear), None)
         dtype = "" if self._dtype == torch.float32 else f"|{str(self._dtype).removeprefix('torch.')}"
+        place = "" if self.device.type == "cpu" else f"|{self.device.type}"
         return f"hf|{self.name}|{torch.get_num_threads()}|{plan}|{torch.__version__}" + \
             (f"|lean{self._lean.REVISION}" + ("+native" if self._lean.native is not None else "")
-             if self._lean is not None else "") + dtype
+             if self._lean is not None else "") + dtype + place
 
     @property
     def dtype(self) -> torch.dtype:
         """The dtype the model's layers compute in."""
         return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights are (the CPU, unless ``load`` was given another device)."""
+        return next(self.hf.parameters()).device
 
     # ---------- KV cache ----------
     def new_state(self) -> KVState:

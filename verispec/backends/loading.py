@@ -74,7 +74,21 @@ def resolve_dtype(dtype: str) -> str:
     return dtype
 
 
-def load(spec: str = DEFAULT_TARGET, dtype: str = "float32", kernel: bool = True) -> CausalLM:
+def check_device(device: str) -> torch.device:
+    """``device`` as torch names it (``cpu``, ``cuda``, ``cuda:1``, ...), refused in one line where this machine
+    has no such device."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise VerispecError(f"unknown device {device!r}; use e.g. cpu or cuda") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise VerispecError(f"device {device!r}: torch sees no CUDA GPU on this machine ({torch.__version__})")
+    if dev.type not in ("cpu", "cuda"):
+        raise VerispecError(f"device {device!r}: verispec runs on cpu or cuda")
+    return dev
+
+
+def load(spec: str = DEFAULT_TARGET, dtype: str = "float32", kernel: bool = True, device: str = "cpu") -> CausalLM:
     """Load by built-in alias, GGUF file, local folder, or hub id (``HF_HUB_OFFLINE=1`` is respected).
 
     ``dtype``: what the layers compute in (``resolve_dtype``). bfloat16 halves the bytes each forward reads, and with
@@ -86,7 +100,8 @@ def load(spec: str = DEFAULT_TARGET, dtype: str = "float32", kernel: bool = True
     object is verispec's own, so every user of it, Hugging Face ``generate`` included, runs the same kernels)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - a 0.7 s import, needed here only
 
-    dtype = resolve_dtype(dtype)
+    dev = check_device(device)
+    dtype = resolve_dtype(dtype) if dev.type == "cpu" or dtype != "auto" else "float32"
     torch_dtype = getattr(torch, dtype)
     kwargs = {}
     if spec in BUILTIN_MODELS:
@@ -118,6 +133,8 @@ def load(spec: str = DEFAULT_TARGET, dtype: str = "float32", kernel: bool = True
             f"an existing folder or .gguf file, or a hub id available offline ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0][:200]})"
         ) from None
+    if dev.type != "cpu":
+        return CausalLM(model.to(dev), tokenizer, name=spec, lean=False)
     out = CausalLM(model, tokenizer, name=spec)
     if kernel:
         use_fast_linear(model, plan_for(out) if torch_dtype == torch.float32 else None)

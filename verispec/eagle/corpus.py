@@ -536,15 +536,17 @@ def _teacher_forced(target, records: list[Record], top_k: int, layers: tuple[int
     wrote the text kept, to rounding (the bits themselves where every product of both rounds alike: not across
     oneDNN's 33-row line, docs/design.md)."""
     n = [len(r.tokens) for r in records]
-    outs = target.forward_batch([target.new_state() for _ in records], [torch.tensor(r.tokens) for r in records],
-                                [torch.arange(m) for m in n], [torch.ones(m, m, dtype=torch.bool).tril() for m in n],
-                                features=layers)
+    with torch.device(target.device):  # a target on a GPU (train-draft --device): its inputs made there too
+        outs = target.forward_batch([target.new_state() for _ in records], [torch.tensor(r.tokens) for r in records],
+                                    [torch.arange(m) for m in n], [torch.ones(m, m, dtype=torch.bool).tril() for m in n],
+                                    features=layers)
     data = []
     for r, m, o in zip(records, n, outs):
         lo, hi = (max(r.spans[0][0] - 1, 0), m - 1) if writer_labels else (0, m)
         p, ix = torch.zeros(m, top_k, dtype=torch.half), torch.zeros(m, top_k, dtype=torch.int)
-        p[lo:hi], ix[lo:hi] = _top_labels(o.logits[lo:hi], top_k)
-        data.append({"feat": o.hidden.half(), "p": p, "i": ix, "tokens": torch.tensor(r.tokens)})
+        top_p, top_i = _top_labels(o.logits[lo:hi], top_k)
+        p[lo:hi], ix[lo:hi] = top_p.cpu(), top_i.cpu()
+        data.append({"feat": o.hidden.half().cpu(), "p": p, "i": ix, "tokens": torch.tensor(r.tokens)})
     return data
 
 

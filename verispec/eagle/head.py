@@ -118,8 +118,10 @@ class EagleHead(nn.Module):
         self.body = hf.base_model  # trainable: its decoder layers and final norm
         # share the target's tables (not parameters of this module: they are never saved or trained here)
         hf.set_input_embeddings(target.hf.get_input_embeddings())
-        self.vocab = None if vocab is None else torch.as_tensor(vocab, dtype=torch.long)
-        self.position = None
+        # buffers, so that the head moves to a GPU with them (train-draft --device); never saved with the state
+        self.register_buffer("vocab", None if vocab is None else torch.as_tensor(vocab, dtype=torch.long),
+                             persistent=False)
+        self.register_buffer("position", None, persistent=False)
         if self.vocab is None:
             full = target.hf.get_output_embeddings()
             hf.set_output_embeddings(full if target.dtype == torch.float32 else _InDtype(full, target.dtype))
@@ -186,8 +188,8 @@ class EagleHead(nn.Module):
                 "decoder_layers": len(self.body.layers)}
 
     def save(self, path: str | Path, meta: dict | None = None, half: bool = True) -> None:
-        state = {n: (t.half() if half else t) for n, t in self.head_state().items()}
-        vocab = None if self.vocab is None else self.vocab.int()
+        state = {n: (t.half() if half else t).cpu() for n, t in self.head_state().items()}
+        vocab = None if self.vocab is None else self.vocab.int().cpu()
         torch.save({"format": FORMAT, "state": state, "vocab": vocab, "meta": {**(meta or {}), **self.shape()}}, path)
 
     @classmethod

@@ -333,6 +333,11 @@ def _split(records: list[Record], config: TrainConfig) -> tuple[list[int], list[
     return train, val
 
 
+def _response_tokens(records: list[Record], idx) -> int:
+    """Tokens the target wrote as the assistant in the records ``idx``."""
+    return sum(b - a for i in idx for a, b in records[i].spans)
+
+
 def _layer_ids(n_layers: int, layers) -> list[int]:
     """``hidden_states`` indices with -1 written as ``n_layers`` (the last), in the order given."""
     return [n_layers if i == -1 else i for i in layers]
@@ -352,8 +357,8 @@ class _Features:
     asked, with the columns of the head's layers only and ``top_k`` labels."""
 
     def __init__(self, folder: Path, records: list[Record], info: dict, layers: tuple[int, ...], top_k: int,
-                 hidden: int, n_layers: int):
-        self.path, self.records, self.top_k = folder, records, top_k
+                 hidden: int, n_layers: int, device: torch.device | str = "cpu"):
+        self.path, self.records, self.top_k, self.device = folder, records, top_k, torch.device(device)
         self.by_round: dict[int, list[int]] = {}
         self.place: dict[int, int] = {}  # record -> its place in its round
         for i, r in enumerate(records):
@@ -362,7 +367,7 @@ class _Features:
         stored = info["layers"]
         want = _layer_ids(n_layers, layers)
         self.cols = None if want == stored else torch.cat(
-            [torch.arange(stored.index(i) * hidden, (stored.index(i) + 1) * hidden) for i in want])
+            [torch.arange(stored.index(i) * hidden, (stored.index(i) + 1) * hidden, device="cpu") for i in want])
         self.cache: dict[int, list[dict]] = {}
 
     def __getitem__(self, i: int) -> dict:
@@ -376,6 +381,8 @@ class _Features:
                 if self.cols is not None:
                     d["feat"] = d["feat"][:, self.cols].contiguous()
                 d["p"], d["i"] = d["p"][:, :self.top_k], d["i"][:, :self.top_k]
+                if self.device.type != "cpu":
+                    d.update({k: v.to(self.device) for k, v in d.items()})
             self.cache[rnd] = data
         return self.cache[rnd][self.place[i]]
 
@@ -399,7 +406,7 @@ def _epoch_order(records: list[Record], train_idx: list[int], seed: int, epoch: 
 
 def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = True, progress: bool = True, log=print,
           max_steps: int | None = None, until: str | None = None, store_layers: tuple[int, ...] | None = None,
-          corpus_dir: str | Path | None = None) -> Path:
+          corpus_dir: str | Path | None = None, max_minutes: float | None = None) -> Path:
     """The whole pipeline into ``out_dir``: the corpus (``text/``, with its features in ``features/``), training
     with checkpoints (``checkpoint.pt``) and a log (``log.jsonl``), then ``head.pt`` (the checkpoint that did best on
     the held-out rounds). Each stage resumes.
@@ -407,8 +414,15 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
     ``until="corpus"`` stops after the corpus. ``store_layers`` keeps features of more layers than the head reads (a
     superset of ``feature_layers``), so that heads reading other subsets train on the same corpus. ``corpus_dir``
     trains on the corpus of another run folder (read only; it must hold ``config.rounds`` complete rounds), so that
-    several heads (other options, other data sizes) train on one corpus."""
+    several heads (other options, other data sizes) train on one corpus.
+
+    The head trains where the target is (``target.device``: a GPU with ``train-draft --device cuda``, which also
+    computes missing features there; writing new rounds runs on the CPU only). ``max_minutes`` stops training at the
+    first checkpoint past that time and writes ``head.pt`` from the best checkpoint so far; the same command resumes
+    the schedule later."""
     config.validate()
+    if max_minutes is not None and not max_minutes > 0:
+        raise VerispecError(f"--max-minutes must be > 0, got {max_minutes}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     source = Path(corpus_dir) if corpus_dir is not None else out
@@ -442,6 +456,10 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
         raise VerispecError(f"{source} holds {done} complete corpus rounds, fewer than --rounds {config.rounds}; "
                             f"extend it with 'verispec train-draft --until corpus --out {source} --rounds "
                             f"{config.rounds}' (its options) or ask for fewer")
+    if done < config.rounds and target.device.type != "cpu":
+        raise VerispecError(f"{source} holds {done} complete corpus rounds, fewer than --rounds {config.rounds}; "
+                            f"new rounds are written on the CPU ('verispec train-draft --until corpus --out {source} "
+                            f"--rounds {config.rounds}'), not on {target.device.type}")
     if done < config.rounds:
         bar = tqdm(total=config.rounds, initial=done, desc="self-written corpus", unit="round", disable=not progress)
         written = [sum(b - a for r in records for a, b in r.spans)]
@@ -456,14 +474,22 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
                                on_round=tick)
         bar.close()
     records = [r for r in records if r.round < config.rounds]
-    response = lambda idx: sum(b - a for i in idx for a, b in records[i].spans)  # noqa: E731
     log(f"corpus: {len(records)} sequences, {sum(len(r.tokens) for r in records):,} tokens, "
-        f"{response(range(len(records))):,} written by the target")
+        f"{_response_tokens(records, range(len(records))):,} written by the target")
     fill_features(target, source, records, tuple(info["layers"]), info["top_k"], progress)  # a checkout's corpus
     if until == "corpus":
         return source
 
-    # 2. training (the target's own weights stay frozen: only the head's are trained)
+    with torch.device(target.device):  # every tensor of training made where the head is
+        return _fit(target, out, config, records, source, info, resume=resume, progress=progress, log=log,
+                    max_steps=max_steps, max_minutes=max_minutes, t_start=t_start)
+
+
+def _fit(target, out: Path, config: TrainConfig, records: list[Record], source: Path, info: dict, *, resume: bool,
+         progress: bool, log, max_steps: int | None, max_minutes: float | None, t_start: float) -> Path:
+    """Stage 2 of ``train``: the head trained on the corpus's features, with checkpoints, then ``head.pt``. The
+    target's own weights stay frozen: only the head's are trained."""
+    response = lambda idx: _response_tokens(records, idx)  # noqa: E731
     train_idx, val_idx = _split(records, config)
     if config.max_tokens:
         n, total_tokens = 0, 0
@@ -472,7 +498,8 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
             n += 1
         train_idx = train_idx[:n]
     layers = config.layers()
-    feats = _Features(source, records, info, layers, config.top_k, target.config.hidden_size, target.num_layers)
+    feats = _Features(source, records, info, layers, config.top_k, target.config.hidden_size, target.num_layers,
+                      target.device)
     val = [feats[i] for i in val_idx[:VALIDATION]]
     for p in target.hf.parameters():
         p.requires_grad_(False)
@@ -491,7 +518,7 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
         vocab = draft_vocabulary([records[i].tokens for i in train_idx], config.vocab, target.vocab_size,
                                  always=target.eos_token_ids)
     head = EagleHead(target, vocab, head_dtype=TRAIN_HEAD_DTYPE, feature_layers=layers,
-                     decoder_layers=config.decoder_layers)
+                     decoder_layers=config.decoder_layers).to(target.device)
     if start is not None:
         head.load_state_dict(start.head_state(), strict=False)
     opt = torch.optim.AdamW(head.trainable(), lr=config.lr, weight_decay=0.0)
@@ -516,7 +543,7 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
     bar = tqdm(total=total, initial=step, desc="training", unit="step", disable=not progress)
     head.train()
     t0 = time.time()
-    stopped = False
+    stopped, why = False, ""
     while step < total and (max_steps is None or step < max_steps):
         epoch, k = divmod(step, steps_per_epoch)
         order = _epoch_order(records, train_idx, config.seed, epoch)
@@ -544,6 +571,8 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
                 else:
                     stale += 1
                 stopped = bool(config.patience) and stale >= config.patience
+                if max_minutes is not None and time.time() - t_start > 60 * max_minutes and step < total and not stopped:
+                    stopped, why = True, f"--max-minutes {max_minutes:g} has passed"
                 torch.save({"head": head.head_state(), "opt": opt.state_dict(), "sched": sched.state_dict(),
                             "step": step, "config": asdict(config), "best": best, "stale": stale}, ckpt)
                 head.train()
@@ -554,7 +583,7 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
             if stopped:
                 break
         if stopped:
-            log(f"validation has not improved for {config.patience} checkpoints: stopping at step {step}")
+            log(f"{why or f'validation has not improved for {config.patience} checkpoints'}: stopping at step {step}")
             break
     bar.close()
     log_f.close()
@@ -566,7 +595,8 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
         meta = {"target": target.name, "config": asdict(config), "corpus": info, "sequences": len(train_idx),
                 "corpus_tokens": sum(len(records[i].tokens) for i in train_idx), "response_tokens": response(train_idx),
                 "validation": evaluate(head, val, max(config.depths, 4)), "steps": step, "best_step": best["step"],
-                "session_s": time.time() - t_start}
+                "session_s": time.time() - t_start, "device": target.device.type,
+                **({"stopped_early": why} if why else {})}
         head.save(final, meta)
         log(f"wrote {final} (step {best['step']}): validation {meta['validation']}")
     return final
