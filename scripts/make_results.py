@@ -81,6 +81,10 @@ CAPACITY = ROOT / "results" / "head_capacity"  # `verispec eval-draft --json` re
 CAPACITY_TRAIN = ("verispec train-draft --corpus data/corpus/smollm2-135m --out runs/cap-LN --rounds 32 --gen-batch 128 "
                   "--feature-layers 3,15,27 --depths 3 --epochs 1 --patience 4 --checkpoint-every 150 "
                   "--decoder-layers N --threads 1")
+EPOCHS = ROOT / "results" / "head_epochs"  # the 1-layer head of head_capacity trained on: reports of the same kinds
+EPOCHS_TRAIN = ("verispec train-draft --corpus data/corpus/smollm2-135m --out runs/cap-L1-e2 --rounds 32 --gen-batch 128 "
+                "--feature-layers 3,15,27 --depths 3 --epochs 1 --patience 4 --checkpoint-every 150 "
+                "--init runs/cap-L1/head.pt")
 VARIANTS = ROOT / "results" / "head_variants.json"  # `python scripts/experiments/head_variants.py RUN... --out ...`
 
 DYNAMIC = "dyn:4,2,3"  # EAGLE-2 dynamic tree: depth <= 4, top-2 expansion, the 3 most probable nodes kept
@@ -673,6 +677,60 @@ def capacity_section() -> list[str]:
             "", *lines, ""]
 
 
+def epochs_section() -> list[str]:
+    """The one-epoch head of ``capacity_section`` against itself trained one epoch more (``results/head_epochs/``):
+    agreement per depth with paired gains, and where each loses its depth-1 agreement (by the target's own top-1
+    probability, ``scripts/experiments/agreement_by_confidence.py``), beside the corpus's trigram table."""
+    from verispec.bench.agreement import agreement_difference
+    from verispec.bench.stats import fmt
+
+    base_p, more_p = CAPACITY / "L1.json", EPOCHS / "e2.json"
+    if not (base_p.exists() and more_p.exists()):
+        return []
+    base, more = json.loads(base_p.read_text()), json.loads(more_p.read_text())
+    spec, own = "spec-bench (held out)", "self-written (held-out rounds)"
+    depths = base["depths"]
+    lines = ["| epochs | train-draft minutes | " + " | ".join(f"Spec-Bench agree d{k}" for k in range(1, depths + 1))
+             + " | d1 gain over 1 epoch | self-written agree d1 | gain |", "|" + "---|" * (5 + depths)]
+    for n, r in ((1, base), (2, more)):
+        gains = [fmt(*agreement_difference(r["sets"][s], base["sets"][s]), spec="+.3f") if r is not base else "-"
+                 for s in (spec, own)]
+        lines.append(f"| {n} | {(r['training'].get('session_s') or float('nan')) / 60:.0f} | "
+                     + " | ".join(f"{x:.3f}" for x in r["sets"][spec]["agreement"]) + f" | {gains[0]} | "
+                     f"{r['sets'][own]['agreement'][0]:.3f} | {gains[1]} |")
+    made = "; ".join(provenance(p, "verispec eval-draft --json", json.loads(p.read_text())) for p in (base_p, more_p))
+    out = ["### Longer training", "", f"Made by {made}.", "",
+           "The one-layer head of the table above, and the same head trained one epoch more from its weights (a new "
+           "warm-up and cosine schedule over the same rounds): `" + EPOCHS_TRAIN + "`. Same sequences, same paired "
+           "intervals. The first trained beside the two-layer head with one thread, the second alone with two, so "
+           "their minutes do not compare.", "", *lines, ""]
+    conf = {n: json.loads(p.read_text()) for n, p in ((1, EPOCHS / "confidence_1.json"), (2, EPOCHS / "confidence_2.json"))
+            if p.exists()}
+    if conf:
+        first = next(iter(conf.values()))
+        tri = first.get("trigram")
+        head = ["the target's top-1 probability", "share of positions", *[f"head, {n} epoch{'s' * (n > 1)}" for n in conf]]
+        head += ["trigram table"] if tri else []
+        rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for i, b in enumerate(first["bins"]):
+            lo, hi = b["target_top1"]
+            cells = [f"{lo:.1f}-{hi:.1f}", f"{b['share']:.3f}", *[f"{c['bins'][i]['agreement']:.3f}" for c in conf.values()]]
+            cells += [f"{tri['bins'][i]['agreement']:.3f}"] if tri else []
+            rows.append("| " + " | ".join(cells) + " |")
+        total = ["all", "1.000", *[f"{c['agreement']:.3f}" for c in conf.values()]] + ([f"{tri['agreement']:.3f}"] if tri else [])
+        rows.append("| " + " | ".join(total) + " |")
+        made = "; ".join(provenance(EPOCHS / f"confidence_{n}.json", c.get("command", "?"), c) for n, c in conf.items())
+        out += [f"Where depth-1 agreement is lost, made by {made}: the {first['positions']:,} response positions of "
+                "the same Spec-Bench answers by the target's own top-1 probability for the token drafted there (its "
+                f"mean: {first['target_top1_mean']:.3f}), and the head's agreement in each bin. The trigram table "
+                "reads no features: the commonest token after the two before it in the training rounds (else after "
+                "the one before). Where the target is sure (top-1 >= 0.8, "
+                f"{first['bins'][-1]['share']:.0%} of the positions), the head agrees at "
+                + " and ".join(f"{c['bins'][-1]['agreement']:.3f}" for c in conf.values()) + ".", "",
+                *rows, ""]
+    return out
+
+
 def head_section(figs: Path) -> list[str]:
     out = []
     reports = {k: json.loads(p.read_text()) for k, p in AGREEMENT.items() if p.exists()}
@@ -706,6 +764,7 @@ def head_section(figs: Path) -> list[str]:
                                     if n) + f"; decisions that differ: {c['mismatches']}.", ""]
     out += curve_section(figs)
     out += capacity_section()
+    out += epochs_section()
     if VARIANTS.exists():
         out += variants_section(json.loads(VARIANTS.read_text()), figs)
     if HEAD_INFO.exists():
