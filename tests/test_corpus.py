@@ -369,3 +369,26 @@ def test_features_and_training_on_a_gpu_match_the_cpu(tmp_path):
     t.hf.to("cpu")
     head = EagleHead.load(path, t)
     assert head.meta["device"] == "cuda" and head.meta["steps"] > 0 and head.vocab.device.type == "cpu"
+
+
+def test_eval_draft_holds_out_the_rounds_the_head_held_out_as_the_corpus_grows(tmp_path):
+    """eval-draft --corpus measures a head on the rounds its own training held out: the split of the rounds it
+    trained with (its file says), not of however many the corpus holds by then, which would hold out others
+    (some of them trained on)."""
+    from verispec.bench.agreement import _held_out
+
+    t = chat_target()
+    grown = TrainConfig(rounds=9, gen_batch=2, top_k=8, epochs=1, batch=2, vocab=0, held_out=0.2)
+    train(t, tmp_path / "corpus", grown, until="corpus", progress=False, log=lambda m: None)
+    small = TrainConfig(**{**grown.__dict__, "rounds": 6})
+    head = EagleHead.load(train(t, tmp_path / "head", small, progress=False, log=lambda m: None,
+                                corpus_dir=tmp_path / "corpus"), t)
+    records = read_corpus(tmp_path / "corpus")
+
+    def held(n):
+        rr = [r for r in records if r.round < n]
+        return {rr[i].round for i in train_mod._split(rr, TrainConfig(**{**grown.__dict__, "rounds": n}))[1]}
+
+    assert held(6) != held(9)  # the grown corpus's own split holds out other rounds
+    _, recs, val = _held_out(head, tmp_path / "corpus")
+    assert {recs[i].round for i in val} == held(6) and max(r.round for r in recs) == 5

@@ -617,7 +617,9 @@ def _add_eval_draft(sub):
     e.add_argument("--depths", type=int, default=4, help="drafted depths to measure")
     e.add_argument("--per-group", type=int, default=2, help="held-out Spec-Bench questions per category")
     e.add_argument("--max-new-tokens", type=int, default=96, help="answer length on Spec-Bench questions")
-    e.add_argument("--corpus", default=None, help="a train-draft run folder: also measure on its held-out rounds")
+    e.add_argument("--corpus", default=None,
+                   help="a train-draft corpus folder: also measure on the rounds the head held out (the split of the "
+                        "rounds it trained with, read from its file, however far the corpus has grown since)")
     e.add_argument("--check", type=int, default=0, metavar="PROMPTS",
                    help="also run the loop (greedy chain of --depths) on PROMPTS held-out questions and compare")
     e.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -150,6 +150,19 @@ def fixed_prompt_acceptance(target, head: EagleHead) -> float:
     return out.mean_accepted_length
 
 
+def _held_out(head: EagleHead, folder: Path) -> tuple[TrainConfig, list[Record], list[int]]:
+    """The split a head was trained with (its own training options, from its file; else the corpus folder's):
+    the corpus rounds it saw, so that the held-out rounds are the ones it held out, however far the corpus has grown
+    since."""
+    cfg = head.meta.get("config")
+    if not cfg:
+        cfg = json.loads((folder / "config.json").read_text()) if (folder / "config.json").exists() else {}
+    config = TrainConfig(**{k: v for k, v in cfg.items() if k in TrainConfig.__dataclass_fields__})
+    records = [r for r in read_corpus(folder) if r.round < config.rounds]
+    _, val = _split(records, config)
+    return config, records, val
+
+
 def agreement_report(target, head: EagleHead, depths: int = 4, per_group: int = 2, max_new_tokens: int = 96,
                      corpus: str | Path | None = None, check: int = 0, held_out_records: int = 200,
                      progress=None) -> dict:
@@ -172,13 +185,11 @@ def agreement_report(target, head: EagleHead, depths: int = 4, per_group: int = 
         out["sets"][f"  {g}"] = {"sequences": len(by_group.get(g, [])),
                                  **teacher_forced(head, by_group.get(g, []), depths)}
     if corpus is not None:
-        folder = Path(corpus)
-        cfg = json.loads((folder / "config.json").read_text()) if (folder / "config.json").exists() else {}
-        config = TrainConfig(**{k: v for k, v in cfg.items() if k in TrainConfig.__dataclass_fields__})
-        records = [r for r in read_corpus(folder) if r.round < config.rounds]
-        _, val = _split(records, config)
+        _, records, val = _held_out(head, Path(corpus))
+        rounds = sorted({records[i].round for i in val})
         held = [records[i] for i in val][:held_out_records]
-        out["sets"]["self-written (held-out rounds)"] = {"sequences": len(held), **teacher_forced(head, held, depths)}
+        out["sets"]["self-written (held-out rounds)"] = {"sequences": len(held), "rounds": rounds,
+                                                         **teacher_forced(head, held, depths)}
     if check:
         prompts = [p for _, p in spec_bench_prompts(check, from_end=True)]
         out["in_loop_check"] = in_loop_check(target, head, prompts, depths=depths, max_new_tokens=max_new_tokens)
