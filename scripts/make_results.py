@@ -82,9 +82,9 @@ CAPACITY_TRAIN = ("verispec train-draft --corpus data/corpus/smollm2-135m --out 
                   "--feature-layers 3,15,27 --depths 3 --epochs 1 --patience 4 --checkpoint-every 150 "
                   "--decoder-layers N --threads 1")
 EPOCHS = ROOT / "results" / "head_epochs"  # the 1-layer head of head_capacity trained on: reports of the same kinds
-EPOCHS_TRAIN = ("verispec train-draft --corpus data/corpus/smollm2-135m --out runs/cap-L1-e2 --rounds 32 --gen-batch 128 "
+EPOCHS_TRAIN = ("verispec train-draft --corpus data/corpus/smollm2-135m --out runs/cap-L1-eE --rounds 32 --gen-batch 128 "
                 "--feature-layers 3,15,27 --depths 3 --epochs 1 --patience 4 --checkpoint-every 150 "
-                "--init runs/cap-L1/head.pt")
+                "--init BEFORE/head.pt")
 VARIANTS = ROOT / "results" / "head_variants.json"  # `python scripts/experiments/head_variants.py RUN... --out ...`
 
 DYNAMIC = "dyn:4,2,3"  # EAGLE-2 dynamic tree: depth <= 4, top-2 expansion, the 3 most probable nodes kept
@@ -678,34 +678,40 @@ def capacity_section() -> list[str]:
 
 
 def epochs_section() -> list[str]:
-    """The one-epoch head of ``capacity_section`` against itself trained one epoch more (``results/head_epochs/``):
-    agreement per depth with paired gains, and where each loses its depth-1 agreement (by the target's own top-1
-    probability, ``scripts/experiments/agreement_by_confidence.py``), beside the corpus's trigram table."""
+    """The one-epoch head of ``capacity_section`` trained one epoch more at a time (``results/head_epochs/eN.json``):
+    agreement per depth with paired gains over the epoch before, and where each loses its depth-1 agreement (by the
+    target's own top-1 probability, ``scripts/experiments/agreement_by_confidence.py``: ``confidence_N.json``),
+    beside the corpus's trigram table."""
     from verispec.bench.agreement import agreement_difference
     from verispec.bench.stats import fmt
 
-    base_p, more_p = CAPACITY / "L1.json", EPOCHS / "e2.json"
-    if not (base_p.exists() and more_p.exists()):
+    paths = {1: CAPACITY / "L1.json", **{int(p.stem[1:]): p for p in EPOCHS.glob("e[0-9]*.json")}}
+    if len(paths) < 2 or not paths[1].exists():
         return []
-    base, more = json.loads(base_p.read_text()), json.loads(more_p.read_text())
+    reports = {n: json.loads(paths[n].read_text()) for n in sorted(paths)}
     spec, own = "spec-bench (held out)", "self-written (held-out rounds)"
-    depths = base["depths"]
+    depths = reports[1]["depths"]
     lines = ["| epochs | train-draft minutes | " + " | ".join(f"Spec-Bench agree d{k}" for k in range(1, depths + 1))
-             + " | d1 gain over 1 epoch | self-written agree d1 | gain |", "|" + "---|" * (5 + depths)]
-    for n, r in ((1, base), (2, more)):
-        gains = [fmt(*agreement_difference(r["sets"][s], base["sets"][s]), spec="+.3f") if r is not base else "-"
+             + " | d1 gain over the epoch before | self-written agree d1 | gain |", "|" + "---|" * (5 + depths)]
+    before = None
+    for n, r in reports.items():
+        gains = [fmt(*agreement_difference(r["sets"][s], before["sets"][s]), spec="+.3f") if before else "-"
                  for s in (spec, own)]
         lines.append(f"| {n} | {(r['training'].get('session_s') or float('nan')) / 60:.0f} | "
                      + " | ".join(f"{x:.3f}" for x in r["sets"][spec]["agreement"]) + f" | {gains[0]} | "
                      f"{r['sets'][own]['agreement'][0]:.3f} | {gains[1]} |")
-    made = "; ".join(provenance(p, "verispec eval-draft --json", json.loads(p.read_text())) for p in (base_p, more_p))
+        before = r
+    made = "; ".join(provenance(paths[n], "verispec eval-draft --json", r) for n, r in reports.items())
+    more = sorted(n for n in reports if n > 1)
+    runs = ["runs/cap-L1"] + [f"runs/cap-L1-e{n}" for n in more[:-1]]
     out = ["### Longer training", "", f"Made by {made}.", "",
-           "The one-layer head of the table above, and the same head trained one epoch more from its weights (a new "
-           "warm-up and cosine schedule over the same rounds): `" + EPOCHS_TRAIN + "`. Same sequences, same paired "
-           "intervals. The first trained beside the two-layer head with one thread, the second alone with two, so "
-           "their minutes do not compare.", "", *lines, ""]
-    conf = {n: json.loads(p.read_text()) for n, p in ((1, EPOCHS / "confidence_1.json"), (2, EPOCHS / "confidence_2.json"))
-            if p.exists()}
+           "The one-layer head of the table above trained one epoch more at a time over the same rounds, each from "
+           "the weights of the one before with a new warm-up and cosine schedule: `" + EPOCHS_TRAIN + "` with "
+           + ", ".join(f"E = {n}, BEFORE = {b}" for n, b in zip(more, runs)) + ". Same sequences, paired "
+           "intervals; the self-written set is the round those heads held out. The minutes are each run's (its one "
+           "epoch): the first with one thread beside another training, the later ones with two threads and the "
+           "machine otherwise idle.", "", *lines, ""]
+    conf = {n: json.loads(p.read_text()) for n in reports if (p := EPOCHS / f"confidence_{n}.json").exists()}
     if conf:
         first = next(iter(conf.values()))
         tri = first.get("trigram")
@@ -725,8 +731,8 @@ def epochs_section() -> list[str]:
                 f"mean: {first['target_top1_mean']:.3f}), and the head's agreement in each bin. The trigram table "
                 "reads no features: the commonest token after the two before it in the training rounds (else after "
                 "the one before). Where the target is sure (top-1 >= 0.8, "
-                f"{first['bins'][-1]['share']:.0%} of the positions), the head agrees at "
-                + " and ".join(f"{c['bins'][-1]['agreement']:.3f}" for c in conf.values()) + ".", "",
+                f"{first['bins'][-1]['share']:.0%} of the positions), the heads agree at "
+                + ", ".join(f"{c['bins'][-1]['agreement']:.3f}" for c in conf.values()) + ".", "",
                 *rows, ""]
     return out
 
