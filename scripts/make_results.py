@@ -711,6 +711,17 @@ def epochs_section() -> list[str]:
            "intervals; the self-written set is the round those heads held out. The minutes are each run's (its one "
            "epoch): the first with one thread beside another training, the later ones with two threads and the "
            "machine otherwise idle.", "", *lines, ""]
+    shipped_p = EPOCHS / "shipped.json"
+    if shipped_p.exists():
+        shipped, last = json.loads(shipped_p.read_text()), reports[max(reports)]
+        out += [f"Against the shipped head (EAGLE-1) on the same answers (made by "
+                f"{provenance(shipped_p, 'verispec eval-draft --json', shipped)}): it agrees "
+                + " / ".join(f"{x:.3f}" for x in shipped["sets"][spec]["agreement"]) + f" at depths 1-{depths}; the "
+                f"{max(reports)}-epoch head gains "
+                + ", ".join(fmt(*agreement_difference(last["sets"][spec], shipped["sets"][spec], k), spec="+.3f")
+                            for k in range(1, depths + 1))
+                + f". That head is kept as data/heads/smollm2-135m-eagle3-{max(reports)}epochs.pt (not shipped: the "
+                "default's tree and step costs, `tune-tree`, and the speed run have not been measured with it).", ""]
     conf = {n: json.loads(p.read_text()) for n in reports if (p := EPOCHS / f"confidence_{n}.json").exists()}
     if conf:
         first = next(iter(conf.values()))
