@@ -11,15 +11,16 @@
 #   here:    bash scripts/gpu_head.sh pack        # .gpu/ (ignored): the bundle's chunks; prints the calls to make
 #   device:  one call per chunk but the last, in a row:
 #            run(carry=[".gpu/chunk-0"], command="bash scripts/gpu_head.sh check")
-#   device:  the last chunk, with the bundle's checksum:
-#            run(carry=[".gpu/chunk-2", ".gpu/bundle.sha256"], command="bash scripts/gpu_head.sh train", timeout_s=600)
+#   device:  the last chunk (pack names it), with the bundle's checksum:
+#            run(carry=[".gpu/chunk-3", ".gpu/bundle.sha256"], command="bash scripts/gpu_head.sh train", timeout_s=600)
 #   here:    the head comes back among the reply's files (head.pt, log.jsonl, train.log, test.log); measure it with
 #            verispec eval-draft --draft eagle:PATH/head.pt --per-group 5 --depths 3 --corpus data/corpus/smollm2-135m
 #
-# train [ROUNDS [EPOCHS [MINUTES]]]: the corpus's first ROUNDS rounds (default: every round whose text is here),
-# EPOCHS passes (default 2), training stopped at the first checkpoint past MINUTES minutes (default 7, so that the
-# head is written inside the 10-minute call). It first runs the GPU test of tests/test_corpus.py (features and
-# training on the GPU against the CPU's, on a tiny model) and stops if it fails.
+# train [ROUNDS [EPOCHS [MINUTES [INIT]]]]: the corpus's first ROUNDS rounds (default: every round whose text is
+# here), EPOCHS passes (default 3: epochs are what the head lacks, docs/design.md), training stopped at the first
+# checkpoint past MINUTES minutes (default 7, so that the head is written inside the 10-minute call), starting from
+# the head file INIT if given (e.g. data/heads/smollm2-135m-eagle3-3epochs.pt). It first runs the GPU test of
+# tests/test_corpus.py (features and training on the GPU against the CPU's, on a tiny model) and stops if it fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CORPUS=data/corpus/smollm2-135m
@@ -71,7 +72,7 @@ check() {
 
 train() {
     local rounds=${1:-$(find "$CORPUS/text" -name '*.jsonl.gz' | wc -l)}
-    local epochs=${2:-2} minutes=${3:-7}
+    local epochs=${2:-3} minutes=${3:-7} init=${4:-}
     local out=${OUT:-/tmp/gpu-out}
     mkdir -p "$out"
     if [[ ! -f "$GPU/bundle.sha256" ]]; then
@@ -99,7 +100,7 @@ print('torch', torch.__version__, torch.cuda.get_device_name(), '| transformers'
     local run=runs/gpu-r$rounds
     python3 -m verispec train-draft --device cuda --corpus "$CORPUS" --out "$run" --rounds "$rounds" \
         --gen-batch 128 --feature-layers 3,15,27 --depths 3 --epochs "$epochs" --patience 4 \
-        --checkpoint-every 150 --max-minutes "$minutes" 2>&1 | tee "$out/train.log"
+        --checkpoint-every 150 --max-minutes "$minutes" ${init:+--init "$init"} 2>&1 | tee "$out/train.log"
     cp "$run/head.pt" "$run/log.jsonl" "$out/"
     ls -l "$out"
 }
@@ -108,5 +109,5 @@ case "${1:-}" in
     pack) pack ;;
     check) check ;;
     train) shift; train "$@" ;;
-    *) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+    *) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac
