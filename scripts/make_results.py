@@ -82,9 +82,10 @@ CAPACITY_TRAIN = ("verispec train-draft --corpus data/corpus/smollm2-135m --out 
                   "--feature-layers 3,15,27 --depths 3 --epochs 1 --patience 4 --checkpoint-every 150 "
                   "--decoder-layers N --threads 1")
 EPOCHS = ROOT / "results" / "head_epochs"  # the 1-layer head of head_capacity trained on: reports of the same kinds
-EPOCHS_TRAIN = ("verispec train-draft --corpus data/corpus/smollm2-135m --out runs/cap-L1-eE --rounds 32 --gen-batch 128 "
+EPOCHS_TRAIN = ("verispec train-draft --corpus data/corpus/smollm2-135m --out runs/cap-L1-eE --rounds R --gen-batch 128 "
                 "--feature-layers 3,15,27 --depths 3 --epochs 1 --patience 4 --checkpoint-every 150 "
                 "--init BEFORE/head.pt")
+EPOCHS_BEFORE = {2: "runs/cap-L1", 3: "runs/cap-L1-e2", 4: "data/heads/smollm2-135m-eagle3-3epochs.pt"}  # else the last
 VARIANTS = ROOT / "results" / "head_variants.json"  # `python scripts/experiments/head_variants.py RUN... --out ...`
 
 DYNAMIC = "dyn:4,2,3"  # EAGLE-2 dynamic tree: depth <= 4, top-2 expansion, the 3 most probable nodes kept
@@ -677,6 +678,12 @@ def capacity_section() -> list[str]:
             "", *lines, ""]
 
 
+def _rounds_trained(training: dict) -> str:
+    """The corpus rounds a head trained with (its eval-draft report's training record), as a count."""
+    n = training.get("rounds")
+    return str(n) if n else "32"  # the heads before this record was kept all trained with --rounds 32
+
+
 def epochs_section() -> list[str]:
     """The one-epoch head of ``capacity_section`` trained one epoch more at a time (``results/head_epochs/eN.json``):
     agreement per depth with paired gains over the epoch before, and where each loses its depth-1 agreement (by the
@@ -691,26 +698,42 @@ def epochs_section() -> list[str]:
     reports = {n: json.loads(paths[n].read_text()) for n in sorted(paths)}
     spec, own = "spec-bench (held out)", "self-written (held-out rounds)"
     depths = reports[1]["depths"]
-    lines = ["| epochs | train-draft minutes | " + " | ".join(f"Spec-Bench agree d{k}" for k in range(1, depths + 1))
-             + " | d1 gain over the epoch before | self-written agree d1 | gain |", "|" + "---|" * (5 + depths)]
+    lines = ["| epochs | rounds | response tokens | train-draft minutes | "
+             + " | ".join(f"Spec-Bench agree d{k}" for k in range(1, depths + 1))
+             + " | d1 gain over the epoch before | self-written held-out round | agree d1 | gain |",
+             "|" + "---|" * (8 + depths)]
     before = None
     for n, r in reports.items():
-        gains = [fmt(*agreement_difference(r["sets"][s], before["sets"][s]), spec="+.3f") if before else "-"
-                 for s in (spec, own)]
-        lines.append(f"| {n} | {(r['training'].get('session_s') or float('nan')) / 60:.0f} | "
-                     + " | ".join(f"{x:.3f}" for x in r["sets"][spec]["agreement"]) + f" | {gains[0]} | "
-                     f"{r['sets'][own]['agreement'][0]:.3f} | {gains[1]} |")
+        gain = fmt(*agreement_difference(r["sets"][spec], before["sets"][spec]), spec="+.3f") if before else "-"
+        # the self-written set is the round the head held out: paired only where the heads held out the same one
+        # (older reports do not name it; their sequences then tell)
+        held = [x["sets"][own].get("rounds") for x in (r, before or {"sets": {own: {}}})]
+        try:
+            own_gain = "-" if before is None or None not in held and held[0] != held[1] else \
+                fmt(*agreement_difference(r["sets"][own], before["sets"][own]), spec="+.3f")
+        except ValueError:  # not the same sequences
+            own_gain = "-"
+        tr = r["training"]
+        lines.append(f"| {n} | {_rounds_trained(tr)} | {tr.get('response_tokens') or 0:,} | "
+                     f"{(tr.get('session_s') or float('nan')) / 60:.0f} | "
+                     + " | ".join(f"{x:.3f}" for x in r["sets"][spec]["agreement"]) + f" | {gain} | "
+                     + (", ".join(str(x) for x in r["sets"][own]["rounds"]) if "rounds" in r["sets"][own]
+                        else "not recorded") + " | "
+                     f"{r['sets'][own]['agreement'][0]:.3f} | {own_gain} |")
         before = r
     made = "; ".join(provenance(paths[n], "verispec eval-draft --json", r) for n, r in reports.items())
     more = sorted(n for n in reports if n > 1)
-    runs = ["runs/cap-L1"] + [f"runs/cap-L1-e{n}" for n in more[:-1]]
+    runs = [EPOCHS_BEFORE.get(n, f"runs/cap-L1-e{n - 1}/head.pt") for n in more]
+    rounds = [_rounds_trained(reports[n]["training"]) for n in more]
     out = ["### Longer training", "", f"Made by {made}.", "",
-           "The one-layer head of the table above trained one epoch more at a time over the same rounds, each from "
-           "the weights of the one before with a new warm-up and cosine schedule: `" + EPOCHS_TRAIN + "` with "
-           + ", ".join(f"E = {n}, BEFORE = {b}" for n, b in zip(more, runs)) + ". Same sequences, paired "
-           "intervals; the self-written set is the round those heads held out. The minutes are each run's (its one "
-           "epoch): the first with one thread beside another training, the later ones with two threads and the "
-           "machine otherwise idle.", "", *lines, ""]
+           "The one-layer head of the table above trained one epoch more at a time, each from the weights of the one "
+           "before with a new warm-up and cosine schedule: `" + EPOCHS_TRAIN + "` with "
+           + ", ".join(f"E = {n}, R = {k}, BEFORE = {b}" for n, b, k in zip(more, runs, rounds)) + ". A head "
+           "trained over more rounds (the corpus grew) holds out another round of it, and the split of 37 rounds "
+           "holds out one that the heads before never trained on. Spec-Bench: the same answers for every head, "
+           "paired intervals; the self-written gain is paired only between heads that held out the same round. The "
+           "minutes are each run's (its one epoch, features already computed): the first with one thread beside "
+           "another training, the later ones with two threads and the machine otherwise idle.", "", *lines, ""]
     shipped_p = EPOCHS / "shipped.json"
     if shipped_p.exists():
         shipped, last = json.loads(shipped_p.read_text()), reports[max(reports)]

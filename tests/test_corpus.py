@@ -375,7 +375,7 @@ def test_eval_draft_holds_out_the_rounds_the_head_held_out_as_the_corpus_grows(t
     """eval-draft --corpus measures a head on the rounds its own training held out: the split of the rounds it
     trained with (its file says), not of however many the corpus holds by then, which would hold out others
     (some of them trained on)."""
-    from verispec.bench.agreement import _held_out
+    from verispec.bench.agreement import _held_out, training_record
 
     t = chat_target()
     grown = TrainConfig(rounds=9, gen_batch=2, top_k=8, epochs=1, batch=2, vocab=0, held_out=0.2)
@@ -392,3 +392,4 @@ def test_eval_draft_holds_out_the_rounds_the_head_held_out_as_the_corpus_grows(t
     assert held(6) != held(9)  # the grown corpus's own split holds out other rounds
     _, recs, val = _held_out(head, tmp_path / "corpus")
     assert {recs[i].round for i in val} == held(6) and max(r.round for r in recs) == 5
+    assert training_record(head)["rounds"] == 6  # what eval-draft's report says the head trained with

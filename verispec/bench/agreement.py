@@ -163,6 +163,14 @@ def _held_out(head: EagleHead, folder: Path) -> tuple[TrainConfig, list[Record],
     return config, records, val
 
 
+def training_record(head: EagleHead) -> dict:
+    """What a head's file says of its training: data sizes, steps, minutes, and the corpus rounds it trained with
+    (None for heads written before that was kept)."""
+    return {**{k: head.meta.get(k) for k in ("response_tokens", "corpus_tokens", "sequences", "steps", "best_step",
+                                             "session_s")},
+            "rounds": (head.meta.get("config") or {}).get("rounds")}
+
+
 def agreement_report(target, head: EagleHead, depths: int = 4, per_group: int = 2, max_new_tokens: int = 96,
                      corpus: str | Path | None = None, check: int = 0, held_out_records: int = 200,
                      progress=None) -> dict:
@@ -174,8 +182,7 @@ def agreement_report(target, head: EagleHead, depths: int = 4, per_group: int = 
     out = {"head": head.meta.get("target", "?"), "feature_layers": list(head.feature_layers),
            "decoder_layers": len(head.body.layers), "head_parameters": sum(p.numel() for _, p in head.own_parameters()),
            "depths": depths,
-           "training": {k: head.meta.get(k) for k in ("response_tokens", "corpus_tokens", "sequences", "steps",
-                                                      "best_step", "session_s")},
+           "training": training_record(head),
            "sets": {}}
     by_group: dict[str, list[Record]] = {}
     for r in answers:
