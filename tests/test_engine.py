@@ -180,7 +180,9 @@ def test_two_sequences_sharing_steps_have_the_product_of_the_target_laws():
     chooses for the pair (so one sequence's lengths depend on the other's history); the joint law of their 2 tokens
     each is the product of the target's laws, to rounding."""
     p, q = random_tables(3, 11, concentration=0.8)
-    costs = BatchCosts(rows=(1, 2, 4, 8), seconds_by_rows=(1.0, 1.03, 1.1, 1.4), per_sequence=0.01)
+    # rows dear past two: the plan drafts 1 each or nothing, by what both policies have learned so far (a depth of
+    # 2 for both would make the enumeration twentyfold)
+    costs = BatchCosts(rows=(1, 2, 4, 8), seconds_by_rows=(1.0, 1.03, 1.5, 3.0), per_sequence=0.01)
 
     def policy():
         return AutoDepth(costs=(1.0, 1.1, 1.2), probe_every=2, prior=0.6)
@@ -290,6 +292,52 @@ def test_padding_to_the_widest_tree_is_costed_for_every_sequence_of_the_batch():
                         BatchCosts(rows.rows, rows.seconds_by_rows, 0.0, padding=(0.0, 0.1, 0.2, 0.3, 0.5, 0.7)),
                         [None] * 8)
     assert free[0] > 1 and max(dear) < free[0]
+
+
+def test_the_plan_drafts_for_the_whole_batch_where_no_sequence_alone_would_pay():
+    """Costs a batch shares -- the draft model's forward, a step up in the forward's cost, the padding of every
+    sequence's attention -- make one sequence drafting alone a loss where all of them drafting together is a clear
+    gain (the shape measured here in bfloat16: 1-7 rows cost one plain step, 8 rows 1.18, 16 rows 1.31). The plan
+    tries groups, so it crosses that step; the batch's rate it reaches is the best of the plans tried."""
+    from verispec.engine import _StepCost
+
+    costs = BatchCosts(rows=(1, 7, 8, 16, 32), seconds_by_rows=(1.0, 1.0, 1.18, 1.31, 1.86), per_sequence=0.0,
+                       padding=(0.0, 0.003, 0.013, 0.035, 0.055, 0.066))
+
+    class Head(NgramDrafter):  # one draft model for the batch, a tenth of a plain step per depth
+        depth_cost = 0.1
+
+    head = Head(97)
+    trees, proposers = [Tree.chain(3)] * 8, [head] * 8
+    fair = AutoDepth(prior=0.45, prior_weight=50.0).expected_tokens(3)
+    alone = _StepCost([fair] * 8, trees, proposers, costs, [0] * 8)
+    before = alone.rate()
+    alone.add(0)
+    assert alone.rate() < before  # one sequence alone: a loss
+    together = _StepCost([fair] * 8, trees, proposers, costs, [1] * 8)
+    assert together.rate() > before * 1.1  # all eight: a clear gain
+    depth = batch_depths([fair] * 8, trees, proposers, costs, [None] * 8)
+    assert min(depth) >= 1 and _StepCost([fair] * 8, trees, proposers, costs, depth).rate() >= together.rate()
+    # where drafting is poor, no group pays either
+    poor = AutoDepth(prior=0.1, prior_weight=50.0).expected_tokens(3)
+    assert batch_depths([poor] * 8, trees, proposers, costs, [None] * 8) == [0] * 8
+
+
+def test_a_probe_is_judged_at_the_margin_of_the_batch():
+    """A policy probes a deeper depth where a good draft of it would yield tokens at a better rate than the batch's:
+    in a large batch one sequence's depth moves the whole batch's rate little, so the batch's rate cannot judge it."""
+    from verispec.engine import _StepCost, _pays
+
+    rows = BatchCosts(rows=(1, 64), seconds_by_rows=(1.0, 1.6), per_sequence=0.0)  # each row about 1 % of a step
+    trees, proposers = [Tree.chain(3)] * 16, [NgramDrafter(97)] * 16
+    fair = AutoDepth(prior=0.5, prior_weight=50.0).expected_tokens(3)
+    plan = _StepCost([fair] * 16, trees, proposers, rows, [1] * 16)
+    assert _pays(plan, 0)  # 0.8 tokens for about 1 % of a step: far above the batch's rate
+    assert plan.depths == [1] * 16  # judged without changing the plan
+    dear = BatchCosts(rows=(1, 64), seconds_by_rows=(1.0, 64.0), per_sequence=0.0)  # a row costs a plain step
+    assert not _pays(_StepCost([fair] * 16, trees, proposers, dear, [0] * 16), 0)
+    deepest = _StepCost([fair] * 16, trees, proposers, rows, [3] * 16)
+    assert not _pays(deepest, 0)  # no deeper depth in its tree
 
 
 def test_a_forward_table_is_fitted_non_decreasing():

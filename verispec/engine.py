@@ -415,26 +415,34 @@ class Engine:
         if len(seqs) == 1 or not self.load_aware or dynamic or all(e is None for e in expected):
             return [s.policy.planned_depth(s.tree.max_depth) if isinstance(s.tree, Tree) else None for s in seqs]
         proposers = [s.drafter.proposer(s.context) for s in seqs]
-        best = batch_depths(expected, [s.tree for s in seqs], proposers, self.costs,
+        trees = [s.tree for s in seqs]
+        best = batch_depths(expected, trees, proposers, self.costs,
                             [s.policy.planned_depth(s.tree.max_depth) if e is None else None
                              for s, e in zip(seqs, expected)])
         # a policy probes a depth it stopped drafting only where a good draft of it could pay in this batch
-        probe = [e is not None and _pays(expected, best, i, [s.tree for s in seqs], proposers, self.costs)
-                 for i, e in enumerate(expected)]
+        planned = _StepCost(expected, trees, proposers, self.costs, best)
+        probe = [e is not None and _pays(planned, i) for i, e in enumerate(expected)]
         return [s.policy.planned_depth(s.tree.max_depth, best=b, probe=p) if e is not None else b
                 for s, b, e, p in zip(seqs, best, expected, probe)]
 
     def _nothing_pays(self, seqs: list[Sequence]) -> bool:
-        """Whether, with this many sequences, not even one token of the cheapest draft, accepted as often as a good
-        draft is, would pay (``_pays``): then a step is a plain one for all, and asks the drafts nothing."""
+        """Whether, with this many sequences, no group of them (one alone up to all) drafting one token each of the
+        cheapest draft, accepted as often as a good draft is, would raise the batch's rate by more than the margin
+        (``batch_depths``' rule): then a step is a plain one for all, and asks the drafts nothing."""
         if len(seqs) < 2 or not self.load_aware or any(not isinstance(s.tree, Tree) or s.tree.size < 2 for s in seqs):
             return False
         if any(s.policy.expected_tokens(s.tree.max_depth) is None for s in seqs):
             return False
         cheapest = min((d for s in seqs for d in (s.drafter.sources or {"": s.drafter}).values()),
                        key=lambda d: d.depth_cost)
-        return not _pays([None] * len(seqs), [0] * len(seqs), 0, [s.tree for s in seqs], [cheapest] * len(seqs),
-                         self.costs)
+        plan = _StepCost([None] * len(seqs), [s.tree for s in seqs], [cheapest] * len(seqs), self.costs,
+                         [0] * len(seqs))
+        enough = plan.rate() * (1 + BATCH_MARGIN)
+        for i in range(len(seqs)):
+            plan.add(i, GOOD_DRAFT)
+            if plan.rate() > enough:
+                return False
+        return True
 
     @property
     def costs(self) -> BatchCosts:
@@ -443,65 +451,125 @@ class Engine:
         return self._costs
 
 
-def _seconds(depths: list[int], sizes: list[tuple[int, ...]], proposers: list[Drafter], costs: BatchCosts) -> float:
-    """A step's cost: the target's forward over all rows with this many sequences, the widest tree setting every
-    sequence's attention padding (``costs.seconds``), plus, per draft model, its deepest sequence's depths (one
-    batched draft forward per depth; ``Drafter.depth_cost`` of a plain step each)."""
-    draft: dict = {}
-    for p, d in zip(proposers, depths):
-        if d:
-            draft[p.batch_key] = max(draft.get(p.batch_key, (0, 0.0))[0], d), p.depth_cost
-    rows = sum(sz[d] for sz, d in zip(sizes, depths))
-    widest = max(sz[d] for sz, d in zip(sizes, depths))
-    return costs.seconds(rows, len(depths), widest) + sum(d * c for d, c in draft.values()) * costs.seconds(1, 1)
+class _StepCost:
+    """A step's expected tokens and seconds for the depths planned so far, kept up to date as single depths are added
+    (each addition costs O(1), whatever the batch's size): the target's forward over all rows with this many
+    sequences, the widest tree setting every sequence's attention padding (``costs.seconds``), plus, per draft
+    model, its deepest sequence's depths (one batched draft forward per depth; ``Drafter.depth_cost`` of a plain
+    step each). A sequence whose ``expected`` is None yields one token a step."""
+
+    def __init__(self, expected: list[list[float] | None], trees: list[Tree], proposers: list[Drafter],
+                 costs: BatchCosts, depths: list[int]):
+        self.expected, self.sizes, self.proposers, self.costs = expected, [t.sizes for t in trees], proposers, costs
+        self.depths = list(depths)
+        self.tokens = sum(e[d] if e is not None else 1.0 for e, d in zip(expected, depths))
+        self.rows = sum(sz[d] for sz, d in zip(self.sizes, depths))
+        self.widest = max(sz[d] for sz, d in zip(self.sizes, depths))
+        self.draft: dict = {}  # batch key -> (its deepest depth, its cost per depth)
+        for p, d in zip(proposers, depths):
+            if d:
+                self.draft[p.batch_key] = max(self.draft.get(p.batch_key, (0, 0.0))[0], d), p.depth_cost
+        self.unit = costs.seconds(1, 1)
+
+    def seconds(self) -> float:
+        return self.costs.seconds(self.rows, len(self.depths), self.widest) + \
+            sum(d * c for d, c in self.draft.values()) * self.unit
+
+    def rate(self) -> float:
+        return self.tokens / self.seconds()
+
+    def gain(self, i: int) -> float:
+        """Expected tokens one more depth of sequence i adds."""
+        e, d = self.expected[i], self.depths[i]
+        return e[d + 1] - e[d]
+
+    def add(self, i: int, gain: float | None = None) -> None:
+        """One more depth for sequence i, yielding ``gain`` more tokens (default: what its ``expected`` says)."""
+        d, sz, p = self.depths[i], self.sizes[i], self.proposers[i]
+        self.tokens += self.gain(i) if gain is None else gain
+        self.rows += sz[d + 1] - sz[d]
+        self.widest = max(self.widest, sz[d + 1])
+        self.draft[p.batch_key] = max(self.draft.get(p.batch_key, (0, 0.0))[0], d + 1), p.depth_cost
+        self.depths[i] = d + 1
+
+    def mark(self) -> tuple:
+        return self.tokens, self.rows, self.widest, dict(self.draft), list(self.depths)
+
+    def reset(self, mark: tuple) -> None:
+        self.tokens, self.rows, self.widest, self.draft, self.depths = mark[0], mark[1], mark[2], dict(mark[3]), \
+            list(mark[4])
 
 
-def _tokens(expected: list[list[float] | None], depths: list[int]) -> float:
-    return sum(e[d] if e is not None else 1.0 for e, d in zip(expected, depths))
-
-
-BATCH_MARGIN = 0.05  # a depth is added for a batch only where it raises the rate by more: the cost model's error
+BATCH_MARGIN = 0.05  # a move is made for a batch only where it raises the rate by more: the cost model's error
 
 
 def batch_depths(expected: list[list[float] | None], trees: list[Tree], proposers: list[Drafter],
                  costs: BatchCosts, own: list[int | None], margin: float = BATCH_MARGIN) -> list[int]:
-    """The depths with the most expected tokens per second for the batch: each sequence starts at 0 (those whose
-    policy plans its own depth, ``own``, keep it), and one depth at a time goes to the sequence where the batch's
-    rate (``_tokens`` over ``_seconds``) rises most, until no addition raises it by more than ``margin`` (the cost
-    model's own error is of that order: rows are timed in one sequence's forward, drafting as a fixed fraction of a
-    plain step, and a step may also carry a prompt chunk; a depth that only breaks even costs throughput)."""
-    depth = [o if o is not None else 0 for o in own]
-    sizes = [t.sizes for t in trees]  # rows of each tree drafted to each depth
-    current = _tokens(expected, depth) / _seconds(depth, sizes, proposers, costs)
+    """The depths with the most expected tokens per second for the batch. Each sequence starts at 0 (those whose
+    policy plans its own depth, ``own``, keep it); then, move after move, one more depth goes to a group of
+    sequences: of the moves that raise the batch's rate (expected tokens over ``_StepCost`` seconds) by more than
+    ``margin`` (the cost model's own error is of that order: rows are timed in one sequence's forward, drafting as a
+    fixed fraction of a plain step, and a step may also carry a prompt chunk; a depth that only breaks even costs
+    throughput), the one whose added tokens come cheapest (added tokens over added seconds; on a tie the larger
+    move), until none is left.
+
+    The moves tried are one sequence alone (each of them) and the m sequences whose next depth adds the most
+    tokens, for every m. Groups matter in a large batch: the first drafted row of a step pays for costs the whole
+    batch shares -- the draft model's forward, the padding of every sequence's attention to the widest tree, a step
+    up in the forward's cost -- so one sequence drafting alone can cost more than it gains where every sequence
+    drafting together gains far more than it costs; and one sequence's depth moves a large batch's rate too little
+    to clear the margin however well it pays. Choosing the cheapest tokens rather than the largest rise keeps a
+    large move from taking the rows that better drafts would have used a step later."""
+    plan = _StepCost(expected, trees, proposers, costs, [o if o is not None else 0 for o in own])
     while True:
-        best, best_rate = None, current
-        for i, e in enumerate(expected):
-            if e is None or depth[i] + 1 >= len(e):
-                continue
-            trial = depth[:i] + [depth[i] + 1] + depth[i + 1:]
-            r = _tokens(expected, trial) / _seconds(trial, sizes, proposers, costs)
-            if r > current * (1 + margin) and r > best_rate:
-                best, best_rate = i, r
+        open_ = [i for i, e in enumerate(expected) if e is not None and plan.depths[i] + 1 < len(e)]
+        if not open_:
+            return plan.depths
+        tokens, seconds = plan.tokens, plan.seconds()
+        enough = tokens / seconds * (1 + margin)
+        mark = plan.mark()
+        best, cheapest = None, 0.0
+
+        def judge(move: list[int], larger: bool) -> None:  # the move is applied to ``plan`` when this is called
+            nonlocal best, cheapest
+            added = plan.seconds() - seconds
+            per_second = float("inf") if added <= 0 else (plan.tokens - tokens) / added
+            if plan.rate() > enough and (best is None or per_second > cheapest
+                                         or larger and per_second >= cheapest * (1 - 1e-9)):
+                best, cheapest = move, per_second
+
+        for i in open_:  # one sequence alone
+            plan.add(i)
+            judge([i], False)
+            plan.reset(mark)
+        order = sorted(open_, key=lambda i: -plan.gain(i))  # the m best next depths, for each m
+        for m, i in enumerate(order, start=1):
+            plan.add(i)
+            if m > 1:
+                judge(order[:m], True)
+        plan.reset(mark)
         if best is None:
-            return depth
-        depth[best] += 1
-        current = best_rate
+            return plan.depths
+        for i in best:
+            plan.add(i)
 
 
 GOOD_DRAFT = 0.8  # the acceptance of the best drafts measured here (prompt lookup on a long match)
 
 
-def _pays(expected: list[list[float] | None], depths: list[int], i: int, trees: list[Tree],
-          proposers: list[Drafter], costs: BatchCosts, margin: float = BATCH_MARGIN) -> bool:
-    """Whether one more depth for sequence i, accepted as often as a good draft is (``GOOD_DRAFT``), would raise the
-    batch's tokens per second by more than ``margin``: where it would not, probing that depth is a loss too."""
-    if depths[i] + 1 > trees[i].max_depth:
+def _pays(plan: _StepCost, i: int, margin: float = BATCH_MARGIN) -> bool:
+    """Whether one more depth for sequence i, accepted as often as a good draft is (``GOOD_DRAFT``), would yield
+    its tokens at a rate above the batch's (its added tokens over its added seconds, by more than ``margin``): where
+    it would not, probing that depth is a loss too. Judged at the margin of the plan, not by the batch's whole rate,
+    which one sequence's depth moves little in a large batch."""
+    if plan.depths[i] + 1 >= len(plan.sizes[i]):
         return False
-    sizes = [t.sizes for t in trees]  # rows of each tree drafted to each depth
-    tokens = _tokens(expected, depths)
-    more = depths[:i] + [depths[i] + 1] + depths[i + 1:]
-    return (tokens + GOOD_DRAFT) / _seconds(more, sizes, proposers, costs) > \
-        tokens / _seconds(depths, sizes, proposers, costs) * (1 + margin)
+    mark = plan.mark()
+    tokens, seconds = plan.tokens, plan.seconds()
+    plan.add(i, GOOD_DRAFT)
+    added = plan.seconds() - seconds
+    plan.reset(mark)
+    return added <= 0 or GOOD_DRAFT / added > tokens / seconds * (1 + margin)
 
 
 def run_all(engine: Engine, on_step: Callable[[Sequence], None] | None = None) -> None:
