@@ -453,15 +453,17 @@ class Engine:
 
 class _StepCost:
     """A step's expected tokens and seconds for the depths planned so far, kept up to date as single depths are added
-    (each addition costs O(1), whatever the batch's size): the target's forward over all rows with this many
-    sequences, the widest tree setting every sequence's attention padding (``costs.seconds``), plus, per draft
-    model, its deepest sequence's depths (one batched draft forward per depth; ``Drafter.depth_cost`` of a plain
-    step each). A sequence whose ``expected`` is None yields one token a step."""
+    and taken back (each in constant time whatever the batch's size, but for copying the few draft models' depths):
+    the target's forward over all rows with this many sequences, the widest tree setting every sequence's attention
+    padding (``costs.seconds``), plus, per draft model, its deepest sequence's depths (one batched draft forward per
+    depth; ``Drafter.depth_cost`` of a plain step each). A sequence whose ``expected`` is None yields one token a
+    step."""
 
     def __init__(self, expected: list[list[float] | None], trees: list[Tree], proposers: list[Drafter],
                  costs: BatchCosts, depths: list[int]):
         self.expected, self.sizes, self.proposers, self.costs = expected, [t.sizes for t in trees], proposers, costs
         self.depths = list(depths)
+        self._undo: list[tuple[int, int]] = []  # (sequence, its depth before) of each addition, for ``reset``
         self.tokens = sum(e[d] if e is not None else 1.0 for e, d in zip(expected, depths))
         self.rows = sum(sz[d] for sz, d in zip(self.sizes, depths))
         self.widest = max(sz[d] for sz, d in zip(self.sizes, depths))
@@ -490,14 +492,18 @@ class _StepCost:
         self.rows += sz[d + 1] - sz[d]
         self.widest = max(self.widest, sz[d + 1])
         self.draft[p.batch_key] = max(self.draft.get(p.batch_key, (0, 0.0))[0], d + 1), p.depth_cost
+        self._undo.append((i, d))
         self.depths[i] = d + 1
 
     def mark(self) -> tuple:
-        return self.tokens, self.rows, self.widest, dict(self.draft), list(self.depths)
+        """The state now, for ``reset`` to return to after trying moves."""
+        return self.tokens, self.rows, self.widest, dict(self.draft), len(self._undo)
 
     def reset(self, mark: tuple) -> None:
-        self.tokens, self.rows, self.widest, self.draft, self.depths = mark[0], mark[1], mark[2], dict(mark[3]), \
-            list(mark[4])
+        self.tokens, self.rows, self.widest, self.draft = mark[0], mark[1], mark[2], dict(mark[3])
+        while len(self._undo) > mark[4]:
+            i, d = self._undo.pop()
+            self.depths[i] = d
 
 
 BATCH_MARGIN = 0.05  # a move is made for a batch only where it raises the rate by more: the cost model's error
