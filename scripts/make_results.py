@@ -192,6 +192,10 @@ RUNS["serving_n8"] = ["--methods", "verispec-serve", "llama-cpp-server", "llama-
 # the same three, with the target in bfloat16 (verispec, Hugging Face and transformers serve alike; llama.cpp runs its
 # Q4_1 file either way): the dtype where many rows cost little more than one
 RUNS["concurrency_bf16"] = [*concurrency_run(), "--dtype", "bfloat16"]
+# after the load-aware plan's group moves (5c3aa6b) and with the head of four epochs: verispec's two loops and the
+# static batches only (the llama.cpp extra was not built in that session; hf-continuous trailed every loop above)
+RUNS["concurrency_bf16_groups"] = ["--methods", "ar", "default", "hf-generate", "--drafts", "auto", *spec_bench(),
+                                   "--concurrency", "1", "2", "4", "8", "--dtype", "bfloat16"]
 RUNS["serving_n8_bf16"] = [*RUNS["serving_n8"], "--dtype", "bfloat16"]
 RUNS["serving_bf16"] = [*serving_run(), "--dtype", "bfloat16"]
 # ResiSpec Table 3 shape (a cell costs ~30 s here): one run per temperature and tree group, two at a time share the
@@ -323,9 +327,11 @@ def _in_dtype(res: Results) -> tuple[str, str]:
     return ("", "") if _dtype(res) == "float32" else (f", target in {_dtype(res)}", f"_{_dtype(res)}")
 
 
-def concurrency_section(res: Results, figs: Path) -> list[str]:
+def concurrency_section(res: Results, figs: Path, heading: str = "", lead: tuple[str, ...] = (),
+                        tag: str = "") -> list[str]:
     """Many requests at once (issue 25): the closed loops' table, the plot, and whether each request's greedy text
-    depends on its batch."""
+    depends on its batch. ``heading`` replaces the section's title, ``lead`` paragraphs go before the table, ``tag``
+    ends the plot's file name."""
     from verispec.bench.plots import throughput
     from verispec.bench.report import loop_summary, table_loops
 
@@ -341,8 +347,9 @@ def concurrency_section(res: Results, figs: Path) -> list[str]:
             same.append(f"`{method}` at N = {n}: {len(mine) - len(differ)} of {len(mine)} identical"
                         + (f" (differ: {', '.join(differ)})" if differ else ""))
     title, name = _in_dtype(res)
-    return [f"## Many requests at once: closed loops of concurrent requests{title}", "", *run_lines(res), "",
-            res.llama_build(), "",
+    name += tag
+    return [f"## {heading or 'Many requests at once: closed loops of concurrent requests' + title}", "",
+            *run_lines(res), "", res.llama_build(), "", *[x for p in lead for x in (p, "")],
             "Every Spec-Bench prompt of the run is a request of a closed loop that keeps N in flight (a new one starts "
             "as one finishes). `ar` and `default` run through verispec's batched engine (`verispec/engine.py`): every "
             "running request's tree in one target forward, each request verified on its own; `default` chooses the "
@@ -988,6 +995,15 @@ def render() -> str:
     if path("concurrency_bf16").exists():
         out += dtype_section([Results.load(path(n)) for n in ("concurrency", "concurrency_bf16")])
         out += concurrency_section(Results.load(path("concurrency_bf16")), figs)
+    if path("concurrency_bf16_groups").exists():
+        out += concurrency_section(
+            Results.load(path("concurrency_bf16_groups")), figs,
+            "Many requests at once, target in bfloat16: the plan's group moves",
+            ("The same closed loops after two changes to `default` (the run above predates both): the load-aware "
+             "plan moves groups of sequences, not one at a time (see docs/design.md, Load-aware speculation), and "
+             "the shipped head is the one trained four epochs (see The draft head below). Only verispec's two loops "
+             "and Hugging Face's static batches ran: the llama.cpp extra was not installed in that session, and "
+             "transformers' continuous batching trailed every other loop in the run above.",), tag="_groups")
     if path("serving_bf16").exists():
         out += serving_section(Results.load(path("serving_bf16")), figs)
     if path("serving_n8_bf16").exists():
