@@ -65,10 +65,10 @@ TUNE_COMMAND = "verispec tune-tree --draft eagle --children topk --temperature 0
 HEAD_INFO = ROOT / "verispec" / "heads" / "smollm2-135m.json"  # the shipped head's sidecar
 # `verispec eval-draft --draft eagle:HEAD --corpus runs/e3 --per-group 5 --check 3 --json` for the shipped head and
 # for the EAGLE-3-style head trained in issue 12 (docs/archive/findings.md has the commands)
-AGREEMENT = {"shipped head (EAGLE-1)": ROOT / "results" / "agreement_shipped.json",
+AGREEMENT = {"EAGLE-1 head (shipped until 2026-12-03)": ROOT / "results" / "agreement_shipped.json",
              "EAGLE-3-style head (not shipped)": ROOT / "results" / "agreement_eagle3.json"}
 AGREEMENT_COMMANDS = {  # as run (docs/archive/findings.md, "Head variants")
-    "shipped head (EAGLE-1)": "verispec eval-draft --draft eagle:verispec/heads/smollm2-135m.pt --corpus runs/e3 "
+    "EAGLE-1 head (shipped until 2026-12-03)": "verispec eval-draft --draft eagle:verispec/heads/smollm2-135m.pt --corpus runs/e3 "
                               "--per-group 5 --check 3 --json > results/agreement_shipped.json",
     "EAGLE-3-style head (not shipped)": "verispec eval-draft --draft eagle:runs/final/head.pt --corpus runs/e3 "
                                         "--per-group 5 --json > results/agreement_eagle3.json"}
@@ -623,10 +623,10 @@ def curve_section(figs: Path) -> list[str]:
     x = [r["training"]["response_tokens"] for r in reports]
     for k in range(min(depths, 3)):
         ax.plot(x, [r["sets"][spec]["agreement"][k] for r in reports], marker="o", label=f"depth {k + 1}")
-    shipped = AGREEMENT["shipped head (EAGLE-1)"]
+    shipped = AGREEMENT["EAGLE-1 head (shipped until 2026-12-03)"]
     if shipped.exists():
         ax.axhline(json.loads(shipped.read_text())["sets"][spec]["agreement"][0], color="grey", linestyle="--",
-                   label="shipped head, depth 1")
+                   label="EAGLE-1 head, depth 1")
     ax.axhline(0.5, color="grey", linestyle=":", label="goal, depth 1")
     ax.set_xscale("log")
     ax.set_xlabel("response tokens trained on")
@@ -744,14 +744,19 @@ def epochs_section() -> list[str]:
     shipped_p = EPOCHS / "shipped.json"
     if shipped_p.exists():
         shipped, last = json.loads(shipped_p.read_text()), reports[max(reports)]
-        out += [f"Against the shipped head (EAGLE-1) on the same answers (made by "
+        info = json.loads(HEAD_INFO.read_text()) if HEAD_INFO.exists() else {}
+        ships = all(info.get("training", {}).get(k) == last["training"].get(k) for k in ("sequences", "steps"))
+        where = (f"That head is the one shipped now (`verispec/heads/smollm2-135m.pt`; its tree and step costs "
+                 "below)." if ships else f"That head is kept as data/heads/smollm2-135m-eagle3-{max(reports)}epochs.pt "
+                 "(not shipped: the default's tree and step costs, `tune-tree`, and the speed run have not been "
+                 "measured with it).")
+        out += [f"Against the EAGLE-1 head shipped before it on the same answers (made by "
                 f"{provenance(shipped_p, 'verispec eval-draft --json', shipped)}): it agrees "
                 + " / ".join(f"{x:.3f}" for x in shipped["sets"][spec]["agreement"]) + f" at depths 1-{depths}; the "
                 f"{max(reports)}-epoch head gains "
                 + ", ".join(fmt(*agreement_difference(last["sets"][spec], shipped["sets"][spec], k), spec="+.3f")
                             for k in range(1, depths + 1))
-                + f". That head is kept as data/heads/smollm2-135m-eagle3-{max(reports)}epochs.pt (not shipped: the "
-                "default's tree and step costs, `tune-tree`, and the speed run have not been measured with it).", ""]
+                + ". " + where, ""]
     conf = {n: json.loads(p.read_text()) for n in reports if (p := EPOCHS / f"confidence_{n}.json").exists()}
     if conf:
         first = next(iter(conf.values()))
@@ -819,8 +824,8 @@ def head_section(figs: Path) -> list[str]:
         tr = info.get("training", {})
         tokens = f"{tr['corpus_tokens']} tokens, " if "corpus_tokens" in tr else ""
         out += [f"Shipped head: `{info.get('command', '?')}`; {tr.get('sequences', '?')} training sequences, "
-                f"{tokens}{tr.get('elapsed_s', float('nan')) / 60:.0f} minutes of "
-                f"training on this CPU; extra memory {info.get('extra_memory_fraction', float('nan')):.0%} of the "
+                f"{tokens}{tr.get('training_s', tr.get('elapsed_s', float('nan'))) / 60:.0f} minutes of "
+                f"training on this CPU (its last run); extra memory {info.get('extra_memory_fraction', float('nan')):.0%} of the "
                 f"target's; default tree `{info.get('default_tree', '?')}`.", ""]
     if TUNED.exists():
         tune = json.loads(TUNED.read_text())
