@@ -1,0 +1,94 @@
+"""Where the batched engine's steps spend their time in a closed loop: each method's loop of the same Spec-Bench
+requests (N in flight), every ``Engine.step`` timed whole and split into planning and drafting, the target's forward,
+and the rest (verification, commits, the draft's bookkeeping), with the tokens it emitted and the depths the plan
+chose. What the load-aware plan's cost model leaves out shows up as the difference between the two loops' step times
+that the forward does not explain. A measurement, not the benchmark.
+
+    python scripts/experiments/loop_split.py --concurrency 8 --temperature 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import time
+
+import torch
+
+from verispec import load
+from verispec.bench.concurrency import verispec_loop
+from verispec.datasets import spec_bench_problems
+from verispec.drafters import build_drafter
+from verispec.engine import Engine
+from verispec.methods import resolve
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", nargs="+", default=["ar", "default"])
+    ap.add_argument("--draft", default="auto")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--limit", type=int, default=3, help="Spec-Bench questions per category")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target = load("smollm2-135m", dtype=args.dtype)
+    drafter = build_drafter(args.draft, target, dtype=args.dtype)
+    problems = spec_bench_problems(args.limit)
+    ids = [target.encode_prompt(p.prompt, chat=p.chat) for p in problems]
+
+    log: list[dict] = []
+    inner = Engine.step
+
+    def timed(self):
+        t0 = time.perf_counter()
+        seqs = inner(self)
+        wall = time.perf_counter() - t0
+        recs = [s.steps[-1] for s in seqs if s.steps]
+        if recs:  # a step of decoding sequences (not prefill chunks alone)
+            log.append({"wall": wall, "batch": len(recs), "draft": recs[0].draft_s - 0.0, "target": recs[0].target_s,
+                        "verify": sum(r.verify_s for r in recs), "tokens": sum(len(r.emitted) for r in recs),
+                        "drafted": sum(r.drafted for r in recs), "depths": tuple(sorted(r.draft_depth for r in recs))})
+        return seqs
+
+    Engine.step = timed
+    for m in args.methods:
+        plan = resolve(m, temperature=args.temperature)
+        verispec_loop(target, plan, drafter, problems[:args.concurrency], ids[:args.concurrency], args.concurrency,
+                      args.temperature, 0, 8)  # warm up (and the batch costs measured, once per machine)
+        log.clear()
+        t0 = time.perf_counter()
+        reqs = verispec_loop(target, plan, drafter, problems, ids, args.concurrency, args.temperature, 0,
+                             args.max_new_tokens)
+        wall = time.perf_counter() - t0
+        full = [x for x in log if x["batch"] == args.concurrency]
+        tokens = sum(len(r.token_ids) for r in reqs)
+        print(f"{m}: {tokens} tokens in {wall:.1f} s ({tokens / wall:.1f} tokens/s), {len(log)} steps; steps with "
+              f"all {args.concurrency} in flight: {len(full)}")
+        if not full:
+            continue
+        med = {k: 1000 * statistics.median(x[k] for x in full) for k in ("wall", "draft", "target", "verify")}
+        mean = {k: 1000 * statistics.fmean(x[k] for x in full) for k in ("wall", "draft", "target", "verify")}
+        tok = statistics.fmean(x["tokens"] for x in full)
+        print(f"  full steps: ms per step median / mean: wall {med['wall']:.1f} / {mean['wall']:.1f}, plan+draft "
+              f"{med['draft']:.1f} / {mean['draft']:.1f}, forward {med['target']:.1f} / {mean['target']:.1f}, "
+              f"verify (all sequences) {med['verify']:.1f} / {mean['verify']:.1f}; tokens per step {tok:.2f}; "
+              f"tokens per s of step {tok / (mean['wall'] / 1000):.1f}")
+        hist = collections.Counter(x["drafted"] for x in full)
+        print("  drafted tokens per step (all sequences): "
+              + ", ".join(f"{k}: {v}" for k, v in sorted(hist.items())))
+        by = collections.defaultdict(list)
+        for x in full:
+            by[x["drafted"]].append(x)
+        for k, xs in sorted(by.items()):
+            print(f"    drafted {k}: {len(xs)} steps, wall {1000 * statistics.fmean(x['wall'] for x in xs):.1f} ms, "
+                  f"forward {1000 * statistics.fmean(x['target'] for x in xs):.1f}, plan+draft "
+                  f"{1000 * statistics.fmean(x['draft'] for x in xs):.1f}, tokens {statistics.fmean(x['tokens'] for x in xs):.2f}")
+
+
+if __name__ == "__main__":
+    main()
