@@ -323,39 +323,6 @@ def test_the_plan_drafts_for_the_whole_batch_where_no_sequence_alone_would_pay()
     assert batch_depths([poor] * 8, trees, proposers, costs, [None] * 8) == [0] * 8
 
 
-def test_rows_cost_more_where_their_sequence_holds_a_longer_context():
-    """Every row's attention reads its own sequence's cache: with ``per_key`` set, the plan's seconds grow with each
-    drafted row's context, so the same drafts that pay in a batch of short contexts are left out where the contexts
-    are long (measured here in bfloat16: 8 sequences drafting one token each took 97 ms against 68 for their plain
-    step at contexts of about 500, where the table of one sequence's rows at 256 entries said 57 against 54)."""
-    from verispec.backends.costs import BATCH_CONTEXT
-    from verispec.engine import _StepCost
-
-    table = BatchCosts(rows=(1, 7, 8, 16, 32), seconds_by_rows=(1.0, 1.0, 1.18, 1.31, 1.86), per_sequence=0.0,
-                       padding=(0.0, 0.003, 0.013, 0.035, 0.055, 0.066))
-    costs = BatchCosts(table.rows, table.seconds_by_rows, 0.0, table.padding, per_key=1e-4)  # 768 more: 0.08 a row
-
-    class Head(NgramDrafter):
-        depth_cost = 0.1
-
-    trees, proposers = [Tree.chain(3)] * 8, [Head(97)] * 8
-    fair = AutoDepth(prior=0.45, prior_weight=50.0).expected_tokens(3)
-    short, long = [BATCH_CONTEXT] * 8, [BATCH_CONTEXT + 768] * 8
-    plain_short = _StepCost([fair] * 8, trees, proposers, costs, [0] * 8, short)
-    plain_long = _StepCost([fair] * 8, trees, proposers, costs, [0] * 8, long)
-    assert plain_long.seconds() == pytest.approx(plain_short.seconds() + costs.per_key * 8 * 768)
-    drafted = _StepCost([fair] * 8, trees, proposers, costs, [1] * 8, long)
-    assert drafted.keys == 16 * 768  # every row, drafted or not, reads its sequence's cache
-    assert min(batch_depths([fair] * 8, trees, proposers, costs, [None] * 8, contexts=short)) >= 1
-    assert batch_depths([fair] * 8, trees, proposers, costs, [None] * 8, contexts=long) == [0] * 8
-    assert min(batch_depths([fair] * 8, trees, proposers, table, [None] * 8, contexts=long)) >= 1  # no per_key
-    mark = drafted.mark()  # a move taken back takes its keys back
-    drafted.add(0)
-    assert drafted.keys == 17 * 768
-    drafted.reset(mark)
-    assert drafted.keys == 16 * 768 and drafted.depths == [1] * 8
-
-
 def test_a_probe_is_judged_at_the_margin_of_the_batch():
     """A policy probes a deeper depth where a good draft of it would yield tokens at a better rate than the batch's:
     in a large batch one sequence's depth moves the whole batch's rate little, so the batch's rate cannot judge it."""
@@ -402,10 +369,6 @@ def test_batch_costs_are_measured_once_as_a_loaded_batch_meets_them(tmp_path, mo
     ys = measured.seconds_by_rows
     assert all(a <= b for a, b in zip(ys, ys[1:])) and ys[0] > 0
     assert measured.padding[0] == 0.0 and all(0 <= a <= b for a, b in zip(measured.padding, measured.padding[1:]))
-    assert measured.per_key >= 0.0
-    base = measured.seconds(16, 8, 2)  # rows at the measured context, at a longer one, at a shorter one
-    assert measured.seconds(16, 8, 2, keys=16 * 768) == pytest.approx(base + measured.per_key * 16 * 768)
-    assert 0.5 * base <= measured.seconds(16, 8, 2, keys=-16 * 255) <= base
     monkeypatch.setattr(costs_mod, "_ragged_seconds", lambda *a: pytest.fail("measured again"))
     assert costs_mod.batch_costs(target, measure=False) == measured
 

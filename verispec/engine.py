@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from .backends.base import Target
-from .backends.costs import BATCH_CONTEXT, BatchCosts, batch_costs
+from .backends.costs import BatchCosts, batch_costs
 from .drafters.base import Draft, DraftControl, Drafter, propose_batch
 from .errors import VerispecError
 from .policies import Feedback, Fixed, Policy
@@ -416,12 +416,11 @@ class Engine:
             return [s.policy.planned_depth(s.tree.max_depth) if isinstance(s.tree, Tree) else None for s in seqs]
         proposers = [s.drafter.proposer(s.context) for s in seqs]
         trees = [s.tree for s in seqs]
-        contexts = [len(s.context) for s in seqs]
         best = batch_depths(expected, trees, proposers, self.costs,
                             [s.policy.planned_depth(s.tree.max_depth) if e is None else None
-                             for s, e in zip(seqs, expected)], contexts=contexts)
+                             for s, e in zip(seqs, expected)])
         # a policy probes a depth it stopped drafting only where a good draft of it could pay in this batch
-        planned = _StepCost(expected, trees, proposers, self.costs, best, contexts)
+        planned = _StepCost(expected, trees, proposers, self.costs, best)
         probe = [e is not None and _pays(planned, i) for i, e in enumerate(expected)]
         return [s.policy.planned_depth(s.tree.max_depth, best=b, probe=p) if e is not None else b
                 for s, b, e, p in zip(seqs, best, expected, probe)]
@@ -437,7 +436,7 @@ class Engine:
         cheapest = min((d for s in seqs for d in (s.drafter.sources or {"": s.drafter}).values()),
                        key=lambda d: d.depth_cost)
         plan = _StepCost([None] * len(seqs), [s.tree for s in seqs], [cheapest] * len(seqs), self.costs,
-                         [0] * len(seqs), [len(s.context) for s in seqs])
+                         [0] * len(seqs))
         enough = plan.rate() * (1 + BATCH_MARGIN)
         for i in range(len(seqs)):
             plan.add(i, GOOD_DRAFT)
@@ -457,20 +456,16 @@ class _StepCost:
     and taken back (each in constant time whatever the batch's size, but for copying the few draft models' depths):
     the target's forward over all rows with this many sequences, the widest tree setting every sequence's attention
     padding (``costs.seconds``), plus, per draft model, its deepest sequence's depths (one batched draft forward per
-    depth; ``Drafter.depth_cost`` of a plain step each). Each row's attention over its sequence's cache is counted
-    by the sequence's ``contexts`` (``BatchCosts.per_key``; none given: every context as the costs were measured
-    at). A sequence whose ``expected`` is None yields one token a step."""
+    depth; ``Drafter.depth_cost`` of a plain step each). A sequence whose ``expected`` is None yields one token a
+    step."""
 
     def __init__(self, expected: list[list[float] | None], trees: list[Tree], proposers: list[Drafter],
-                 costs: BatchCosts, depths: list[int], contexts: list[int] | None = None):
+                 costs: BatchCosts, depths: list[int]):
         self.expected, self.sizes, self.proposers, self.costs = expected, [t.sizes for t in trees], proposers, costs
         self.depths = list(depths)
         self._undo: list[tuple[int, int]] = []  # (sequence, its depth before) of each addition, for ``reset``
         self.tokens = sum(e[d] if e is not None else 1.0 for e, d in zip(expected, depths))
         self.rows = sum(sz[d] for sz, d in zip(self.sizes, depths))
-        # each sequence's cache entries beyond those the costs were measured at, and the keys all rows read so
-        self.beyond = [0] * len(depths) if contexts is None else [c - BATCH_CONTEXT for c in contexts]
-        self.keys = sum(sz[d] * b for sz, d, b in zip(self.sizes, depths, self.beyond))
         self.widest = max(sz[d] for sz, d in zip(self.sizes, depths))
         self.draft: dict = {}  # batch key -> (its deepest depth, its cost per depth)
         for p, d in zip(proposers, depths):
@@ -479,7 +474,7 @@ class _StepCost:
         self.unit = costs.seconds(1, 1)
 
     def seconds(self) -> float:
-        return self.costs.seconds(self.rows, len(self.depths), self.widest, self.keys) + \
+        return self.costs.seconds(self.rows, len(self.depths), self.widest) + \
             sum(d * c for d, c in self.draft.values()) * self.unit
 
     def rate(self) -> float:
@@ -495,7 +490,6 @@ class _StepCost:
         d, sz, p = self.depths[i], self.sizes[i], self.proposers[i]
         self.tokens += self.gain(i) if gain is None else gain
         self.rows += sz[d + 1] - sz[d]
-        self.keys += (sz[d + 1] - sz[d]) * self.beyond[i]
         self.widest = max(self.widest, sz[d + 1])
         self.draft[p.batch_key] = max(self.draft.get(p.batch_key, (0, 0.0))[0], d + 1), p.depth_cost
         self._undo.append((i, d))
@@ -503,10 +497,10 @@ class _StepCost:
 
     def mark(self) -> tuple:
         """The state now, for ``reset`` to return to after trying moves."""
-        return self.tokens, self.rows, self.widest, dict(self.draft), len(self._undo), self.keys
+        return self.tokens, self.rows, self.widest, dict(self.draft), len(self._undo)
 
     def reset(self, mark: tuple) -> None:
-        self.tokens, self.rows, self.widest, self.draft, self.keys = mark[0], mark[1], mark[2], dict(mark[3]), mark[5]
+        self.tokens, self.rows, self.widest, self.draft = mark[0], mark[1], mark[2], dict(mark[3])
         while len(self._undo) > mark[4]:
             i, d = self._undo.pop()
             self.depths[i] = d
@@ -516,8 +510,7 @@ BATCH_MARGIN = 0.05  # a move is made for a batch only where it raises the rate 
 
 
 def batch_depths(expected: list[list[float] | None], trees: list[Tree], proposers: list[Drafter],
-                 costs: BatchCosts, own: list[int | None], margin: float = BATCH_MARGIN,
-                 contexts: list[int] | None = None) -> list[int]:
+                 costs: BatchCosts, own: list[int | None], margin: float = BATCH_MARGIN) -> list[int]:
     """The depths with the most expected tokens per second for the batch. Each sequence starts at 0 (those whose
     policy plans its own depth, ``own``, keep it); then, move after move, one more depth goes to a group of
     sequences: of the moves that raise the batch's rate (expected tokens over ``_StepCost`` seconds) by more than
@@ -532,9 +525,8 @@ def batch_depths(expected: list[list[float] | None], trees: list[Tree], proposer
     up in the forward's cost -- so one sequence drafting alone can cost more than it gains where every sequence
     drafting together gains far more than it costs; and one sequence's depth moves a large batch's rate too little
     to clear the margin however well it pays. Choosing the cheapest tokens rather than the largest rise keeps a
-    large move from taking the rows that better drafts would have used a step later. ``contexts``: each
-    sequence's length, for what its rows' attention costs (``_StepCost``)."""
-    plan = _StepCost(expected, trees, proposers, costs, [o if o is not None else 0 for o in own], contexts)
+    large move from taking the rows that better drafts would have used a step later."""
+    plan = _StepCost(expected, trees, proposers, costs, [o if o is not None else 0 for o in own])
     while True:
         open_ = [i for i, e in enumerate(expected) if e is not None and plan.depths[i] + 1 < len(e)]
         if not open_:

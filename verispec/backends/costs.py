@@ -62,7 +62,6 @@ BATCH_SIZES = (*range(1, 17), 20, 24, 32, 40, 48, 64)  # rows of one forward, me
 
 PADDED_ROWS = (1, 2, 3, 4, 6, 8)  # the widest tree of a batch, measured for its padding cost
 BATCH_CONTEXT = 256  # cache entries of each sequence while a batch's costs are measured (attention grows with it)
-LONG_CONTEXT = 1024  # the second context at which a batch is timed, for the attention's cost per cache entry
 
 
 @dataclass(frozen=True)
@@ -74,16 +73,12 @@ class BatchCosts:
     each sequence, ``padding`` at ``widest`` (measured at ``PADDED_ROWS``, linear in between): the attention of a
     batch runs every sequence's query rows padded to the widest tree's, so one sequence drafting deeper makes the
     whole batch's attention wider. It is measured the way a loaded batch meets it: 8 sequences of which one drafts
-    n rows, against 8 of one row in the same rounds, less the extra rows' own cost. Every row's attention reads its
-    sequence's cache, so a row costs more the longer its sequence's context: ``per_key`` seconds for each query row
-    and each cache entry beyond ``BATCH_CONTEXT`` (fewer cost less), measured as 8 sequences of two rows at
-    ``LONG_CONTEXT`` against the same at ``BATCH_CONTEXT``; ``keys`` is that sum over a forward's rows."""
+    n rows, against 8 of one row in the same rounds, less the extra rows' own cost."""
 
     rows: tuple[int, ...]
     seconds_by_rows: tuple[float, ...]
     per_sequence: float
     padding: tuple[float, ...] = ()  # seconds per sequence at each of PADDED_ROWS (0 at one row)
-    per_key: float = 0.0  # seconds per query row and cache entry beyond BATCH_CONTEXT
 
     @staticmethod
     def _line(xs: tuple[int, ...], ys: tuple[float, ...], x: int) -> float:
@@ -95,10 +90,8 @@ class BatchCosts:
         lo = hi - 1
         return ys[lo] + (ys[hi] - ys[lo]) * (x - xs[lo]) / (xs[hi] - xs[lo])
 
-    def seconds(self, rows: int, seqs: int = 1, widest: int = 1, keys: float = 0.0) -> float:
+    def seconds(self, rows: int, seqs: int = 1, widest: int = 1) -> float:
         base = self._line(self.rows, self.seconds_by_rows, rows) + max(seqs - 1, 0) * self.per_sequence
-        # short contexts make the rows cheaper, never the forward free
-        base = max(base + self.per_key * keys, 0.5 * base)
         if seqs < 2 or widest <= 1 or not self.padding:
             return base
         return base + seqs * max(self._line(PADDED_ROWS[:len(self.padding)], self.padding, widest), 0.0)
@@ -138,49 +131,25 @@ def _ragged_seconds(target, states: list, widths: list[int], repeats: int) -> di
 def batch_costs(target, repeats: int = 5, measure: bool = True) -> BatchCosts | None:
     """The target's ``BatchCosts`` on this machine, measured once (medians) and kept in the cache under
     ``target.forward_id``; None when not cached and ``measure`` is False."""
-    entry = cache.key("batch", 4, target.forward_id, platform.machine(), os.cpu_count())
+    entry = cache.key("batch", 3, target.forward_id, platform.machine(), os.cpu_count())
     got = cache.read("costs", entry)
     if got and tuple(got.get("rows", ())) == BATCH_SIZES and len(got.get("padding", ())) == len(PADDED_ROWS):
-        return BatchCosts(tuple(got["rows"]), tuple(got["seconds"]), got["per_sequence"], tuple(got["padding"]),
-                          got.get("per_key", 0.0))
+        return BatchCosts(tuple(got["rows"]), tuple(got["seconds"]), got["per_sequence"], tuple(got["padding"]))
     if not measure:
         return None
     context = [5] * (BATCH_CONTEXT - 1) + [7]
     seconds = target_forward_cost(target, context, list(BATCH_SIZES), repeats)
-    pool = target.state_pool(16, LONG_CONTEXT + max(PADDED_ROWS) + 1)
+    pool = target.state_pool(8, BATCH_CONTEXT + max(PADDED_ROWS) + 1)
     states = [pool.acquire() if pool is not None else target.new_state() for _ in range(8)]
     for s in states:
         target.prefill(s, context[:-1])
-    longer = [pool.acquire() if pool is not None else target.new_state() for _ in range(8)]
-    for s in longer:
-        target.prefill(s, [5] * (LONG_CONTEXT - 1))
-    per_key = _per_key(target, states, longer, 3 * repeats)
     plain = BatchCosts(BATCH_SIZES, tuple(_monotone([seconds[n] for n in BATCH_SIZES])), 0.0)
     # the padding is a difference of a few ms between forwards of about the same size: more rounds for it
     ragged = _ragged_seconds(target, states, list(PADDED_ROWS), 3 * repeats)
     per_sequence = max(ragged[1] - plain.seconds(8), 0.0) / 7
     padding = [max(ragged[n] - ragged[1] - (plain.seconds(7 + n) - plain.seconds(8)), 0.0) / 8 for n in PADDED_ROWS]
     padding = list(itertools.accumulate(padding, max))  # wider never costs less: what looks so is timing noise
-    out = BatchCosts(plain.rows, plain.seconds_by_rows, per_sequence, tuple(padding), per_key)
+    out = BatchCosts(plain.rows, plain.seconds_by_rows, per_sequence, tuple(padding))
     cache.write("costs", entry, {"rows": list(out.rows), "seconds": list(out.seconds_by_rows),
-                                 "per_sequence": per_sequence, "padding": padding, "per_key": per_key,
-                                 "target": target.name})
+                                 "per_sequence": per_sequence, "padding": padding, "target": target.name})
     return out
-
-
-def _per_key(target, short: list, long: list, repeats: int) -> float:
-    """Seconds per query row and cache entry: ``forward_batch`` of the ``long`` states (``LONG_CONTEXT`` - 1 entries)
-    against the ``short`` ones (``BATCH_CONTEXT`` - 1), each sequence two rows, taking turns within each round."""
-    chain = Tree.complete(1, 1)
-    times: dict[int, list[float]] = {0: [], 1: []}
-    for _ in range(repeats):
-        for k, states in enumerate((short, long)):
-            t = time.perf_counter()
-            target.forward_batch(states, [torch.full((chain.size,), 7) for _ in states],
-                                 [s.committed + torch.tensor(chain.depths) for s in states],
-                                 [chain.ancestors_mask() for _ in states])
-            times[k].append(time.perf_counter() - t)
-            for s in states:
-                target.commit(s, [])
-    extra = statistics.median(times[1]) - statistics.median(times[0])
-    return max(extra, 0.0) / (len(short) * chain.size * (LONG_CONTEXT - BATCH_CONTEXT))
