@@ -50,7 +50,7 @@ def main() -> None:
         wall = time.perf_counter() - t0
         recs = [s.steps[-1] for s in seqs if s.steps]
         if recs:  # a step of decoding sequences (not prefill chunks alone)
-            log.append({"wall": wall, "batch": len(recs), "draft": recs[0].draft_s - 0.0, "target": recs[0].target_s,
+            log.append({"wall": wall, "batch": len(recs), "draft": recs[0].draft_s, "target": recs[0].target_s,
                         "verify": sum(r.verify_s for r in recs), "tokens": sum(len(r.emitted) for r in recs),
                         "drafted": sum(r.drafted for r in recs), "depths": tuple(sorted(r.draft_depth for r in recs))})
         return seqs
