@@ -373,6 +373,54 @@ def test_batch_costs_are_measured_once_as_a_loaded_batch_meets_them(tmp_path, mo
     assert costs_mod.batch_costs(target, measure=False) == measured
 
 
+def test_a_measured_draft_is_costed_by_how_many_sequences_draft_each_depth():
+    """Where a draft model's batch costs were measured (``DraftCosts``), a step's drafting costs the first depth
+    of the sequences that draft plus each further depth of those that draft that deep, each by their number: a
+    draft dearer by the sequence leaves more of a large batch undrafted than one whose forward costs the same for
+    any number."""
+    from verispec.drafters.costs import DraftCosts
+    from verispec.engine import _StepCost
+
+    costs = BatchCosts(rows=(1, 64), seconds_by_rows=(1.0, 1.3), per_sequence=0.0)
+    head = ModelDrafter.__new__(ModelDrafter)  # only its batch key is read
+    head.model = object()
+    per_sequence = DraftCosts((1, 8), first=(0.1, 0.8), further=(0.1, 0.8))  # a tenth of a step per sequence
+    assert per_sequence.seconds([8, 8, 2]) == pytest.approx(0.8 + 0.8 + 0.2)
+    assert per_sequence.seconds([0, 0]) == 0.0 and per_sequence.seconds([16]) == pytest.approx(1.6)  # the slope on
+    trees, proposers = [Tree.chain(3)] * 8, [head] * 8
+    fair = AutoDepth(prior=0.5, prior_weight=50.0).expected_tokens(3)
+    plan = _StepCost([fair] * 8, trees, proposers, costs, [2, 1, 0, 0, 0, 0, 0, 0], {head.batch_key: per_sequence})
+    drafted = plan.seconds() - _StepCost([fair] * 8, trees, proposers, costs, [0] * 8).seconds()
+    assert drafted == pytest.approx(costs.seconds(11, 8) - costs.seconds(8, 8) + per_sequence.seconds([2, 1]))
+    mark = plan.mark()
+    plan.add(2)
+    assert plan.seconds() - plan.costs.seconds(12, 8) == pytest.approx(per_sequence.seconds([3, 1]))
+    plan.reset(mark)
+    assert plan.depths[2] == 0 and plan.counts[head.batch_key] == [2, 1]
+    flat = DraftCosts((1, 8), first=(0.05, 0.05), further=(0.05, 0.05))
+    cheap = batch_depths([fair] * 8, trees, proposers, costs, [None] * 8, drafting={head.batch_key: flat})
+    dear = batch_depths([fair] * 8, trees, proposers, costs, [None] * 8, drafting={head.batch_key: per_sequence})
+    assert all(d > 0 for d in cheap) and sum(d > 0 for d in dear) < 8
+
+
+def test_draft_costs_are_measured_once_per_draft_and_cached(tmp_path, monkeypatch):
+    """``draft_costs`` times a tiny draft model drafting for 1..16 sequences at once: positive, kept in the cache and
+    read back without timing again; a draft with nothing to measure (prompt lookup) has none."""
+    from verispec.drafters import costs as draft_mod
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    target = tiny_target("lean")
+    head = EagleHead(target)
+    for drafter in (layer_skip_drafter(target, 1), EagleDrafter(head)):  # the head drafts from the target's features
+        measured = draft_mod.draft_costs(target, drafter, repeats=1)
+        assert measured.sizes == draft_mod.DRAFT_BATCHES and all(x > 0 for x in measured.first)
+        assert all(x >= 0 for x in measured.further)
+    monkeypatch.setattr(draft_mod, "_timed", lambda *a: pytest.fail("measured again"))
+    assert draft_mod.draft_costs(target, layer_skip_drafter(target, 1), measure=False) is not None
+    assert draft_mod.draft_costs(target, EagleDrafter(head), measure=False) == measured
+    assert draft_mod.draft_costs(target, NgramDrafter(target.vocab_size)) is None
+
+
 def test_the_engine_plans_for_the_batch_and_keeps_the_policys_own_plan_alone(target):
     def run(costs):
         engine = Engine(target, max_batch=4, costs=costs)

@@ -35,6 +35,7 @@ import torch
 from .backends.base import Target
 from .backends.costs import BatchCosts, batch_costs
 from .drafters.base import Draft, DraftControl, Drafter, propose_batch
+from .drafters.costs import DraftCosts, draft_costs
 from .errors import VerispecError
 from .policies import Feedback, Fixed, Policy
 from .probs import Sampling, greedy_index, logits_to_probs
@@ -113,12 +114,16 @@ class Engine:
     along a compute-bound prefill nearly free) instead of in a forward of its own first. ``isolate``: a sequence
     whose step raises (its draft, verification or commit) fails alone (``stop_reason`` "error", ``error`` its
     message) while the others go on, and a failed forward fails the sequences in it; without it the error
-    propagates (one sequence alone: the caller sees it). ``costs``: the measured forward costs the load-aware plan reads (default: measured on first use and
-    cached, ``backends.costs.batch_costs``)."""
+    propagates (one sequence alone: the caller sees it). ``costs``: the measured forward costs the load-aware plan
+    reads (default: measured on first use and cached, ``backends.costs.batch_costs``); ``draft_costs``: the drafts'
+    measured batch costs by ``Drafter.cost_id`` (default: measured on first use and cached,
+    ``drafters.costs.draft_costs``, where ``costs`` is too; none where ``costs`` is given, since the two must share
+    one clock: then each draft's ``depth_cost`` of a plain step stands for its cost)."""
 
     def __init__(self, target: Target, *, max_batch: int = 8, row_budget: int | None = None,
-                 costs: BatchCosts | None = None, load_aware: bool = True, isolate: bool = False,
-                 max_context: int | None = None, prefill_chunk: int | None = None):
+                 costs: BatchCosts | None = None, draft_costs: dict[str, DraftCosts] | None = None,
+                 load_aware: bool = True, isolate: bool = False, max_context: int | None = None,
+                 prefill_chunk: int | None = None):
         if max_batch < 1:
             raise VerispecError(f"max_batch must be >= 1, got {max_batch}")
         if row_budget is not None and row_budget < max_batch:
@@ -134,6 +139,8 @@ class Engine:
         self._pool = target.state_pool(max_batch, max_context) if max_context is not None and max_batch > 1 else None
         self.load_aware, self.isolate = load_aware, isolate
         self._costs = costs
+        self._measure_drafts = costs is None and draft_costs is None
+        self._draft_costs: dict[str, DraftCosts | None] = dict(draft_costs or {})
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.steps = 0
@@ -416,11 +423,12 @@ class Engine:
             return [s.policy.planned_depth(s.tree.max_depth) if isinstance(s.tree, Tree) else None for s in seqs]
         proposers = [s.drafter.proposer(s.context) for s in seqs]
         trees = [s.tree for s in seqs]
+        drafting = self.drafting(proposers)
         best = batch_depths(expected, trees, proposers, self.costs,
                             [s.policy.planned_depth(s.tree.max_depth) if e is None else None
-                             for s, e in zip(seqs, expected)])
+                             for s, e in zip(seqs, expected)], drafting=drafting)
         # a policy probes a depth it stopped drafting only where a good draft of it could pay in this batch
-        planned = _StepCost(expected, trees, proposers, self.costs, best)
+        planned = _StepCost(expected, trees, proposers, self.costs, best, drafting)
         probe = [e is not None and _pays(planned, i) for i, e in enumerate(expected)]
         return [s.policy.planned_depth(s.tree.max_depth, best=b, probe=p) if e is not None else b
                 for s, b, e, p in zip(seqs, best, expected, probe)]
@@ -436,13 +444,27 @@ class Engine:
         cheapest = min((d for s in seqs for d in (s.drafter.sources or {"": s.drafter}).values()),
                        key=lambda d: d.depth_cost)
         plan = _StepCost([None] * len(seqs), [s.tree for s in seqs], [cheapest] * len(seqs), self.costs,
-                         [0] * len(seqs))
+                         [0] * len(seqs), self.drafting([cheapest]))
         enough = plan.rate() * (1 + BATCH_MARGIN)
         for i in range(len(seqs)):
             plan.add(i, GOOD_DRAFT)
             if plan.rate() > enough:
                 return False
         return True
+
+    def drafting(self, proposers: list[Drafter]) -> dict:
+        """The measured ``DraftCosts`` of these proposers' draft models, by batch key (each measured once per machine
+        when a batch first needs it, where the engine measures; a draft without them is left out)."""
+        out = {}
+        for p in proposers:
+            cid = p.cost_id
+            if cid is None:
+                continue
+            if cid not in self._draft_costs and self._measure_drafts:
+                self._draft_costs[cid] = draft_costs(self.target, p)
+            if self._draft_costs.get(cid) is not None:
+                out[p.batch_key] = self._draft_costs[cid]
+        return out
 
     @property
     def costs(self) -> BatchCosts:
@@ -453,29 +475,42 @@ class Engine:
 
 class _StepCost:
     """A step's expected tokens and seconds for the depths planned so far, kept up to date as single depths are added
-    and taken back (each in constant time whatever the batch's size, but for copying the few draft models' depths):
+    and taken back (each in constant time whatever the batch's size, but for copying the few draft models' counts):
     the target's forward over all rows with this many sequences, the widest tree setting every sequence's attention
-    padding (``costs.seconds``), plus, per draft model, its deepest sequence's depths (one batched draft forward per
-    depth; ``Drafter.depth_cost`` of a plain step each). A sequence whose ``expected`` is None yields one token a
-    step."""
+    padding (``costs.seconds``), plus each draft model's drafting: where it was measured (``drafting``, by batch key:
+    ``DraftCosts``), by the number of sequences drafting each depth; elsewhere its deepest sequence's depths (one
+    batched draft forward per depth; ``Drafter.depth_cost`` of a plain step each). A sequence whose ``expected`` is
+    None yields one token a step."""
 
     def __init__(self, expected: list[list[float] | None], trees: list[Tree], proposers: list[Drafter],
-                 costs: BatchCosts, depths: list[int]):
+                 costs: BatchCosts, depths: list[int], drafting: dict | None = None):
         self.expected, self.sizes, self.proposers, self.costs = expected, [t.sizes for t in trees], proposers, costs
+        self.drafting = drafting or {}
         self.depths = list(depths)
         self._undo: list[tuple[int, int]] = []  # (sequence, its depth before) of each addition, for ``reset``
         self.tokens = sum(e[d] if e is not None else 1.0 for e, d in zip(expected, depths))
         self.rows = sum(sz[d] for sz, d in zip(self.sizes, depths))
         self.widest = max(sz[d] for sz, d in zip(self.sizes, depths))
-        self.draft: dict = {}  # batch key -> (its deepest depth, its cost per depth)
+        self.draft: dict = {}  # batch key -> (its deepest depth, its cost per depth), drafts not measured
+        self.counts: dict = {}  # batch key -> sequences drafting each depth or deeper, drafts measured
         for p, d in zip(proposers, depths):
-            if d:
-                self.draft[p.batch_key] = max(self.draft.get(p.batch_key, (0, 0.0))[0], d), p.depth_cost
+            for k in range(d):
+                self._deepen(p, k)
         self.unit = costs.seconds(1, 1)
+
+    def _deepen(self, p: Drafter, d: int) -> None:
+        """Draft ``p`` drafts depth d + 1 for one more sequence."""
+        if p.batch_key in self.drafting:
+            counts = self.counts.setdefault(p.batch_key, [])
+            counts.extend([0] * (d + 1 - len(counts)))
+            counts[d] += 1
+        else:
+            self.draft[p.batch_key] = max(self.draft.get(p.batch_key, (0, 0.0))[0], d + 1), p.depth_cost
 
     def seconds(self) -> float:
         return self.costs.seconds(self.rows, len(self.depths), self.widest) + \
-            sum(d * c for d, c in self.draft.values()) * self.unit
+            sum(d * c for d, c in self.draft.values()) * self.unit + \
+            sum(self.drafting[key].seconds(counts) for key, counts in self.counts.items())
 
     def rate(self) -> float:
         return self.tokens / self.seconds()
@@ -487,21 +522,23 @@ class _StepCost:
 
     def add(self, i: int, gain: float | None = None) -> None:
         """One more depth for sequence i, yielding ``gain`` more tokens (default: what its ``expected`` says)."""
-        d, sz, p = self.depths[i], self.sizes[i], self.proposers[i]
+        d, sz = self.depths[i], self.sizes[i]
         self.tokens += self.gain(i) if gain is None else gain
         self.rows += sz[d + 1] - sz[d]
         self.widest = max(self.widest, sz[d + 1])
-        self.draft[p.batch_key] = max(self.draft.get(p.batch_key, (0, 0.0))[0], d + 1), p.depth_cost
+        self._deepen(self.proposers[i], d)
         self._undo.append((i, d))
         self.depths[i] = d + 1
 
     def mark(self) -> tuple:
         """The state now, for ``reset`` to return to after trying moves."""
-        return self.tokens, self.rows, self.widest, dict(self.draft), len(self._undo)
+        return (self.tokens, self.rows, self.widest, dict(self.draft), {k: list(v) for k, v in self.counts.items()},
+                len(self._undo))
 
     def reset(self, mark: tuple) -> None:
         self.tokens, self.rows, self.widest, self.draft = mark[0], mark[1], mark[2], dict(mark[3])
-        while len(self._undo) > mark[4]:
+        self.counts = {k: list(v) for k, v in mark[4].items()}
+        while len(self._undo) > mark[5]:
             i, d = self._undo.pop()
             self.depths[i] = d
 
@@ -510,13 +547,14 @@ BATCH_MARGIN = 0.05  # a move is made for a batch only where it raises the rate 
 
 
 def batch_depths(expected: list[list[float] | None], trees: list[Tree], proposers: list[Drafter],
-                 costs: BatchCosts, own: list[int | None], margin: float = BATCH_MARGIN) -> list[int]:
+                 costs: BatchCosts, own: list[int | None], margin: float = BATCH_MARGIN,
+                 drafting: dict | None = None) -> list[int]:
     """The depths with the most expected tokens per second for the batch. Each sequence starts at 0 (those whose
     policy plans its own depth, ``own``, keep it); then, move after move, one more depth goes to a group of
     sequences: of the moves that raise the batch's rate (expected tokens over ``_StepCost`` seconds) by more than
-    ``margin`` (the cost model's own error is of that order: rows are timed in one sequence's forward, drafting as a
-    fixed fraction of a plain step, and a step may also carry a prompt chunk; a depth that only breaks even costs
-    throughput), the one whose added tokens come cheapest (added tokens over added seconds; on a tie the larger
+    ``margin`` (the cost model's own error is of that order: rows are timed in one sequence's forward, drafting at
+    one context length (``drafting``, ``_StepCost``), and a step may also carry a prompt chunk; a depth that only
+    breaks even costs throughput), the one whose added tokens come cheapest (added tokens over added seconds; on a tie the larger
     move), until none is left.
 
     The moves tried are one sequence alone (each of them) and the m sequences whose next depth adds the most
@@ -526,7 +564,7 @@ def batch_depths(expected: list[list[float] | None], trees: list[Tree], proposer
     drafting together gains far more than it costs; and one sequence's depth moves a large batch's rate too little
     to clear the margin however well it pays. Choosing the cheapest tokens rather than the largest rise keeps a
     large move from taking the rows that better drafts would have used a step later."""
-    plan = _StepCost(expected, trees, proposers, costs, [o if o is not None else 0 for o in own])
+    plan = _StepCost(expected, trees, proposers, costs, [o if o is not None else 0 for o in own], drafting)
     while True:
         open_ = [i for i, e in enumerate(expected) if e is not None and plan.depths[i] + 1 < len(e)]
         if not open_:

@@ -42,20 +42,28 @@ def main() -> None:
     ids = [target.encode_prompt(p.prompt, chat=p.chat) for p in problems]
 
     log: list[dict] = []
-    inner = Engine.step
+    inner, plan_inner = Engine.step, Engine._plan
+    planning = [0.0]  # seconds of ``Engine._plan`` in the step being timed
+
+    def timed_plan(self, seqs):
+        t = time.perf_counter()
+        out = plan_inner(self, seqs)
+        planning[0] += time.perf_counter() - t
+        return out
 
     def timed(self):
+        planning[0] = 0.0
         t0 = time.perf_counter()
         seqs = inner(self)
         wall = time.perf_counter() - t0
         recs = [s.steps[-1] for s in seqs if s.steps]
         if recs:  # a step of decoding sequences (not prefill chunks alone)
-            log.append({"wall": wall, "batch": len(recs), "draft": recs[0].draft_s, "target": recs[0].target_s,
+            log.append({"wall": wall, "batch": len(recs), "draft": recs[0].draft_s, "plan": planning[0], "target": recs[0].target_s,
                         "verify": sum(r.verify_s for r in recs), "tokens": sum(len(r.emitted) for r in recs),
                         "drafted": sum(r.drafted for r in recs), "depths": tuple(sorted(r.draft_depth for r in recs))})
         return seqs
 
-    Engine.step = timed
+    Engine.step, Engine._plan = timed, timed_plan
     for m in args.methods:
         plan = resolve(m, temperature=args.temperature)
         verispec_loop(target, plan, drafter, problems[:args.concurrency], ids[:args.concurrency], args.concurrency,
@@ -71,11 +79,11 @@ def main() -> None:
               f"all {args.concurrency} in flight: {len(full)}")
         if not full:
             continue
-        med = {k: 1000 * statistics.median(x[k] for x in full) for k in ("wall", "draft", "target", "verify")}
-        mean = {k: 1000 * statistics.fmean(x[k] for x in full) for k in ("wall", "draft", "target", "verify")}
+        med = {k: 1000 * statistics.median(x[k] for x in full) for k in ("wall", "draft", "plan", "target", "verify")}
+        mean = {k: 1000 * statistics.fmean(x[k] for x in full) for k in ("wall", "draft", "plan", "target", "verify")}
         tok = statistics.fmean(x["tokens"] for x in full)
         print(f"  full steps: ms per step median / mean: wall {med['wall']:.1f} / {mean['wall']:.1f}, plan+draft "
-              f"{med['draft']:.1f} / {mean['draft']:.1f}, forward {med['target']:.1f} / {mean['target']:.1f}, "
+              f"{med['draft']:.1f} / {mean['draft']:.1f} (of which planning {med['plan']:.1f} / {mean['plan']:.1f}), forward {med['target']:.1f} / {mean['target']:.1f}, "
               f"verify (all sequences) {med['verify']:.1f} / {mean['verify']:.1f}; tokens per step {tok:.2f}; "
               f"tokens per s of step {tok / (mean['wall'] / 1000):.1f}")
         hist = collections.Counter(x["drafted"] for x in full)
@@ -87,7 +95,8 @@ def main() -> None:
         for k, xs in sorted(by.items()):
             print(f"    drafted {k}: {len(xs)} steps, wall {1000 * statistics.fmean(x['wall'] for x in xs):.1f} ms, "
                   f"forward {1000 * statistics.fmean(x['target'] for x in xs):.1f}, plan+draft "
-                  f"{1000 * statistics.fmean(x['draft'] for x in xs):.1f}, tokens {statistics.fmean(x['tokens'] for x in xs):.2f}")
+                  f"{1000 * statistics.fmean(x['draft'] for x in xs):.1f} (planning "
+                  f"{1000 * statistics.fmean(x['plan'] for x in xs):.1f}), tokens {statistics.fmean(x['tokens'] for x in xs):.2f}")
 
 
 if __name__ == "__main__":

@@ -64,6 +64,18 @@ PADDED_ROWS = (1, 2, 3, 4, 6, 8)  # the widest tree of a batch, measured for its
 BATCH_CONTEXT = 256  # cache entries of each sequence while a batch's costs are measured (attention grows with it)
 
 
+def interpolate(xs: tuple[int, ...], ys: tuple[float, ...], x: int) -> float:
+    """The value at ``x`` of the line through the points (``xs``, ``ys``), ``xs`` increasing: flat below the first,
+    the last segment's slope beyond the last."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (x - xs[-1]) if len(xs) > 1 else ys[-1]
+    hi = next(i for i, v in enumerate(xs) if v >= x)
+    lo = hi - 1
+    return ys[lo] + (ys[hi] - ys[lo]) * (x - xs[lo]) / (xs[hi] - xs[lo])
+
+
 @dataclass(frozen=True)
 class BatchCosts:
     """Seconds of a target forward over ``rows`` tree tokens shared by ``seqs`` sequences whose widest tree has
@@ -80,21 +92,11 @@ class BatchCosts:
     per_sequence: float
     padding: tuple[float, ...] = ()  # seconds per sequence at each of PADDED_ROWS (0 at one row)
 
-    @staticmethod
-    def _line(xs: tuple[int, ...], ys: tuple[float, ...], x: int) -> float:
-        if x <= xs[0]:
-            return ys[0]
-        if x >= xs[-1]:
-            return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (x - xs[-1]) if len(xs) > 1 else ys[-1]
-        hi = next(i for i, v in enumerate(xs) if v >= x)
-        lo = hi - 1
-        return ys[lo] + (ys[hi] - ys[lo]) * (x - xs[lo]) / (xs[hi] - xs[lo])
-
     def seconds(self, rows: int, seqs: int = 1, widest: int = 1) -> float:
-        base = self._line(self.rows, self.seconds_by_rows, rows) + max(seqs - 1, 0) * self.per_sequence
+        base = interpolate(self.rows, self.seconds_by_rows, rows) + max(seqs - 1, 0) * self.per_sequence
         if seqs < 2 or widest <= 1 or not self.padding:
             return base
-        return base + seqs * max(self._line(PADDED_ROWS[:len(self.padding)], self.padding, widest), 0.0)
+        return base + seqs * max(interpolate(PADDED_ROWS[:len(self.padding)], self.padding, widest), 0.0)
 
 
 def _monotone(ys: list[float]) -> list[float]:

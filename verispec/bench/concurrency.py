@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from ..backends.costs import batch_costs
 from ..datasets import Problem
+from ..drafters.costs import measured_draft_costs
 from ..engine import Engine, StepRecord
 from ..errors import VerispecError
 from ..probs import Sampling
@@ -58,9 +59,11 @@ def verispec_loop(target, plan, drafter, problems: list[Problem], prompt_ids: li
     (the load-aware plan choosing their depths), each request with its own draft state, policy and seed."""
     tree = plan.tree_for(drafter)
     longest = max(len(ids) for ids in prompt_ids) + max_new_tokens + tree.size
-    costs = batch_costs(target) if concurrency > 1 else None  # measured once per machine, before the clock starts
+    # the target's and the drafts' costs: measured once per machine, before the clock starts
+    costs = batch_costs(target) if concurrency > 1 else None
+    drafts = measured_draft_costs(target, drafter) if concurrency > 1 else None
     engine = Engine(target, max_batch=concurrency, isolate=True, max_context=min(longest, target.max_context),
-                    costs=costs, prefill_chunk=PREFILL_CHUNK if concurrency > 1 else None)
+                    costs=costs, draft_costs=drafts, prefill_chunk=PREFILL_CHUNK if concurrency > 1 else None)
     t0 = time.perf_counter()
     queue = list(range(len(problems)))
     out: dict[int, Request] = {}

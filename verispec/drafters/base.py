@@ -90,6 +90,7 @@ class Drafter:
     drafts = True  # False: proposes nothing ever (``NoDrafter``, plain decoding)
     sources: dict[str, "Drafter"] | None = None  # a drafter with several draft sources (``HybridDrafter``), by name
     depth_cost = 0.1  # drafting cost per depth against a plain target step, where nothing measured it
+    cost_id: str | None = None  # what its drafting computes with, naming its measured batch costs (``drafters.costs``)
     vocab_size: int | None = None
     uses_target_hidden = False  # True: the loop calls ``observe`` with the target's hidden states
     feature_layers: tuple[int, ...] = (-1,)  # which of the target's hidden states ``observe`` receives

@@ -28,8 +28,8 @@ class EagleDrafter(Drafter):
         self.name = name
         self.vocab_size = head.target.vocab_size
         self.state = self.lm.new_state()
-        self._features: list[torch.Tensor] = []
-        self._count = 0  # target features received (positions 0 .. count-1)
+        self._features: torch.Tensor | None = None  # rows 0 .. count-1 hold the target features received so far
+        self._count = 0
         self._pred: dict[int, torch.Tensor] = {}  # drafted node (or the root, 0) -> predicted feature after it
         self._slot: dict[int, int] = {}
         self._anc: list[set[int]] = []
@@ -38,19 +38,30 @@ class EagleDrafter(Drafter):
     def batch_key(self) -> object:
         return id(self.lm)
 
+    @property
+    def cost_id(self) -> str:
+        shape = self.head.shape()
+        return f"eagle|{sorted(shape.items())}|{self.lm.forward_id}"
+
     def reset(self, prompt: list[int]) -> None:
         self.state = self.lm.new_state()
-        self._features, self._count = [], 0
+        self._features, self._count = None, 0
 
     def observe(self, hidden: torch.Tensor) -> None:
-        if hidden.numel():
-            self._features.append(hidden.float())
-            self._count += int(hidden.shape[0])
+        """Appends to a buffer that doubles when full: a step costs the rows it adds, not the context's length."""
+        n = int(hidden.shape[0]) if hidden.numel() else 0
+        if not n:
+            return
+        if self._features is None or self._count + n > self._features.shape[0]:
+            grown = torch.empty(max(2 * (self._count + n), 256), hidden.shape[1])
+            if self._features is not None:
+                grown[:self._count] = self._features[:self._count]
+            self._features = grown
+        self._features[self._count:self._count + n] = hidden
+        self._count += n
 
     def _feature_rows(self, start: int, stop: int) -> torch.Tensor:
-        allf = torch.cat(self._features) if len(self._features) > 1 else self._features[0]
-        self._features = [allf]
-        return allf[start:stop]
+        return self._features[start:stop]
 
     def _root_input(self, context: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The pairs the head's cache lacks, up to (f_{L-2}, x_{L-1}): tokens and their inputs; None for a

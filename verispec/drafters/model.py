@@ -29,6 +29,10 @@ class ModelDrafter(Drafter):
     def batch_key(self) -> object:
         return id(self.model)
 
+    @property
+    def cost_id(self) -> str:
+        return f"model|{self.model.forward_id}"
+
     def check_compatible(self, target) -> None:
         super().check_compatible(target)
         mine, theirs = self.model.tokenizer, target.tokenizer

@@ -1,0 +1,107 @@
+"""What a draft model costs on this machine when it drafts for several sequences at once.
+
+A batch drafts depth by depth: at the first depth the draft model runs one forward over what every drafting
+sequence's cache lacks and draws each one's first token; at each further depth, one forward over the nodes of the
+sequences that draft that deep. So a step's drafting costs ``first(n_1) + further(n_2) + further(n_3) + ...``, with
+n_k the number of sequences drafting k tokens or more. ``draft_costs(target, drafter)`` times both by the number of
+sequences (whole ``propose_batch`` calls: the forwards, the draws and the bookkeeping in Python) once per machine and
+draft (``Drafter.cost_id``), and keeps them in the on-disk cache beside the target's (``verispec.cache``, kind
+``costs``), so that a batch's plan (``verispec.engine``) does not depend on a run's timing noise.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+
+from .. import cache
+from ..backends.costs import BATCH_CONTEXT, interpolate
+from ..probs import Sampling
+from ..rng import TorchRandomness
+from ..tree import Tree
+from .base import Drafter, propose_batch
+
+DRAFT_BATCHES = (1, 2, 4, 8, 16)  # sequences drafting together, measured
+DEEPEST = 3  # depths timed: 1 and this; each further depth costs a share of the difference
+
+
+@dataclass(frozen=True)
+class DraftCosts:
+    """Seconds of a batch's drafting by the number of sequences (measured at ``sizes``, linear in between and
+    beyond): ``first`` for the first depth of that many sequences, ``further`` for each further depth."""
+
+    sizes: tuple[int, ...]
+    first: tuple[float, ...]
+    further: tuple[float, ...]
+
+    def seconds(self, counts: list[int]) -> float:
+        """Seconds of a step whose drafting sequences draft ``counts[k]`` of them k + 1 tokens or more."""
+        total = 0.0
+        for k, n in enumerate(counts):
+            if n:
+                total += interpolate(self.sizes, self.first if k == 0 else self.further, n)
+        return total
+
+
+def _timed(forks: list[Drafter], context: list[int], depth: int, repeats: int) -> list[float]:
+    n = len(forks)
+    rngs = [TorchRandomness(i) for i in range(n)]
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        drafts = propose_batch(forks, [context] * n, [Tree.chain(depth)] * n, [Sampling(0.0)] * n, ["iid"] * n,
+                               rngs, [None] * n)
+        times.append(time.perf_counter() - t)
+        for f, d in zip(forks, drafts):
+            f.commit(d, [])  # nothing accepted: the next call drafts again from the same context
+    return times
+
+
+def draft_costs(target, drafter: Drafter, repeats: int = 5, measure: bool = True) -> DraftCosts | None:
+    """``drafter``'s ``DraftCosts`` after a context of ``BATCH_CONTEXT`` tokens (medians of ``repeats``; the batch
+    sizes take turns within each round), measured once and cached under its ``cost_id``; None for a draft with no
+    ``cost_id`` (its ``depth_cost`` stands for its cost), or when not cached and ``measure`` is False."""
+    if drafter.cost_id is None:
+        return None
+    entry = cache.key("draft", 1, drafter.cost_id, target.forward_id, platform.machine(), os.cpu_count())
+    got = cache.read("costs", entry)
+    if got and tuple(got.get("sizes", ())) == DRAFT_BATCHES:
+        return DraftCosts(DRAFT_BATCHES, tuple(got["first"]), tuple(got["further"]))
+    if not measure:
+        return None
+    context = [5] * (BATCH_CONTEXT - 1) + [7]
+    state = target.new_state()
+    pre = target.prefill_output(state, context[:-1], features=drafter.feature_layers)
+    forks = []
+    for _ in range(max(DRAFT_BATCHES)):
+        f = drafter.fork()
+        f.reset(context)
+        if f.uses_target_hidden:
+            f.observe(pre.hidden)
+        forks.append(f)
+    _timed(forks, context, DEEPEST, 1)  # each draft's cache takes in the context, once: not what a step costs
+    times: dict[tuple[int, int], list[float]] = {(n, d): [] for n in DRAFT_BATCHES for d in (1, DEEPEST)}
+    for _ in range(repeats):
+        for n in DRAFT_BATCHES:
+            for d in (1, DEEPEST):
+                times[n, d] += _timed(forks[:n], context, d, 1)
+    first = [statistics.median(times[n, 1]) for n in DRAFT_BATCHES]
+    further = [max(statistics.median(times[n, DEEPEST]) - f, 0.0) / (DEEPEST - 1) for n, f in zip(DRAFT_BATCHES, first)]
+    out = DraftCosts(DRAFT_BATCHES, tuple(first), tuple(further))
+    cache.write("costs", entry, {"sizes": list(DRAFT_BATCHES), "first": first, "further": further,
+                                 "draft": drafter.name, "target": target.name})
+    return out
+
+
+def measured_draft_costs(target, drafter: Drafter) -> dict[str, DraftCosts]:
+    """``draft_costs`` of each of ``drafter``'s draft sources that has any, by ``cost_id``: what an ``Engine`` given
+    its costs up front (``Engine(draft_costs=...)``) plans with."""
+    out = {}
+    for source in (drafter.sources or {"": drafter}).values():
+        costs = draft_costs(target, source)
+        if costs is not None:
+            out[source.cost_id] = costs
+    return out
