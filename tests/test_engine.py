@@ -17,6 +17,7 @@ from verispec.eagle import EagleHead
 from verispec.engine import Engine, batch_depths, run_all
 from verispec.policies import AutoDepth, Fixed
 from verispec.probs import Sampling
+from verispec.rng import TorchRandomness
 
 PROMPTS = [[5, 17, 33, 8, 61, 42], [7, 8, 9, 10, 7, 8], [44, 3, 90], [1, 2, 3, 4, 5, 6, 7, 8, 9], [61]]
 
@@ -461,3 +462,26 @@ def test_what_the_engine_refuses():
         LlamaCppTarget.forward_batch(None, [object(), object()], [], [], [])
     with pytest.raises(VerispecError, match="by name"):
         generate_batch(t, Contrarian(t.vocab_size), "chain", PROMPTS, policy=Fixed())
+
+
+def test_a_draft_model_says_how_many_rows_its_first_depth_runs():
+    """``Drafter.catch_up``: the rows a draft model's first depth runs, what its cache lacks -- every pair of the
+    prompt at first, then one per committed token; prompt lookup has no cache."""
+    target = tiny_target("lean")
+    prompt = [5, 17, 33, 8, 61, 42]
+    for drafter in (EagleDrafter(EagleHead(target)), layer_skip_drafter(target, 1)):
+        drafter.reset(prompt)
+        state = target.new_state()
+        pre = target.prefill_output(state, prompt[:-1], features=drafter.feature_layers)
+        if drafter.uses_target_hidden:
+            drafter.observe(pre.hidden)
+        first = drafter.catch_up(prompt)
+        assert first == len(prompt) - (1 if drafter.uses_target_hidden else 0)
+        draft = drafter.propose(prompt, Tree.chain(2), Sampling(0.0), "iid", TorchRandomness(0))
+        drafter.commit(draft, [])
+        assert drafter.catch_up(prompt) == 1  # the same context again: its last entry is recomputed
+        longer = prompt + [9, 10, 11]
+        if drafter.uses_target_hidden:
+            drafter.observe(torch.zeros(3, pre.hidden.shape[1]))
+        assert drafter.catch_up(longer) == 3
+    assert NgramDrafter(target.vocab_size).catch_up(prompt) == 0

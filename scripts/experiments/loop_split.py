@@ -42,8 +42,26 @@ def main() -> None:
     ids = [target.encode_prompt(p.prompt, chat=p.chat) for p in problems]
 
     log: list[dict] = []
-    inner, plan_inner = Engine.step, Engine._plan
+    inner, plan_inner, draft_inner = Engine.step, Engine._plan, Engine._draft
     planning = [0.0]  # seconds of ``Engine._plan`` in the step being timed
+    drafting = [0.0, 0.0, 0]  # seconds of ``Engine._draft`` in it, and what the plan's cost model says they cost
+
+    def timed_draft(self, seqs, planned):
+        proposers = [s.drafter.proposer(s.context) for s in seqs]
+        measured = self.drafting(proposers)
+        counts: dict = {}
+        drafting[2] = sum(p.catch_up(s.context) for p, s, tree in zip(proposers, seqs, planned)
+                          if tree.max_depth and p.batch_key in measured)
+        for p, tree in zip(proposers, planned):
+            if p.batch_key in measured:
+                c = counts.setdefault(p.batch_key, [0] * 16)
+                for k in range(tree.max_depth):
+                    c[k] += 1
+        t = time.perf_counter()
+        out = draft_inner(self, seqs, planned)
+        drafting[0] = time.perf_counter() - t
+        drafting[1] = sum(measured[key].seconds(c) for key, c in counts.items())
+        return out
 
     def timed_plan(self, seqs):
         t = time.perf_counter()
@@ -53,17 +71,19 @@ def main() -> None:
 
     def timed(self):
         planning[0] = 0.0
+        drafting[:] = [0.0, 0.0, 0]
         t0 = time.perf_counter()
         seqs = inner(self)
         wall = time.perf_counter() - t0
         recs = [s.steps[-1] for s in seqs if s.steps]
         if recs:  # a step of decoding sequences (not prefill chunks alone)
-            log.append({"wall": wall, "batch": len(recs), "draft": recs[0].draft_s, "plan": planning[0], "target": recs[0].target_s,
+            log.append({"wall": wall, "batch": len(recs), "draft": recs[0].draft_s, "plan": planning[0], "proposing": drafting[0],
+                        "modelled": drafting[1], "catch_up": drafting[2], "target": recs[0].target_s,
                         "verify": sum(r.verify_s for r in recs), "tokens": sum(len(r.emitted) for r in recs),
                         "drafted": sum(r.drafted for r in recs), "depths": tuple(sorted(r.draft_depth for r in recs))})
         return seqs
 
-    Engine.step, Engine._plan = timed, timed_plan
+    Engine.step, Engine._plan, Engine._draft = timed, timed_plan, timed_draft
     for m in args.methods:
         plan = resolve(m, temperature=args.temperature)
         verispec_loop(target, plan, drafter, problems[:args.concurrency], ids[:args.concurrency], args.concurrency,
@@ -96,7 +116,10 @@ def main() -> None:
             print(f"    drafted {k}: {len(xs)} steps, wall {1000 * statistics.fmean(x['wall'] for x in xs):.1f} ms, "
                   f"forward {1000 * statistics.fmean(x['target'] for x in xs):.1f}, plan+draft "
                   f"{1000 * statistics.fmean(x['draft'] for x in xs):.1f} (planning "
-                  f"{1000 * statistics.fmean(x['plan'] for x in xs):.1f}), tokens {statistics.fmean(x['tokens'] for x in xs):.2f}")
+                  f"{1000 * statistics.fmean(x['plan'] for x in xs):.1f}; proposing "
+                  f"{1000 * statistics.fmean(x['proposing'] for x in xs):.1f}, the model's draft costs "
+                  f"{1000 * statistics.fmean(x['modelled'] for x in xs):.1f}; the first depth's rows "
+                  f"{statistics.fmean(x['catch_up'] for x in xs):.1f}), tokens {statistics.fmean(x['tokens'] for x in xs):.2f}")
 
 
 if __name__ == "__main__":

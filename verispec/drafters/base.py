@@ -98,6 +98,10 @@ class Drafter:
     step_costs: tuple[float, ...] | None = None  # measured cost of a step drafting d depths, a plain step = 1
     free_root = False  # True: drafting the first depth costs next to nothing (no model forward)
 
+    def catch_up(self, context: list[int]) -> int:
+        """Rows its first depth runs after ``context``: what its cache lacks (0 for a draft with no model)."""
+        return 0
+
     def observe(self, hidden: torch.Tensor) -> None:
         """The target's hidden states ``[n, k H]`` (the ``feature_layers``) of the next n committed positions (the
         prompt, then at each step the root and the accepted path); only called when ``uses_target_hidden``."""

@@ -60,6 +60,10 @@ class EagleDrafter(Drafter):
         self._features[self._count:self._count + n] = hidden
         self._count += n
 
+    def catch_up(self, context: list[int]) -> int:
+        last = len(context) - 2
+        return 0 if last < 0 else max(last + 1 - self.state.committed, 1)
+
     def _feature_rows(self, start: int, stop: int) -> torch.Tensor:
         return self._features[start:stop]
 

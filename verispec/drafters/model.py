@@ -45,6 +45,9 @@ class ModelDrafter(Drafter):
         self.state = self.model.new_state()
         self._slot = {}
 
+    def catch_up(self, context: list[int]) -> int:
+        return max(len(context) - self.state.committed, 1)
+
     def _root_input(self, context: list[int]) -> list[int]:
         """The context tokens the draft's cache lacks (at least the last one): what drafting the root runs."""
         if self.state.pending:
