@@ -25,6 +25,7 @@ from ..tree import Tree
 from .base import Drafter, propose_batch
 
 DRAFT_BATCHES = (1, 2, 4, 8, 16)  # sequences drafting together, measured
+REVISION = 2  # of the drafting code the cached costs were measured with (2: the head's inputs batched)
 DEEPEST = 3  # depths timed: 1 and this; each further depth costs a share of the difference
 
 
@@ -66,7 +67,7 @@ def draft_costs(target, drafter: Drafter, repeats: int = 5, measure: bool = True
     ``cost_id`` (its ``depth_cost`` stands for its cost), or when not cached and ``measure`` is False."""
     if drafter.cost_id is None:
         return None
-    entry = cache.key("draft", 1, drafter.cost_id, target.forward_id, platform.machine(), os.cpu_count())
+    entry = cache.key("draft", REVISION, drafter.cost_id, target.forward_id, platform.machine(), os.cpu_count())
     got = cache.read("costs", entry)
     if got and tuple(got.get("sizes", ())) == DRAFT_BATCHES:
         return DraftCosts(DRAFT_BATCHES, tuple(got["first"]), tuple(got["further"]))

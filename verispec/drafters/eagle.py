@@ -68,8 +68,8 @@ class EagleDrafter(Drafter):
         return self._features[start:stop]
 
     def _root_input(self, context: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The pairs the head's cache lacks, up to (f_{L-2}, x_{L-1}): tokens and their inputs; None for a
-        one-token context (no feature yet: nothing is drafted this step)."""
+        """The pairs the head's cache lacks, up to (f_{L-2}, x_{L-1}): their tokens and target features (the head's
+        inputs: ``head.target_inputs``); None for a one-token context (no feature yet: nothing is drafted)."""
         if self.state.pending:
             self.lm.commit(self.state, [])
         self._slot, self._anc, self._pred = {}, [set()], {}
@@ -82,8 +82,7 @@ class EagleDrafter(Drafter):
             self.lm.rollback(self.state, self.state.committed - last)
         start = self.state.committed
         feats = self._feature_rows(start, last + 1)
-        tokens = torch.tensor(context[start + 1:last + 2])
-        return tokens, self.head.target_inputs(feats, tokens)
+        return torch.tensor(context[start + 1:last + 2]), feats
 
     def _root_output(self, out) -> torch.Tensor:
         self._pred[0] = out.hidden[-1]
@@ -92,8 +91,7 @@ class EagleDrafter(Drafter):
     def _node_input(self, g: _Growing, nodes: list[int]):
         # the last cached pair (f_{L-2}, x_{L-1}) sits at position L - 2, so a node at depth d lands at L - 2 + d
         tokens, positions, attend = tree_level(g, nodes, self._anc, self._slot, self.state)
-        feats = torch.stack([self._pred[g.parents[n]] for n in nodes])
-        return tokens, positions, attend, self.head.draft_inputs(feats, tokens)
+        return tokens, positions, attend, torch.stack([self._pred[g.parents[n]] for n in nodes])
 
     def _node_output(self, nodes: list[int], out) -> torch.Tensor:
         for row, n in enumerate(nodes):
@@ -103,11 +101,15 @@ class EagleDrafter(Drafter):
     @torch.inference_mode()
     def _root_logits(self, context: list[int]) -> torch.Tensor | None:
         inp = self._root_input(context)
-        return None if inp is None else self._root_output(self.lm.prefill_output(self.state, *inp))
+        if inp is None:
+            return None
+        tokens, feats = inp
+        return self._root_output(self.lm.prefill_output(self.state, tokens, self.head.target_inputs(feats, tokens)))
 
     @torch.inference_mode()
     def _node_logits(self, g: _Growing, nodes: list[int]) -> torch.Tensor:
-        tokens, positions, attend, embeds = self._node_input(g, nodes)
+        tokens, positions, attend, hidden = self._node_input(g, nodes)
+        embeds = self.head.draft_inputs(hidden, tokens)
         return self._node_output(nodes, self.lm.forward(self.state, tokens, positions, attend, embeds))
 
     @classmethod
@@ -123,13 +125,16 @@ class EagleDrafter(Drafter):
                 inputs = {i: drafters[i]._root_input(requests[i][1]) for i in idx}
                 live = [i for i in idx if inputs[i] is not None]
                 if live:
-                    got = prefill_batch(drafters[live[0]].lm, [drafters[i].state for i in live],
-                                        [inputs[i][0] for i in live], [inputs[i][1] for i in live])
+                    tokens = [inputs[i][0] for i in live]
+                    embeds = _split(drafters[live[0]].head.target_inputs(torch.cat([inputs[i][1] for i in live]),
+                                                                         torch.cat(tokens)), tokens)
+                    got = prefill_batch(drafters[live[0]].lm, [drafters[i].state for i in live], tokens, embeds)
                     for i, o in zip(live, got):
                         out[i] = drafters[i]._root_output(o)
             else:
                 inputs = [drafters[i]._node_input(requests[i][1], requests[i][2]) for i in idx]
-                tokens, positions, attends, embeds = map(list, zip(*inputs))
+                tokens, positions, attends, hidden = map(list, zip(*inputs))
+                embeds = _split(drafters[idx[0]].head.draft_inputs(torch.cat(hidden), torch.cat(tokens)), tokens)
                 got = drafters[idx[0]].lm.forward_batch([drafters[i].state for i in idx], tokens, positions, attends,
                                                         inputs_embeds=embeds)
                 for i, o in zip(idx, got):
@@ -139,3 +144,9 @@ class EagleDrafter(Drafter):
     def commit(self, draft: Draft, path: list[int]) -> None:
         self.lm.commit(self.state, [])  # drafted pairs used predicted features: drop them all
         self._slot, self._pred = {}, {}
+
+
+def _split(rows: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``rows`` cut into pieces as long as the tensors of ``like``: one head input computed for a batch, back per
+    sequence (each row's own; the head's layers compute rows alike however many come together)."""
+    return list(rows.split([len(t) for t in like]))
