@@ -285,6 +285,11 @@ def test_padding_to_the_widest_tree_is_costed_for_every_sequence_of_the_batch():
     assert padded.seconds(9, 8, 2) == pytest.approx(rows.seconds(9) + 8 * 0.05)
     assert padded.seconds(40, 8, 5) == pytest.approx(rows.seconds(40) + 8 * 0.2)  # between 4 and 6 rows
     assert padded.seconds(9, 1, 2) == rows.seconds(9)  # one sequence alone pads nothing
+    # each drafted row reads its own sequence's cache: its cost grows with the batch's context
+    keyed = BatchCosts(rows.rows, rows.seconds_by_rows, 0.0, padded.padding, per_key=1e-4)
+    assert keyed.seconds(16, 8, 2, context=300) == pytest.approx(padded.seconds(16, 8, 2) + 8 * 300 * 1e-4)
+    assert keyed.seconds(8, 8, 1, context=300) == rows.seconds(8)  # plain steps: the table alone
+    assert keyed.seconds(9, 1, 2, context=300) == rows.seconds(9)  # one sequence's rows attend together
     trees, drafters = [Tree.chain(5)] * 8, [NgramDrafter(97)] * 8
     good = AutoDepth(prior=0.8, prior_weight=50.0).expected_tokens(5)
     poor = AutoDepth(prior=0.3, prior_weight=50.0).expected_tokens(5)
@@ -370,7 +375,7 @@ def test_batch_costs_are_measured_once_as_a_loaded_batch_meets_them(tmp_path, mo
     ys = measured.seconds_by_rows
     assert all(a <= b for a, b in zip(ys, ys[1:])) and ys[0] > 0
     assert measured.padding[0] == 0.0 and all(0 <= a <= b for a, b in zip(measured.padding, measured.padding[1:]))
-    monkeypatch.setattr(costs_mod, "_ragged_seconds", lambda *a: pytest.fail("measured again"))
+    monkeypatch.setattr(costs_mod, "_batch_seconds", lambda *a: pytest.fail("measured again"))
     assert costs_mod.batch_costs(target, measure=False) == measured
 
 

@@ -85,16 +85,24 @@ class BatchCosts:
     each sequence, ``padding`` at ``widest`` (measured at ``PADDED_ROWS``, linear in between): the attention of a
     batch runs every sequence's query rows padded to the widest tree's, so one sequence drafting deeper makes the
     whole batch's attention wider. It is measured the way a loaded batch meets it: 8 sequences of which one drafts
-    n rows, against 8 of one row in the same rounds, less the extra rows' own cost."""
+    n rows, against 8 of one row in the same rounds, less the extra rows' own cost. Plus ``per_key`` for each row
+    beyond a sequence's first and each cache entry of its sequence (``context``, the batch's mean): one sequence's
+    rows attend together, but in a batch each drafted row reads its own sequence's keys again (measured as 8
+    sequences drafting one row each against one of them doing so, at ``BATCH_CONTEXT`` entries, less the rows' own
+    cost)."""
 
     rows: tuple[int, ...]
     seconds_by_rows: tuple[float, ...]
     per_sequence: float
     padding: tuple[float, ...] = ()  # seconds per sequence at each of PADDED_ROWS (0 at one row)
+    per_key: float = 0.0
 
-    def seconds(self, rows: int, seqs: int = 1, widest: int = 1) -> float:
+    def seconds(self, rows: int, seqs: int = 1, widest: int = 1, context: float = BATCH_CONTEXT) -> float:
         base = interpolate(self.rows, self.seconds_by_rows, rows) + max(seqs - 1, 0) * self.per_sequence
-        if seqs < 2 or widest <= 1 or not self.padding:
+        if seqs < 2 or widest <= 1:
+            return base
+        base += self.per_key * max(rows - seqs, 0) * context
+        if not self.padding:
             return base
         return base + seqs * max(interpolate(PADDED_ROWS[:len(self.padding)], self.padding, widest), 0.0)
 
@@ -112,31 +120,30 @@ def _monotone(ys: list[float]) -> list[float]:
     return [total / count for total, count in blocks for _ in range(int(count))]
 
 
-def _ragged_seconds(target, states: list, widths: list[int], repeats: int) -> dict[int, float]:
-    """Median seconds of one ``forward_batch`` of ``states`` where the last drafts a chain of n rows and the others
-    one row each, for each n in ``widths``; the widths take turns within each round (``target_forward_cost``)."""
-    root = Tree.root_only()
-    times: dict[int, list[float]] = {n: [] for n in widths}
+def _batch_seconds(target, states: list, cases: dict, repeats: int) -> dict:
+    """Median seconds of one ``forward_batch`` of ``states`` drafting each case's trees (one per state), for each
+    case; the cases take turns within each round (``target_forward_cost``)."""
+    times: dict = {key: [] for key in cases}
     for _ in range(repeats):
-        for n in widths:
-            trees = [root] * (len(states) - 1) + [Tree.complete(n - 1, 1) if n > 1 else root]
+        for key, trees in cases.items():
             t = time.perf_counter()
             target.forward_batch(states, [torch.full((tree.size,), 7) for tree in trees],
                                  [s.committed + torch.tensor(tree.depths) for s, tree in zip(states, trees)],
                                  [tree.ancestors_mask() for tree in trees])
-            times[n].append(time.perf_counter() - t)
+            times[key].append(time.perf_counter() - t)
             for s in states:
                 target.commit(s, [])
-    return {n: statistics.median(ts) for n, ts in times.items()}
+    return {key: statistics.median(ts) for key, ts in times.items()}
 
 
 def batch_costs(target, repeats: int = 5, measure: bool = True) -> BatchCosts | None:
     """The target's ``BatchCosts`` on this machine, measured once (medians) and kept in the cache under
     ``target.forward_id``; None when not cached and ``measure`` is False."""
-    entry = cache.key("batch", 3, target.forward_id, platform.machine(), os.cpu_count())
+    entry = cache.key("batch", 5, target.forward_id, platform.machine(), os.cpu_count())
     got = cache.read("costs", entry)
     if got and tuple(got.get("rows", ())) == BATCH_SIZES and len(got.get("padding", ())) == len(PADDED_ROWS):
-        return BatchCosts(tuple(got["rows"]), tuple(got["seconds"]), got["per_sequence"], tuple(got["padding"]))
+        return BatchCosts(tuple(got["rows"]), tuple(got["seconds"]), got["per_sequence"], tuple(got["padding"]),
+                          got["per_key"])
     if not measure:
         return None
     context = [5] * (BATCH_CONTEXT - 1) + [7]
@@ -147,11 +154,16 @@ def batch_costs(target, repeats: int = 5, measure: bool = True) -> BatchCosts | 
         target.prefill(s, context[:-1])
     plain = BatchCosts(BATCH_SIZES, tuple(_monotone([seconds[n] for n in BATCH_SIZES])), 0.0)
     # the padding is a difference of a few ms between forwards of about the same size: more rounds for it
-    ragged = _ragged_seconds(target, states, list(PADDED_ROWS), 3 * repeats)
+    root, chain = Tree.root_only(), Tree.chain(1)
+    cases: dict = {n: [root] * 7 + [Tree.complete(n - 1, 1) if n > 1 else root] for n in PADDED_ROWS}
+    cases["all"] = [chain] * 8  # every sequence drafts a row: as wide as one doing so (n = 2), 7 rows more
+    ragged = _batch_seconds(target, states, cases, 3 * repeats)
     per_sequence = max(ragged[1] - plain.seconds(8), 0.0) / 7
     padding = [max(ragged[n] - ragged[1] - (plain.seconds(7 + n) - plain.seconds(8)), 0.0) / 8 for n in PADDED_ROWS]
     padding = list(itertools.accumulate(padding, max))  # wider never costs less: what looks so is timing noise
-    out = BatchCosts(plain.rows, plain.seconds_by_rows, per_sequence, tuple(padding))
+    per_key = max(ragged["all"] - ragged[2] - (plain.seconds(16) - plain.seconds(9)), 0.0) / (7 * BATCH_CONTEXT)
+    out = BatchCosts(plain.rows, plain.seconds_by_rows, per_sequence, tuple(padding), per_key)
     cache.write("costs", entry, {"rows": list(out.rows), "seconds": list(out.seconds_by_rows),
-                                 "per_sequence": per_sequence, "padding": padding, "target": target.name})
+                                 "per_sequence": per_sequence, "padding": padding, "per_key": per_key,
+                                 "target": target.name})
     return out
