@@ -457,7 +457,7 @@ class Engine:
         """The measured ``DraftCosts`` of these proposers' draft models, by batch key (each measured once per machine
         when a batch first needs it, where the engine measures; a draft without them is left out)."""
         out = {}
-        for p in proposers:
+        for p in {p.batch_key: p for p in proposers}.values():  # one per draft model: its cost_id is not free
             cid = p.cost_id
             if cid is None:
                 continue
