@@ -10,7 +10,7 @@ from conftest import FORWARDS, Contrarian, tiny_model, tiny_target
 
 from verispec import Tree, VerispecError, generate, generate_batch, get_verifier
 from verispec.audit.law import batch_loop_law, random_tables, target_law, tv_and_kl
-from verispec.backends.costs import BatchCosts
+from verispec.backends.costs import BATCH_CONTEXT, LONG_CONTEXT, BatchCosts
 from verispec.drafters import HybridDrafter, ModelDrafter, NgramDrafter, layer_skip_drafter
 from verispec.drafters.eagle import EagleDrafter
 from verispec.eagle import EagleHead
@@ -290,6 +290,16 @@ def test_padding_to_the_widest_tree_is_costed_for_every_sequence_of_the_batch():
     assert keyed.seconds(16, 8, 2, context=300) == pytest.approx(padded.seconds(16, 8, 2) + 8 * 300 * 1e-4)
     assert keyed.seconds(8, 8, 1, context=300) == rows.seconds(8)  # plain steps: the table alone
     assert keyed.seconds(9, 1, 2, context=300) == rows.seconds(9)  # one sequence's rows attend together
+    # padding runs over the batch's longest sequence: on the line through its two measured contexts
+    far = BatchCosts(rows.rows, rows.seconds_by_rows, 0.0, padded.padding,
+                     long_padding=(0.0, 0.15, 0.3, 0.45, 0.75, 1.05))
+    short, long_ = BATCH_CONTEXT, LONG_CONTEXT
+    assert far.seconds(9, 8, 2, context=100, span=short) == pytest.approx(padded.seconds(9, 8, 2))
+    assert far.seconds(9, 8, 2, context=100, span=long_) == pytest.approx(rows.seconds(9) + 8 * 0.15)
+    assert far.seconds(9, 8, 2, context=100, span=(short + long_) / 2) == pytest.approx(rows.seconds(9) + 8 * 0.1)
+    assert far.seconds(9, 8, 2, context=long_) == far.seconds(9, 8, 2, span=long_)  # span: the mean by default
+    assert far.seconds(9, 8, 2, span=0) >= rows.seconds(9)  # never less than no padding
+    assert far.seconds(8, 8, 1, span=long_) == rows.seconds(8)  # plain steps pad nothing
     trees, drafters = [Tree.chain(5)] * 8, [NgramDrafter(97)] * 8
     good = AutoDepth(prior=0.8, prior_weight=50.0).expected_tokens(5)
     poor = AutoDepth(prior=0.3, prior_weight=50.0).expected_tokens(5)
@@ -374,7 +384,8 @@ def test_batch_costs_are_measured_once_as_a_loaded_batch_meets_them(tmp_path, mo
     assert measured.rows == costs_mod.BATCH_SIZES and len(measured.padding) == len(costs_mod.PADDED_ROWS)
     ys = measured.seconds_by_rows
     assert all(a <= b for a, b in zip(ys, ys[1:])) and ys[0] > 0
-    assert measured.padding[0] == 0.0 and all(0 <= a <= b for a, b in zip(measured.padding, measured.padding[1:]))
+    for pad in (measured.padding, measured.long_padding):  # at both contexts
+        assert len(pad) == len(costs_mod.PADDED_ROWS) and pad[0] == 0.0 and all(0 <= a <= b for a, b in zip(pad, pad[1:]))
     monkeypatch.setattr(costs_mod, "_batch_seconds", lambda *a: pytest.fail("measured again"))
     assert costs_mod.batch_costs(target, measure=False) == measured
 

@@ -424,12 +424,12 @@ class Engine:
         proposers = [s.drafter.proposer(s.context) for s in seqs]
         trees = [s.tree for s in seqs]
         drafting = self.drafting(proposers)
-        context = sum(len(s.context) for s in seqs) / len(seqs)
+        context, span = sum(len(s.context) for s in seqs) / len(seqs), max(len(s.context) for s in seqs)
         best = batch_depths(expected, trees, proposers, self.costs,
                             [s.policy.planned_depth(s.tree.max_depth) if e is None else None
-                             for s, e in zip(seqs, expected)], drafting=drafting, context=context)
+                             for s, e in zip(seqs, expected)], drafting=drafting, context=context, span=span)
         # a policy probes a depth it stopped drafting only where a good draft of it could pay in this batch
-        planned = _StepCost(expected, trees, proposers, self.costs, best, drafting, context)
+        planned = _StepCost(expected, trees, proposers, self.costs, best, drafting, context, span)
         probe = [e is not None and _pays(planned, i) for i, e in enumerate(expected)]
         return [s.policy.planned_depth(s.tree.max_depth, best=b, probe=p) if e is not None else b
                 for s, b, e, p in zip(seqs, best, expected, probe)]
@@ -445,7 +445,8 @@ class Engine:
         cheapest = min((d for s in seqs for d in (s.drafter.sources or {"": s.drafter}).values()),
                        key=lambda d: d.depth_cost)
         plan = _StepCost([None] * len(seqs), [s.tree for s in seqs], [cheapest] * len(seqs), self.costs,
-                         [0] * len(seqs), self.drafting([cheapest]), sum(len(s.context) for s in seqs) / len(seqs))
+                         [0] * len(seqs), self.drafting([cheapest]), sum(len(s.context) for s in seqs) / len(seqs),
+                         max(len(s.context) for s in seqs))
         enough = plan.rate() * (1 + BATCH_MARGIN)
         for i in range(len(seqs)):
             plan.add(i, GOOD_DRAFT)
@@ -478,7 +479,8 @@ class _StepCost:
     """A step's expected tokens and seconds for the depths planned so far, kept up to date as single depths are added
     and taken back (each in constant time whatever the batch's size, but for copying the few draft models' counts):
     the target's forward over all rows with this many sequences, the widest tree setting every sequence's attention
-    padding, its drafted rows reading their sequences' caches (``costs.seconds`` at the batch's mean ``context``),
+    padding over the longest sequence's ``span`` of keys, its drafted rows reading their sequences' caches
+    (``costs.seconds`` at the batch's mean ``context``),
     plus each draft model's drafting: where it was measured (``drafting``, by batch key:
     ``DraftCosts``), by the number of sequences drafting each depth; elsewhere its deepest sequence's depths (one
     batched draft forward per depth; ``Drafter.depth_cost`` of a plain step each). A sequence whose ``expected`` is
@@ -486,9 +488,9 @@ class _StepCost:
 
     def __init__(self, expected: list[list[float] | None], trees: list[Tree], proposers: list[Drafter],
                  costs: BatchCosts, depths: list[int], drafting: dict | None = None,
-                 context: float = BATCH_CONTEXT):
+                 context: float = BATCH_CONTEXT, span: float | None = None):
         self.expected, self.sizes, self.proposers, self.costs = expected, [t.sizes for t in trees], proposers, costs
-        self.context = context
+        self.context, self.span = context, span
         self.drafting = drafting or {}
         self.depths = list(depths)
         self._undo: list[tuple[int, int]] = []  # (sequence, its depth before) of each addition, for ``reset``
@@ -512,7 +514,7 @@ class _StepCost:
             self.draft[p.batch_key] = max(self.draft.get(p.batch_key, (0, 0.0))[0], d + 1), p.depth_cost
 
     def seconds(self) -> float:
-        return self.costs.seconds(self.rows, len(self.depths), self.widest, self.context) + \
+        return self.costs.seconds(self.rows, len(self.depths), self.widest, self.context, self.span) + \
             sum(d * c for d, c in self.draft.values()) * self.unit + \
             sum(self.drafting[key].seconds(counts) for key, counts in self.counts.items())
 
@@ -552,7 +554,8 @@ BATCH_MARGIN = 0.05  # a move is made for a batch only where it raises the rate 
 
 def batch_depths(expected: list[list[float] | None], trees: list[Tree], proposers: list[Drafter],
                  costs: BatchCosts, own: list[int | None], margin: float = BATCH_MARGIN,
-                 drafting: dict | None = None, context: float = BATCH_CONTEXT) -> list[int]:
+                 drafting: dict | None = None, context: float = BATCH_CONTEXT,
+                 span: float | None = None) -> list[int]:
     """The depths with the most expected tokens per second for the batch. Each sequence starts at 0 (those whose
     policy plans its own depth, ``own``, keep it); then, move after move, one more depth goes to a group of
     sequences: of the moves that raise the batch's rate (expected tokens over ``_StepCost`` seconds) by more than
@@ -568,7 +571,8 @@ def batch_depths(expected: list[list[float] | None], trees: list[Tree], proposer
     drafting together gains far more than it costs; and one sequence's depth moves a large batch's rate too little
     to clear the margin however well it pays. Choosing the cheapest tokens rather than the largest rise keeps a
     large move from taking the rows that better drafts would have used a step later."""
-    plan = _StepCost(expected, trees, proposers, costs, [o if o is not None else 0 for o in own], drafting, context)
+    plan = _StepCost(expected, trees, proposers, costs, [o if o is not None else 0 for o in own], drafting, context,
+                     span)
     while True:
         open_ = [i for i, e in enumerate(expected) if e is not None and plan.depths[i] + 1 < len(e)]
         if not open_:

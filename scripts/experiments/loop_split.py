@@ -45,6 +45,7 @@ def main() -> None:
     inner, plan_inner, draft_inner = Engine.step, Engine._plan, Engine._draft
     planning = [0.0]  # seconds of ``Engine._plan`` in the step being timed
     drafting = [0.0, 0.0, 0]  # seconds of ``Engine._draft`` in it, and what the plan's cost model says they cost
+    shape: dict = {}  # the step's forward: rows, sequences, widest tree, mean and longest context
 
     def timed_draft(self, seqs, planned):
         proposers = [s.drafter.proposer(s.context) for s in seqs]
@@ -57,6 +58,8 @@ def main() -> None:
                 c = counts.setdefault(p.batch_key, [0] * 16)
                 for k in range(tree.max_depth):
                     c[k] += 1
+        shape.update(rows=sum(t.size for t in planned), seqs=len(seqs), widest=max(t.size for t in planned, default=0),
+                     context=statistics.fmean([len(s.context) for s in seqs] or [0]), span=max((len(s.context) for s in seqs), default=0))
         t = time.perf_counter()
         out = draft_inner(self, seqs, planned)
         drafting[0] = time.perf_counter() - t
@@ -72,6 +75,7 @@ def main() -> None:
     def timed(self):
         planning[0] = 0.0
         drafting[:] = [0.0, 0.0, 0]
+        shape.clear()
         t0 = time.perf_counter()
         seqs = inner(self)
         wall = time.perf_counter() - t0
@@ -80,7 +84,10 @@ def main() -> None:
             log.append({"wall": wall, "batch": len(recs), "draft": recs[0].draft_s, "plan": planning[0], "proposing": drafting[0],
                         "modelled": drafting[1], "catch_up": drafting[2], "target": recs[0].target_s,
                         "verify": sum(r.verify_s for r in recs), "tokens": sum(len(r.emitted) for r in recs),
-                        "drafted": sum(r.drafted for r in recs), "depths": tuple(sorted(r.draft_depth for r in recs))})
+                        "drafted": sum(r.drafted for r in recs), "depths": tuple(sorted(r.draft_depth for r in recs)),
+                        "forward_model": self.costs.seconds(shape["rows"], shape["seqs"], shape["widest"],
+                                                            shape["context"], shape["span"]) if shape else 0.0,
+                        "span": shape.get("span", 0)})
         return seqs
 
     Engine.step, Engine._plan, Engine._draft = timed, timed_plan, timed_draft
@@ -114,7 +121,9 @@ def main() -> None:
             by[x["drafted"]].append(x)
         for k, xs in sorted(by.items()):
             print(f"    drafted {k}: {len(xs)} steps, wall {1000 * statistics.fmean(x['wall'] for x in xs):.1f} ms, "
-                  f"forward {1000 * statistics.fmean(x['target'] for x in xs):.1f}, plan+draft "
+                  f"forward {1000 * statistics.fmean(x['target'] for x in xs):.1f} (the table "
+                  f"{1000 * statistics.fmean(x['forward_model'] for x in xs):.1f}; longest context "
+                  f"{statistics.fmean(x['span'] for x in xs):.0f}), plan+draft "
                   f"{1000 * statistics.fmean(x['draft'] for x in xs):.1f} (planning "
                   f"{1000 * statistics.fmean(x['plan'] for x in xs):.1f}; proposing "
                   f"{1000 * statistics.fmean(x['proposing'] for x in xs):.1f}, the model's draft costs "

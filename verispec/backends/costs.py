@@ -62,6 +62,7 @@ BATCH_SIZES = (*range(1, 17), 20, 24, 32, 40, 48, 64)  # rows of one forward, me
 
 PADDED_ROWS = (1, 2, 3, 4, 6, 8)  # the widest tree of a batch, measured for its padding cost
 BATCH_CONTEXT = 256  # cache entries of each sequence while a batch's costs are measured (attention grows with it)
+LONG_CONTEXT = 768  # ... and, for the padding, a second time at this many (its cost grows with the batch's span)
 
 
 def interpolate(xs: tuple[int, ...], ys: tuple[float, ...], x: int) -> float:
@@ -85,7 +86,10 @@ class BatchCosts:
     each sequence, ``padding`` at ``widest`` (measured at ``PADDED_ROWS``, linear in between): the attention of a
     batch runs every sequence's query rows padded to the widest tree's, so one sequence drafting deeper makes the
     whole batch's attention wider. It is measured the way a loaded batch meets it: 8 sequences of which one drafts
-    n rows, against 8 of one row in the same rounds, less the extra rows' own cost. Plus ``per_key`` for each row
+    n rows, against 8 of one row in the same rounds, less the extra rows' own cost; at ``BATCH_CONTEXT`` entries
+    (``padding``) and at ``LONG_CONTEXT`` (``long_padding``), and taken on the line through the two at the batch's
+    ``span`` (its longest sequence's entries: every sequence's padded rows run over that many keys, and the
+    attention leaves the fused one-row kernel for the padded one). Plus ``per_key`` for each row
     beyond a sequence's first and each cache entry of its sequence (``context``, the batch's mean): one sequence's
     rows attend together, but in a batch each drafted row reads its own sequence's keys again (measured as 8
     sequences drafting one row each against one of them doing so, at ``BATCH_CONTEXT`` entries, less the rows' own
@@ -96,15 +100,22 @@ class BatchCosts:
     per_sequence: float
     padding: tuple[float, ...] = ()  # seconds per sequence at each of PADDED_ROWS (0 at one row)
     per_key: float = 0.0
+    long_padding: tuple[float, ...] = ()  # the same at LONG_CONTEXT entries (none: as at BATCH_CONTEXT, any span)
 
-    def seconds(self, rows: int, seqs: int = 1, widest: int = 1, context: float = BATCH_CONTEXT) -> float:
+    def seconds(self, rows: int, seqs: int = 1, widest: int = 1, context: float = BATCH_CONTEXT,
+                span: float | None = None) -> float:
+        """``span``: the batch's longest sequence's cache entries (default: ``context``, the mean)."""
         base = interpolate(self.rows, self.seconds_by_rows, rows) + max(seqs - 1, 0) * self.per_sequence
         if seqs < 2 or widest <= 1:
             return base
         base += self.per_key * max(rows - seqs, 0) * context
         if not self.padding:
             return base
-        return base + seqs * max(interpolate(PADDED_ROWS[:len(self.padding)], self.padding, widest), 0.0)
+        pad = interpolate(PADDED_ROWS[:len(self.padding)], self.padding, widest)
+        if self.long_padding:
+            far = interpolate(PADDED_ROWS[:len(self.long_padding)], self.long_padding, widest)
+            pad += (far - pad) * ((context if span is None else span) - BATCH_CONTEXT) / (LONG_CONTEXT - BATCH_CONTEXT)
+        return base + seqs * max(pad, 0.0)
 
 
 def _monotone(ys: list[float]) -> list[float]:
@@ -136,23 +147,14 @@ def _batch_seconds(target, states: list, cases: dict, repeats: int) -> dict:
     return {key: statistics.median(ts) for key, ts in times.items()}
 
 
-def batch_costs(target, repeats: int = 5, measure: bool = True) -> BatchCosts | None:
-    """The target's ``BatchCosts`` on this machine, measured once (medians) and kept in the cache under
-    ``target.forward_id``; None when not cached and ``measure`` is False."""
-    entry = cache.key("batch", 5, target.forward_id, platform.machine(), os.cpu_count())
-    got = cache.read("costs", entry)
-    if got and tuple(got.get("rows", ())) == BATCH_SIZES and len(got.get("padding", ())) == len(PADDED_ROWS):
-        return BatchCosts(tuple(got["rows"]), tuple(got["seconds"]), got["per_sequence"], tuple(got["padding"]),
-                          got["per_key"])
-    if not measure:
-        return None
-    context = [5] * (BATCH_CONTEXT - 1) + [7]
-    seconds = target_forward_cost(target, context, list(BATCH_SIZES), repeats)
-    pool = target.state_pool(8, BATCH_CONTEXT + max(PADDED_ROWS) + 1)
+def _ragged(target, plain: "BatchCosts", context: int, repeats: int) -> tuple[float, list[float], float]:
+    """``per_sequence``, ``padding`` and ``per_key`` (``BatchCosts``) measured with 8 sequences of ``context`` cache
+    entries each, against ``plain``'s table of rows."""
+    prompt = [5] * (context - 1)
+    pool = target.state_pool(8, context + max(PADDED_ROWS) + 1)
     states = [pool.acquire() if pool is not None else target.new_state() for _ in range(8)]
     for s in states:
-        target.prefill(s, context[:-1])
-    plain = BatchCosts(BATCH_SIZES, tuple(_monotone([seconds[n] for n in BATCH_SIZES])), 0.0)
+        target.prefill(s, prompt)
     # the padding is a difference of a few ms between forwards of about the same size: more rounds for it
     root, chain = Tree.root_only(), Tree.chain(1)
     cases: dict = {n: [root] * 7 + [Tree.complete(n - 1, 1) if n > 1 else root] for n in PADDED_ROWS}
@@ -161,9 +163,28 @@ def batch_costs(target, repeats: int = 5, measure: bool = True) -> BatchCosts | 
     per_sequence = max(ragged[1] - plain.seconds(8), 0.0) / 7
     padding = [max(ragged[n] - ragged[1] - (plain.seconds(7 + n) - plain.seconds(8)), 0.0) / 8 for n in PADDED_ROWS]
     padding = list(itertools.accumulate(padding, max))  # wider never costs less: what looks so is timing noise
-    per_key = max(ragged["all"] - ragged[2] - (plain.seconds(16) - plain.seconds(9)), 0.0) / (7 * BATCH_CONTEXT)
-    out = BatchCosts(plain.rows, plain.seconds_by_rows, per_sequence, tuple(padding), per_key)
+    per_key = max(ragged["all"] - ragged[2] - (plain.seconds(16) - plain.seconds(9)), 0.0) / (7 * context)
+    return per_sequence, padding, per_key
+
+
+def batch_costs(target, repeats: int = 5, measure: bool = True) -> BatchCosts | None:
+    """The target's ``BatchCosts`` on this machine, measured once (medians) and kept in the cache under
+    ``target.forward_id``; None when not cached and ``measure`` is False."""
+    entry = cache.key("batch", 6, target.forward_id, platform.machine(), os.cpu_count())
+    got = cache.read("costs", entry)
+    if got and tuple(got.get("rows", ())) == BATCH_SIZES and len(got.get("padding", ())) == len(PADDED_ROWS) \
+            and len(got.get("long_padding", ())) == len(PADDED_ROWS):
+        return BatchCosts(tuple(got["rows"]), tuple(got["seconds"]), got["per_sequence"], tuple(got["padding"]),
+                          got["per_key"], tuple(got["long_padding"]))
+    if not measure:
+        return None
+    context = [5] * (BATCH_CONTEXT - 1) + [7]
+    seconds = target_forward_cost(target, context, list(BATCH_SIZES), repeats)
+    plain = BatchCosts(BATCH_SIZES, tuple(_monotone([seconds[n] for n in BATCH_SIZES])), 0.0)
+    per_sequence, padding, per_key = _ragged(target, plain, BATCH_CONTEXT, repeats)
+    _, long_padding, _ = _ragged(target, plain, LONG_CONTEXT, repeats)
+    out = BatchCosts(plain.rows, plain.seconds_by_rows, per_sequence, tuple(padding), per_key, tuple(long_padding))
     cache.write("costs", entry, {"rows": list(out.rows), "seconds": list(out.seconds_by_rows),
                                  "per_sequence": per_sequence, "padding": padding, "per_key": per_key,
-                                 "target": target.name})
+                                 "long_padding": long_padding, "target": target.name})
     return out
