@@ -58,7 +58,8 @@ def main() -> None:
                 c = counts.setdefault(p.batch_key, [0] * 16)
                 for k in range(tree.max_depth):
                     c[k] += 1
-        shape.update(rows=sum(t.size for t in planned), seqs=len(seqs), widest=max((t.size for t in planned), default=0),
+        shape.update(rows=sum(t.size for t in planned), seqs=len(seqs),
+                     widest=max((t.size for t in planned), default=0),
                      context=statistics.fmean([len(s.context) for s in seqs] or [0]),
                      span=max((len(s.context) for s in seqs), default=0))
         t = time.perf_counter()
