@@ -84,8 +84,9 @@ CAPACITY_TRAIN = ("verispec train-draft --corpus data/corpus/smollm2-135m --out 
 EPOCHS = ROOT / "results" / "head_epochs"  # the 1-layer head of head_capacity trained on: reports of the same kinds
 EPOCHS_TRAIN = ("verispec train-draft --corpus data/corpus/smollm2-135m --out runs/cap-L1-eE --rounds R --gen-batch 128 "
                 "--feature-layers 3,15,27 --depths 3 --epochs 1 --patience 4 --checkpoint-every 150 "
-                "--init BEFORE/head.pt")
-EPOCHS_BEFORE = {2: "runs/cap-L1", 3: "runs/cap-L1-e2", 4: "data/heads/smollm2-135m-eagle3-3epochs.pt"}  # else the last
+                "--init BEFORE")
+EPOCHS_BEFORE = {2: "runs/cap-L1/head.pt", 3: "runs/cap-L1-e2/head.pt",  # else the last epoch's run
+                 4: "data/heads/smollm2-135m-eagle3-3epochs.pt", 5: "data/heads/smollm2-135m-eagle3-4epochs.pt"}
 VARIANTS = ROOT / "results" / "head_variants.json"  # `python scripts/experiments/head_variants.py RUN... --out ...`
 
 DYNAMIC = "dyn:4,2,3"  # EAGLE-2 dynamic tree: depth <= 4, top-2 expansion, the 3 most probable nodes kept
@@ -722,7 +723,7 @@ def epochs_section() -> list[str]:
             own_gain = "-"
         tr = r["training"]
         lines.append(f"| {n} | {_rounds_trained(tr)} | {tr.get('response_tokens') or 0:,} | "
-                     f"{(tr.get('session_s') or float('nan')) / 60:.0f} | "
+                     + (f"{tr['session_s'] / 60:.0f}" if tr.get("session_s") else "-") + " | "
                      + " | ".join(f"{x:.3f}" for x in r["sets"][spec]["agreement"]) + f" | {gain} | "
                      + (", ".join(str(x) for x in r["sets"][own]["rounds"]) if "rounds" in r["sets"][own]
                         else "not recorded") + " | "
@@ -740,7 +741,9 @@ def epochs_section() -> list[str]:
            "holds out one that the heads before never trained on. Spec-Bench: the same answers for every head, "
            "paired intervals; the self-written gain is paired only between heads that held out the same round. The "
            "minutes are each run's (its one epoch, features already computed): the first with one thread beside "
-           "another training, the later ones with two threads and the machine otherwise idle.", "", *lines, ""]
+           "another training, the later ones with two threads and the machine otherwise idle"
+           + "".join(f"; epoch {n}: {reports[n]['training']['note']}" for n in more
+                     if reports[n]["training"].get("note")) + ".", "", *lines, ""]
     shipped_p = EPOCHS / "shipped.json"
     if shipped_p.exists():
         shipped, last = json.loads(shipped_p.read_text()), reports[max(reports)]
@@ -823,9 +826,10 @@ def head_section(figs: Path) -> list[str]:
         info = json.loads(HEAD_INFO.read_text())
         tr = info.get("training", {})
         tokens = f"{tr['corpus_tokens']} tokens, " if "corpus_tokens" in tr else ""
+        took = f"{tr['note']}" if tr.get("note") else \
+            f"{tr.get('training_s', tr.get('elapsed_s', float('nan'))) / 60:.0f} minutes of training on this CPU (its last run)"
         out += [f"Shipped head: `{info.get('command', '?')}`; {tr.get('sequences', '?')} training sequences, "
-                f"{tokens}{tr.get('training_s', tr.get('elapsed_s', float('nan'))) / 60:.0f} minutes of "
-                f"training on this CPU (its last run); extra memory {info.get('extra_memory_fraction', float('nan')):.0%} of the "
+                f"{tokens}{took}; extra memory {info.get('extra_memory_fraction', float('nan')):.0%} of the "
                 f"target's; default tree `{info.get('default_tree', '?')}`.", ""]
     if TUNED.exists():
         tune = json.loads(TUNED.read_text())
