@@ -276,6 +276,22 @@ def test_the_load_aware_plan_drafts_less_when_rows_cost_more():
     assert batch_depths([None, good], trees[:2], drafters[:2], dear, [3, None])[0] == 3
 
 
+def test_drafted_rows_beside_a_prompt_chunk_cost_what_rows_cost_that_far_up_the_table():
+    """A step that also runs a joining prompt's chunk: its drafted rows cost the table's slope past the prompt's rows,
+    while a drafted token is still judged against a plain step's rate (the prompt's own cost is owed whatever the
+    plan). Where rows get dearer past 16, the plan drafts less beside 64 prompt rows; on a straight table, the
+    same."""
+    trees, drafters = [Tree.chain(3)] * 4, [NgramDrafter(97)] * 4
+    good = AutoDepth(prior=0.8, prior_weight=50.0).expected_tokens(3)
+    steep = BatchCosts(rows=(1, 16, 64), seconds_by_rows=(1.0, 1.3, 9.0), per_sequence=0.0)
+    alone = batch_depths([good] * 4, trees, drafters, steep, [None] * 4)
+    beside = batch_depths([good] * 4, trees, drafters, steep, [None] * 4, prompt_rows=64)
+    assert 0 < sum(beside) < sum(alone)
+    straight = BatchCosts(rows=(1, 256), seconds_by_rows=(1.0, 6.1), per_sequence=0.0)
+    assert batch_depths([good] * 4, trees, drafters, straight, [None] * 4, prompt_rows=64) == \
+        batch_depths([good] * 4, trees, drafters, straight, [None] * 4)
+
+
 def test_padding_to_the_widest_tree_is_costed_for_every_sequence_of_the_batch():
     """A batch's attention pads every sequence to the widest tree: one sequence drafting deep costs them all, so
     where padding is dear the plan keeps the trees even (all at one depth) or drafts nothing."""

@@ -219,14 +219,16 @@ class Engine:
         if not seqs and not filling:
             return []
         t0 = time.perf_counter()
-        if self._nothing_pays(seqs):  # rows too dear for any draft: plain steps, with no drafting work at all
+        # the prompt rows joining this step's forward (at most: the chunks' share of a row budget is what drafts leave)
+        prompt_rows = sum(len(c) for _, c in self._chunks(filling, 0))
+        if self._nothing_pays(seqs, prompt_rows):  # rows too dear for any draft: plain steps, with no drafting work at all
             sources, planned = [None] * len(seqs), [Tree.root_only()] * len(seqs)
         else:
             sources = [s.drafter.source(s.context) for s in seqs]  # None unless a drafter has several sources
             for s, source in zip(seqs, sources):
                 if source is not None:
                     s.policy.select_source(source)
-            planned = self._plan(seqs) if seqs else []
+            planned = self._plan(seqs, prompt_rows) if seqs else []
         kept, drafts = self._draft(seqs, planned)
         seqs, sources = [seqs[i] for i in kept], [sources[i] for i in kept]
         t1 = time.perf_counter()
@@ -404,10 +406,10 @@ class Engine:
 
     # ---------------------------------------------------------------- how deep each sequence drafts
 
-    def _plan(self, seqs: list[Sequence]) -> list[Tree | DynamicTree]:
+    def _plan(self, seqs: list[Sequence], prompt_rows: int = 0) -> list[Tree | DynamicTree]:
         """Each sequence's tree this step: its policy's plan, the batch's when several run (``depths``), cut to the
         row budget."""
-        depths = self.depths(seqs)
+        depths = self.depths(seqs, prompt_rows)
         planned = [s.tree if d is None else s.tree.truncate(d) for s, d in zip(seqs, depths)]
         if self.row_budget is not None:
             while sum(t.size for t in planned) > self.row_budget:
@@ -415,8 +417,9 @@ class Engine:
                 planned[i] = seqs[i].tree.truncate(planned[i].max_depth - 1)
         return planned
 
-    def depths(self, seqs: list[Sequence]) -> list[int | None]:
-        """The depth each sequence drafts this step (None: a dynamic tree, which sets its own)."""
+    def depths(self, seqs: list[Sequence], prompt_rows: int = 0) -> list[int | None]:
+        """The depth each sequence drafts this step (None: a dynamic tree, which sets its own), in a forward that also
+        runs ``prompt_rows`` rows of joining prompts."""
         dynamic = any(not isinstance(s.tree, Tree) for s in seqs)
         expected = [s.policy.expected_tokens(s.tree.max_depth) if isinstance(s.tree, Tree) else None for s in seqs]
         if len(seqs) == 1 or not self.load_aware or dynamic or all(e is None for e in expected):
@@ -427,14 +430,15 @@ class Engine:
         context, span = sum(len(s.context) for s in seqs) / len(seqs), max(len(s.context) for s in seqs)
         best = batch_depths(expected, trees, proposers, self.costs,
                             [s.policy.planned_depth(s.tree.max_depth) if e is None else None
-                             for s, e in zip(seqs, expected)], drafting=drafting, context=context, span=span)
+                             for s, e in zip(seqs, expected)], drafting=drafting, context=context, span=span,
+                            prompt_rows=prompt_rows)
         # a policy probes a depth it stopped drafting only where a good draft of it could pay in this batch
-        planned = _StepCost(expected, trees, proposers, self.costs, best, drafting, context, span)
+        planned = _StepCost(expected, trees, proposers, self.costs, best, drafting, context, span, prompt_rows)
         probe = [e is not None and _pays(planned, i) for i, e in enumerate(expected)]
         return [s.policy.planned_depth(s.tree.max_depth, best=b, probe=p) if e is not None else b
                 for s, b, e, p in zip(seqs, best, expected, probe)]
 
-    def _nothing_pays(self, seqs: list[Sequence]) -> bool:
+    def _nothing_pays(self, seqs: list[Sequence], prompt_rows: int = 0) -> bool:
         """Whether, with this many sequences, no group of them (one alone up to all) drafting one token each of the
         cheapest draft, accepted as often as a good draft is, would raise the batch's rate by more than the margin
         (``batch_depths``' rule): then a step is a plain one for all, and asks the drafts nothing."""
@@ -446,7 +450,7 @@ class Engine:
                        key=lambda d: d.depth_cost)
         plan = _StepCost([None] * len(seqs), [s.tree for s in seqs], [cheapest] * len(seqs), self.costs,
                          [0] * len(seqs), self.drafting([cheapest]), sum(len(s.context) for s in seqs) / len(seqs),
-                         max(len(s.context) for s in seqs))
+                         max(len(s.context) for s in seqs), prompt_rows)
         enough = plan.rate() * (1 + BATCH_MARGIN)
         for i in range(len(seqs)):
             plan.add(i, GOOD_DRAFT)
@@ -480,7 +484,10 @@ class _StepCost:
     and taken back (each in constant time whatever the batch's size, but for copying the few draft models' counts):
     the target's forward over all rows with this many sequences, the widest tree setting every sequence's attention
     padding over the longest sequence's ``span`` of keys, its drafted rows reading their sequences' caches
-    (``costs.seconds`` at the batch's mean ``context``),
+    (``costs.seconds`` at the batch's mean ``context``; with ``prompt_rows`` of joining prompts in the same forward,
+    each drafted row costs what a row costs that far up the table, where rows are dearer -- but the prompt's own
+    cost, owed whatever the plan, is left out, so that a drafted token is still judged against the rate of a plain
+    step),
     plus each draft model's drafting: where it was measured (``drafting``, by batch key:
     ``DraftCosts``), by the number of sequences drafting each depth; elsewhere its deepest sequence's depths (one
     batched draft forward per depth; ``Drafter.depth_cost`` of a plain step each). A sequence whose ``expected`` is
@@ -488,9 +495,9 @@ class _StepCost:
 
     def __init__(self, expected: list[list[float] | None], trees: list[Tree], proposers: list[Drafter],
                  costs: BatchCosts, depths: list[int], drafting: dict | None = None,
-                 context: float = BATCH_CONTEXT, span: float | None = None):
+                 context: float = BATCH_CONTEXT, span: float | None = None, prompt_rows: int = 0):
         self.expected, self.sizes, self.proposers, self.costs = expected, [t.sizes for t in trees], proposers, costs
-        self.context, self.span = context, span
+        self.context, self.span, self.prompt_rows = context, span, prompt_rows
         self.drafting = drafting or {}
         self.depths = list(depths)
         self._undo: list[tuple[int, int]] = []  # (sequence, its depth before) of each addition, for ``reset``
@@ -515,11 +522,19 @@ class _StepCost:
 
     def seconds(self) -> float:
         return self.costs.seconds(self.rows, len(self.depths), self.widest, self.context, self.span) + \
+            self._beside_prompt() + \
             sum(d * c for d, c in self.draft.values()) * self.unit + \
             sum(self.drafting[key].seconds(counts) for key, counts in self.counts.items())
 
     def rate(self) -> float:
         return self.tokens / self.seconds()
+
+    def _beside_prompt(self) -> float:
+        """What the drafted rows cost more beside the step's prompt rows than without them."""
+        if not self.prompt_rows:
+            return 0.0
+        row, plain, rows = self.costs.seconds, len(self.depths), self.rows
+        return (row(rows + self.prompt_rows) - row(plain + self.prompt_rows)) - (row(rows) - row(plain))
 
     def gain(self, i: int) -> float:
         """Expected tokens one more depth of sequence i adds."""
@@ -555,7 +570,7 @@ BATCH_MARGIN = 0.05  # a move is made for a batch only where it raises the rate 
 def batch_depths(expected: list[list[float] | None], trees: list[Tree], proposers: list[Drafter],
                  costs: BatchCosts, own: list[int | None], margin: float = BATCH_MARGIN,
                  drafting: dict | None = None, context: float = BATCH_CONTEXT,
-                 span: float | None = None) -> list[int]:
+                 span: float | None = None, prompt_rows: int = 0) -> list[int]:
     """The depths with the most expected tokens per second for the batch. Each sequence starts at 0 (those whose
     policy plans its own depth, ``own``, keep it); then, move after move, one more depth goes to a group of
     sequences: of the moves that raise the batch's rate (expected tokens over ``_StepCost`` seconds) by more than
@@ -572,7 +587,7 @@ def batch_depths(expected: list[list[float] | None], trees: list[Tree], proposer
     to clear the margin however well it pays. Choosing the cheapest tokens rather than the largest rise keeps a
     large move from taking the rows that better drafts would have used a step later."""
     plan = _StepCost(expected, trees, proposers, costs, [o if o is not None else 0 for o in own], drafting, context,
-                     span)
+                     span, prompt_rows)
     while True:
         open_ = [i for i, e in enumerate(expected) if e is not None and plan.depths[i] + 1 < len(e)]
         if not open_:

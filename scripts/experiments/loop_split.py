@@ -42,10 +42,12 @@ def main() -> None:
     ids = [target.encode_prompt(p.prompt, chat=p.chat) for p in problems]
 
     log: list[dict] = []
-    inner, plan_inner, draft_inner = Engine.step, Engine._plan, Engine._draft
+    everything: list[dict] = []  # every step, prompt chunks alone too
+    inner, plan_inner, draft_inner, chunks_inner = Engine.step, Engine._plan, Engine._draft, Engine._chunks
     planning = [0.0]  # seconds of ``Engine._plan`` in the step being timed
     drafting = [0.0, 0.0, 0]  # seconds of ``Engine._draft`` in it, and what the plan's cost model says they cost
     shape: dict = {}  # the step's forward: rows, sequences, widest tree, mean and longest context
+    chunked = [0]  # prompt rows in the step's forward
 
     def timed_draft(self, seqs, planned):
         proposers = [s.drafter.proposer(s.context) for s in seqs]
@@ -68,13 +70,19 @@ def main() -> None:
         drafting[1] = sum(measured[key].seconds(c) for key, c in counts.items())
         return out
 
-    def timed_plan(self, seqs):
+    def timed_plan(self, seqs, *rest):
         t = time.perf_counter()
-        out = plan_inner(self, seqs)
+        out = plan_inner(self, seqs, *rest)
         planning[0] += time.perf_counter() - t
         return out
 
+    def timed_chunks(self, filling, rows):
+        out = chunks_inner(self, filling, rows)
+        chunked[0] = sum(len(c) for _, c in out)
+        return out
+
     def timed(self):
+        chunked[0] = 0
         planning[0] = 0.0
         drafting[:] = [0.0, 0.0, 0]
         shape.clear()
@@ -82,22 +90,25 @@ def main() -> None:
         seqs = inner(self)
         wall = time.perf_counter() - t0
         recs = [s.steps[-1] for s in seqs if s.steps]
+        everything.append({"wall": wall, "batch": len(recs), "chunk": chunked[0],
+                           "tokens": sum(len(r.emitted) for r in recs), "drafted": sum(r.drafted for r in recs)})
         if recs:  # a step of decoding sequences (not prefill chunks alone)
             log.append({"wall": wall, "batch": len(recs), "draft": recs[0].draft_s, "plan": planning[0], "proposing": drafting[0],
                         "modelled": drafting[1], "catch_up": drafting[2], "target": recs[0].target_s,
                         "verify": sum(r.verify_s for r in recs), "tokens": sum(len(r.emitted) for r in recs),
                         "drafted": sum(r.drafted for r in recs), "depths": tuple(sorted(r.draft_depth for r in recs)),
-                        "forward_model": self.costs.seconds(shape["rows"], shape["seqs"], shape["widest"],
+                        "forward_model": self.costs.seconds(shape["rows"] + chunked[0], shape["seqs"], shape["widest"],
                                                             shape["context"], shape["span"]) if shape else 0.0,
                         "span": shape.get("span", 0)})
         return seqs
 
-    Engine.step, Engine._plan, Engine._draft = timed, timed_plan, timed_draft
+    Engine.step, Engine._plan, Engine._draft, Engine._chunks = timed, timed_plan, timed_draft, timed_chunks
     for m in args.methods:
         plan = resolve(m, temperature=args.temperature)
         verispec_loop(target, plan, drafter, problems[:args.concurrency], ids[:args.concurrency], args.concurrency,
                       args.temperature, 0, 8)  # warm up (and the batch costs measured, once per machine)
         log.clear()
+        everything.clear()
         t0 = time.perf_counter()
         reqs = verispec_loop(target, plan, drafter, problems, ids, args.concurrency, args.temperature, 0,
                              args.max_new_tokens)
@@ -106,6 +117,15 @@ def main() -> None:
         tokens = sum(len(r.token_ids) for r in reqs)
         print(f"{m}: {tokens} tokens in {wall:.1f} s ({tokens / wall:.1f} tokens/s), {len(log)} steps; steps with "
               f"all {args.concurrency} in flight: {len(full)}")
+        kinds = collections.defaultdict(list)
+        for x in everything:
+            kinds["with a prompt chunk" if x["chunk"] else "all in flight" if x["batch"] == args.concurrency
+                  else "fewer in flight"].append(x)
+        for kind, xs in kinds.items():
+            secs = sum(x["wall"] for x in xs)
+            print(f"  steps {kind}: {len(xs)}, {secs:.1f} s, {sum(x['tokens'] for x in xs)} tokens "
+                  f"({sum(x['tokens'] for x in xs) / secs:.1f} tokens/s), {sum(x['drafted'] for x in xs)} drafted, "
+                  f"{sum(x['chunk'] for x in xs)} prompt rows")
         if not full:
             continue
         med = {k: 1000 * statistics.median(x[k] for x in full) for k in ("wall", "draft", "plan", "target", "verify")}
