@@ -4,6 +4,9 @@ forward of 8 sequences was seen to cost 15-20 % more in one cell than in the nex
 bench left unresolved, not the benchmark (``verispec bench --concurrency``).
 
     python scripts/experiments/ab_concurrency.py --methods ar default --concurrency 8 --temperature 0 --pairs 3
+
+A method named ``M:plain`` is M whose batched steps never draft (``Engine._nothing_pays`` says so whenever two or more
+sequences decode; its drafter still receives the target's features): what M costs beside ``ar`` besides its drafts.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from verispec import load
 from verispec.bench.concurrency import verispec_loop
 from verispec.datasets import spec_bench_problems
 from verispec.drafters import build_drafter
+from verispec.engine import Engine
 from verispec.methods import resolve
 
 
@@ -38,9 +42,11 @@ def main() -> None:
     drafter = build_drafter(args.draft, target, dtype=args.dtype)
     problems = spec_bench_problems(args.limit)
     ids = [target.encode_prompt(p.prompt, chat=p.chat) for p in problems]
-    plans = {m: resolve(m, temperature=args.temperature) for m in args.methods}
+    plans = {m: resolve(m.removesuffix(":plain"), temperature=args.temperature) for m in args.methods}
+    pays = Engine._nothing_pays
 
     def loop(m: str, n: int | None = None) -> float:
+        Engine._nothing_pays = (lambda self, seqs, *rest: len(seqs) >= 2) if m.endswith(":plain") else pays
         reqs = verispec_loop(target, plans[m], drafter, problems[:n] if n else problems, ids[:n] if n else ids,
                              args.concurrency, args.temperature, 0, args.max_new_tokens if n is None else 8)
         wall = max(r.finished for r in reqs) - min(r.submitted for r in reqs)
