@@ -193,8 +193,9 @@ RUNS["serving_n8"] = ["--methods", "verispec-serve", "llama-cpp-server", "llama-
 # the same three, with the target in bfloat16 (verispec, Hugging Face and transformers serve alike; llama.cpp runs its
 # Q4_1 file either way): the dtype where many rows cost little more than one
 RUNS["concurrency_bf16"] = [*concurrency_run(), "--dtype", "bfloat16"]
-# after the load-aware plan's group moves (5c3aa6b) and with the head of four epochs: verispec's two loops and the
-# static batches only (the llama.cpp extra was not built in that session; hf-continuous trailed every loop above)
+# after the load-aware plan's group moves (5c3aa6b), run again with the five-epoch head and the padding taken at the
+# batch's longest context (fe7953e): verispec's two loops and the static batches only (the llama.cpp extra was not
+# built in those sessions; hf-continuous trailed every loop above)
 RUNS["concurrency_bf16_groups"] = ["--methods", "ar", "default", "hf-generate", "--drafts", "auto", *spec_bench(),
                                    "--concurrency", "1", "2", "4", "8", "--dtype", "bfloat16"]
 RUNS["serving_n8_bf16"] = [*RUNS["serving_n8"], "--dtype", "bfloat16"]
@@ -1007,12 +1008,14 @@ def render() -> str:
     if path("concurrency_bf16_groups").exists():
         out += concurrency_section(
             Results.load(path("concurrency_bf16_groups")), figs,
-            "Many requests at once, target in bfloat16: the plan's group moves",
-            ("The same closed loops after two changes to `default` (the run above predates both): the load-aware "
-             "plan moves groups of sequences, not one at a time (see docs/design.md, Load-aware speculation), and "
-             "the shipped head is the one trained four epochs (see The draft head below). Only verispec's two loops "
-             "and Hugging Face's static batches ran: the llama.cpp extra was not installed in that session, and "
-             "transformers' continuous batching trailed every other loop in the run above.",), tag="_groups")
+            "Many requests at once, target in bfloat16: the plan's group moves and measured costs",
+            ("The same closed loops after these changes to `default` (the run above predates them): the load-aware "
+             "plan moves groups of sequences, not one at a time, and its cost model holds the draft's measured cost "
+             "by batch size, the drafted rows' padding at the batch's longest context and the slope of rows beside "
+             "a joining prompt (see docs/design.md, Load-aware speculation); the shipped head is the one trained "
+             "five epochs (see The draft head below). Only verispec's two loops and Hugging Face's static batches "
+             "ran: the llama.cpp extra was not installed in these sessions, and transformers' continuous batching "
+             "trailed every other loop in the run above.",), tag="_groups")
     if path("serving_bf16").exists():
         out += serving_section(Results.load(path("serving_bf16")), figs)
     if path("serving_n8_bf16").exists():
