@@ -827,8 +827,8 @@ def head_section(figs: Path) -> list[str]:
         info = json.loads(HEAD_INFO.read_text())
         tr = info.get("training", {})
         tokens = f"{tr['corpus_tokens']} tokens, " if "corpus_tokens" in tr else ""
-        took = f"{tr['note']}" if tr.get("note") else \
-            f"{tr.get('training_s', tr.get('elapsed_s', float('nan'))) / 60:.0f} minutes of training on this CPU (its last run)"
+        minutes = tr.get("training_s", tr.get("elapsed_s", float("nan"))) / 60
+        took = tr["note"] if tr.get("note") else f"{minutes:.0f} minutes of training on this CPU (its last run)"
         out += [f"Shipped head: `{info.get('command', '?')}`; {tr.get('sequences', '?')} training sequences, "
                 f"{tokens}{took}; extra memory {info.get('extra_memory_fraction', float('nan')):.0%} of the "
                 f"target's; default tree `{info.get('default_tree', '?')}`.", ""]

@@ -221,7 +221,7 @@ class Engine:
         t0 = time.perf_counter()
         # the prompt rows joining this step's forward (at most: the chunks' share of a row budget is what drafts leave)
         prompt_rows = sum(len(c) for _, c in self._chunks(filling, 0))
-        if self._nothing_pays(seqs, prompt_rows):  # rows too dear for any draft: plain steps, with no drafting work at all
+        if self._nothing_pays(seqs, prompt_rows):  # rows too dear for any draft: plain steps, no drafting work at all
             sources, planned = [None] * len(seqs), [Tree.root_only()] * len(seqs)
         else:
             sources = [s.drafter.source(s.context) for s in seqs]  # None unless a drafter has several sources
