@@ -427,7 +427,7 @@ class Engine:
         proposers = [s.drafter.proposer(s.context) for s in seqs]
         trees = [s.tree for s in seqs]
         drafting = self.drafting(proposers)
-        context, span = sum(len(s.context) for s in seqs) / len(seqs), max(len(s.context) for s in seqs)
+        context, span = _contexts(seqs)
         best = batch_depths(expected, trees, proposers, self.costs,
                             [s.policy.planned_depth(s.tree.max_depth) if e is None else None
                              for s, e in zip(seqs, expected)], drafting=drafting, context=context, span=span,
@@ -449,8 +449,7 @@ class Engine:
         cheapest = min((d for s in seqs for d in (s.drafter.sources or {"": s.drafter}).values()),
                        key=lambda d: d.depth_cost)
         plan = _StepCost([None] * len(seqs), [s.tree for s in seqs], [cheapest] * len(seqs), self.costs,
-                         [0] * len(seqs), self.drafting([cheapest]), sum(len(s.context) for s in seqs) / len(seqs),
-                         max(len(s.context) for s in seqs), prompt_rows)
+                         [0] * len(seqs), self.drafting([cheapest]), *_contexts(seqs), prompt_rows)
         enough = plan.rate() * (1 + BATCH_MARGIN)
         for i in range(len(seqs)):
             plan.add(i, GOOD_DRAFT)
@@ -477,6 +476,12 @@ class Engine:
         if self._costs is None:  # measured (once per machine, then cached) only when a batch first needs it
             self._costs = batch_costs(self.target)
         return self._costs
+
+
+def _contexts(seqs: list[Sequence]) -> tuple[float, int]:
+    """The batch's mean context (``BatchCosts.seconds``' ``context``) and its longest (``span``)."""
+    lengths = [len(s.context) for s in seqs]
+    return sum(lengths) / len(lengths), max(lengths)
 
 
 class _StepCost:
