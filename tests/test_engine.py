@@ -437,6 +437,45 @@ def test_a_measured_draft_is_costed_by_how_many_sequences_draft_each_depth():
     assert all(d > 0 for d in cheap) and sum(d > 0 for d in dear) < 8
 
 
+def test_a_draft_that_sat_steps_out_is_charged_the_rows_it_catches_up_on():
+    """A draft's first depth also runs the context its cache lacks (``Drafter.catch_up``): after steps it sat out,
+    a drafting step pays ``DraftCosts.per_row`` for each such row, so the plan drafts less where drafts lag far
+    behind. The prompt's rows are not charged (``_lag``): a joining sequence pays them once whenever it first drafts."""
+    from types import SimpleNamespace
+
+    from verispec.drafters.costs import DraftCosts
+    from verispec.engine import _lag, _StepCost
+
+    costs = BatchCosts(rows=(1, 64), seconds_by_rows=(1.0, 1.3), per_sequence=0.0)
+    head = ModelDrafter.__new__(ModelDrafter)  # only its batch key is read
+    head.model = object()
+    drafts = {head.batch_key: DraftCosts((1, 8), first=(0.05, 0.05), further=(0.05, 0.05), per_row=0.01)}
+    trees, proposers = [Tree.chain(3)] * 8, [head] * 8
+    fair = AutoDepth(prior=0.5, prior_weight=50.0).expected_tokens(3)
+    lag = [0, 10, 0, 0, 0, 0, 0, 30]
+    plan = _StepCost([fair] * 8, trees, proposers, costs, [1, 1, 2, 0, 0, 0, 0, 0], drafts, lag=lag)
+    level = _StepCost([fair] * 8, trees, proposers, costs, [1, 1, 2, 0, 0, 0, 0, 0], drafts)
+    assert plan.seconds() - level.seconds() == pytest.approx(10 * 0.01)  # only drafting sequences pay theirs
+    mark, level_mark = plan.mark(), level.mark()
+    plan.add(7)
+    level.add(7)
+    assert plan.seconds() - level.seconds() == pytest.approx(40 * 0.01) and plan.depths[7] == 1
+    plan.reset(mark)
+    level.reset(level_mark)
+    assert plan.seconds() - level.seconds() == pytest.approx(10 * 0.01)
+    assert all(d > 0 for d in batch_depths([fair] * 8, trees, proposers, costs, [None] * 8, drafting=drafts))
+    behind = batch_depths([fair] * 8, trees, proposers, costs, [None] * 8, drafting=drafts, lag=[40] * 8)
+    assert behind == [0] * 8
+
+    class Lagging:
+        def catch_up(self, context):
+            return 50
+
+    joined = SimpleNamespace(context=list(range(60)), token_ids=[1, 2, 3])  # its prompt's rows: not charged
+    assert _lag(joined, Lagging()) == 3
+    assert _lag(SimpleNamespace(context=list(range(60)), token_ids=list(range(55))), Lagging()) == 49
+
+
 def test_draft_costs_are_measured_once_per_draft_and_cached(tmp_path, monkeypatch):
     """``draft_costs`` times a tiny draft model drafting for 1..16 sequences at once: positive, kept in the cache and
     read back without timing again; a draft with nothing to measure (prompt lookup) has none."""
@@ -448,7 +487,7 @@ def test_draft_costs_are_measured_once_per_draft_and_cached(tmp_path, monkeypatc
     for drafter in (layer_skip_drafter(target, 1), EagleDrafter(head)):  # the head drafts from the target's features
         measured = draft_mod.draft_costs(target, drafter, repeats=1)
         assert measured.sizes == draft_mod.DRAFT_BATCHES and all(x > 0 for x in measured.first)
-        assert all(x >= 0 for x in measured.further)
+        assert all(x >= 0 for x in measured.further) and measured.per_row >= 0
     monkeypatch.setattr(draft_mod, "_timed", lambda *a: pytest.fail("measured again"))
     assert draft_mod.draft_costs(target, layer_skip_drafter(target, 1), measure=False) is not None
     assert draft_mod.draft_costs(target, EagleDrafter(head), measure=False) == measured

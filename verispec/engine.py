@@ -428,12 +428,13 @@ class Engine:
         trees = [s.tree for s in seqs]
         drafting = self.drafting(proposers)
         context, span = _contexts(seqs)
+        lag = [_lag(s, p) for s, p in zip(seqs, proposers)]
         best = batch_depths(expected, trees, proposers, self.costs,
                             [s.policy.planned_depth(s.tree.max_depth) if e is None else None
                              for s, e in zip(seqs, expected)], drafting=drafting, context=context, span=span,
-                            prompt_rows=prompt_rows)
+                            prompt_rows=prompt_rows, lag=lag)
         # a policy probes a depth it stopped drafting only where a good draft of it could pay in this batch
-        planned = _StepCost(expected, trees, proposers, self.costs, best, drafting, context, span, prompt_rows)
+        planned = _StepCost(expected, trees, proposers, self.costs, best, drafting, context, span, prompt_rows, lag)
         probe = [e is not None and _pays(planned, i) for i, e in enumerate(expected)]
         return [s.policy.planned_depth(s.tree.max_depth, best=b, probe=p) if e is not None else b
                 for s, b, e, p in zip(seqs, best, expected, probe)]
@@ -478,6 +479,14 @@ class Engine:
         return self._costs
 
 
+def _lag(seq: Sequence, proposer: Drafter) -> int:
+    """Rows beyond one that ``proposer``'s first depth would run for ``seq`` (``Drafter.catch_up``): the tokens
+    committed since its draft last drafted -- those of the prompt left out. A step that drafts after steps that did
+    not pays for them; the prompt is paid once a request whenever its draft first drafts, so charging it to the
+    step that happens to pay it would keep a joining sequence from ever drafting."""
+    return min(max(proposer.catch_up(seq.context) - 1, 0), len(seq.token_ids))
+
+
 def _contexts(seqs: list[Sequence]) -> tuple[float, int]:
     """The batch's mean context (``BatchCosts.seconds``' ``context``) and its longest (``span``)."""
     lengths = [len(s.context) for s in seqs]
@@ -494,16 +503,20 @@ class _StepCost:
     cost, owed whatever the plan, is left out, so that a drafted token is still judged against the rate of a plain
     step),
     plus each draft model's drafting: where it was measured (``drafting``, by batch key:
-    ``DraftCosts``), by the number of sequences drafting each depth; elsewhere its deepest sequence's depths (one
+    ``DraftCosts``), by the number of sequences drafting each depth, and for each drafting sequence the rows its
+    draft has yet to catch up on (``lag``: ``DraftCosts.per_row`` each); elsewhere its deepest sequence's depths (one
     batched draft forward per depth; ``Drafter.depth_cost`` of a plain step each). A sequence whose ``expected`` is
     None yields one token a step."""
 
     def __init__(self, expected: list[list[float] | None], trees: list[Tree], proposers: list[Drafter],
                  costs: BatchCosts, depths: list[int], drafting: dict | None = None,
-                 context: float = BATCH_CONTEXT, span: float | None = None, prompt_rows: int = 0):
+                 context: float = BATCH_CONTEXT, span: float | None = None, prompt_rows: int = 0,
+                 lag: list[int] | None = None):
         self.expected, self.sizes, self.proposers, self.costs = expected, [t.sizes for t in trees], proposers, costs
         self.context, self.span, self.prompt_rows = context, span, prompt_rows
         self.drafting = drafting or {}
+        self.lag = lag or [0] * len(depths)
+        self.caught = 0.0  # seconds of the drafting sequences' catching up
         self.depths = list(depths)
         self._undo: list[tuple[int, int]] = []  # (sequence, its depth before) of each addition, for ``reset``
         self.tokens = sum(e[d] if e is not None else 1.0 for e, d in zip(expected, depths))
@@ -511,17 +524,20 @@ class _StepCost:
         self.widest = max(sz[d] for sz, d in zip(self.sizes, depths))
         self.draft: dict = {}  # batch key -> (its deepest depth, its cost per depth), drafts not measured
         self.counts: dict = {}  # batch key -> sequences drafting each depth or deeper, drafts measured
-        for p, d in zip(proposers, depths):
+        for i, d in enumerate(depths):
             for k in range(d):
-                self._deepen(p, k)
+                self._deepen(i, k)
         self.unit = costs.seconds(1, 1)
 
-    def _deepen(self, p: Drafter, d: int) -> None:
-        """Draft ``p`` drafts depth d + 1 for one more sequence."""
+    def _deepen(self, i: int, d: int) -> None:
+        """Sequence i's draft drafts depth d + 1."""
+        p = self.proposers[i]
         if p.batch_key in self.drafting:
             counts = self.counts.setdefault(p.batch_key, [])
             counts.extend([0] * (d + 1 - len(counts)))
             counts[d] += 1
+            if d == 0:
+                self.caught += self.lag[i] * self.drafting[p.batch_key].per_row
         else:
             self.draft[p.batch_key] = max(self.draft.get(p.batch_key, (0, 0.0))[0], d + 1), p.depth_cost
 
@@ -529,7 +545,7 @@ class _StepCost:
         return self.costs.seconds(self.rows, len(self.depths), self.widest, self.context, self.span) + \
             self._beside_prompt() + \
             sum(d * c for d, c in self.draft.values()) * self.unit + \
-            sum(self.drafting[key].seconds(counts) for key, counts in self.counts.items())
+            sum(self.drafting[key].seconds(counts) for key, counts in self.counts.items()) + self.caught
 
     def rate(self) -> float:
         return self.tokens / self.seconds()
@@ -552,18 +568,18 @@ class _StepCost:
         self.tokens += self.gain(i) if gain is None else gain
         self.rows += sz[d + 1] - sz[d]
         self.widest = max(self.widest, sz[d + 1])
-        self._deepen(self.proposers[i], d)
+        self._deepen(i, d)
         self._undo.append((i, d))
         self.depths[i] = d + 1
 
     def mark(self) -> tuple:
         """The state now, for ``reset`` to return to after trying moves."""
         return (self.tokens, self.rows, self.widest, dict(self.draft), {k: list(v) for k, v in self.counts.items()},
-                len(self._undo))
+                len(self._undo), self.caught)
 
     def reset(self, mark: tuple) -> None:
         self.tokens, self.rows, self.widest, self.draft = mark[0], mark[1], mark[2], dict(mark[3])
-        self.counts = {k: list(v) for k, v in mark[4].items()}
+        self.counts, self.caught = {k: list(v) for k, v in mark[4].items()}, mark[6]
         while len(self._undo) > mark[5]:
             i, d = self._undo.pop()
             self.depths[i] = d
@@ -575,7 +591,7 @@ BATCH_MARGIN = 0.05  # a move is made for a batch only where it raises the rate 
 def batch_depths(expected: list[list[float] | None], trees: list[Tree], proposers: list[Drafter],
                  costs: BatchCosts, own: list[int | None], margin: float = BATCH_MARGIN,
                  drafting: dict | None = None, context: float = BATCH_CONTEXT,
-                 span: float | None = None, prompt_rows: int = 0) -> list[int]:
+                 span: float | None = None, prompt_rows: int = 0, lag: list[int] | None = None) -> list[int]:
     """The depths with the most expected tokens per second for the batch. Each sequence starts at 0 (those whose
     policy plans its own depth, ``own``, keep it); then, move after move, one more depth goes to a group of
     sequences: of the moves that raise the batch's rate (expected tokens over ``_StepCost`` seconds) by more than
@@ -592,7 +608,7 @@ def batch_depths(expected: list[list[float] | None], trees: list[Tree], proposer
     to clear the margin however well it pays. Choosing the cheapest tokens rather than the largest rise keeps a
     large move from taking the rows that better drafts would have used a step later."""
     plan = _StepCost(expected, trees, proposers, costs, [o if o is not None else 0 for o in own], drafting, context,
-                     span, prompt_rows)
+                     span, prompt_rows, lag)
     while True:
         open_ = [i for i, e in enumerate(expected) if e is not None and plan.depths[i] + 1 < len(e)]
         if not open_:

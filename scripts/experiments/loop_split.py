@@ -1,7 +1,7 @@
 """Where the batched engine's steps spend their time in a closed loop: each method's loop of the same Spec-Bench
 requests (N in flight), every ``Engine.step`` timed whole and split into planning and drafting, the target's forward,
-and the rest (verification, commits, the draft's bookkeeping), with the tokens it emitted and the depths the plan
-chose. What the load-aware plan's cost model leaves out shows up as the difference between the two loops' step times
+and the rest (verification, commits, the draft's bookkeeping: also per sequence, by its drafted tokens), with the
+tokens it emitted and the depths the plan chose. What the load-aware plan's cost model leaves out shows up as the difference between the two loops' step times
 that the forward does not explain. A measurement, not the benchmark.
 
     python scripts/experiments/loop_split.py --concurrency 8 --temperature 0
@@ -48,6 +48,14 @@ def main() -> None:
     drafting = [0.0, 0.0, 0]  # seconds of ``Engine._draft`` in it, and what the plan's cost model says they cost
     shape: dict = {}  # the step's forward: rows, sequences, widest tree, mean and longest context
     chunked = [0]  # prompt rows in the step's forward
+    advance_inner = Engine._advance
+    after: dict = collections.defaultdict(list)  # drafted tokens -> seconds of one sequence's verification and commits
+
+    def timed_advance(self, s, draft, *rest, **kw):
+        t = time.perf_counter()
+        out = advance_inner(self, s, draft, *rest, **kw)
+        after[draft.num_drafted].append(time.perf_counter() - t)
+        return out
 
     def timed_draft(self, seqs, planned):
         proposers = [s.drafter.proposer(s.context) for s in seqs]
@@ -103,12 +111,14 @@ def main() -> None:
         return seqs
 
     Engine.step, Engine._plan, Engine._draft, Engine._chunks = timed, timed_plan, timed_draft, timed_chunks
+    Engine._advance = timed_advance
     for m in args.methods:
         plan = resolve(m, temperature=args.temperature)
         verispec_loop(target, plan, drafter, problems[:args.concurrency], ids[:args.concurrency], args.concurrency,
                       args.temperature, 0, 8)  # warm up (and the batch costs measured, once per machine)
         log.clear()
         everything.clear()
+        after.clear()
         t0 = time.perf_counter()
         reqs = verispec_loop(target, plan, drafter, problems, ids, args.concurrency, args.temperature, 0,
                              args.max_new_tokens)
@@ -117,6 +127,9 @@ def main() -> None:
         tokens = sum(len(r.token_ids) for r in reqs)
         print(f"{m}: {tokens} tokens in {wall:.1f} s ({tokens / wall:.1f} tokens/s), {len(log)} steps; steps with "
               f"all {args.concurrency} in flight: {len(full)}")
+        print("  after the forward, per sequence (verification, the commits, the draft's bookkeeping): "
+              + ", ".join(f"{k} drafted: {1000 * statistics.median(ts):.2f} ms median, {1000 * statistics.fmean(ts):.2f} "
+                          f"mean ({len(ts)})" for k, ts in sorted(after.items())))
         kinds = collections.defaultdict(list)
         for x in everything:
             kinds["with a prompt chunk" if x["chunk"] else "all in flight" if x["batch"] == args.concurrency

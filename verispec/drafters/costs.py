@@ -6,7 +6,9 @@ sequences that draft that deep. So a step's drafting costs ``first(n_1) + furthe
 n_k the number of sequences drafting k tokens or more. ``draft_costs(target, drafter)`` times both by the number of
 sequences (whole ``propose_batch`` calls: the forwards, the draws and the bookkeeping in Python) once per machine and
 draft (``Drafter.cost_id``), and keeps them in the on-disk cache beside the target's (``verispec.cache``, kind
-``costs``), so that a batch's plan (``verispec.engine``) does not depend on a run's timing noise.
+``costs``), so that a batch's plan (``verispec.engine``) does not depend on a run's timing noise. The first depth also
+runs what a draft's cache lacks (``Drafter.catch_up``): one row when the draft drafted at the step before, more after
+steps it sat out. Each further row costs ``per_row``, timed the same way.
 """
 
 from __future__ import annotations
@@ -25,18 +27,22 @@ from ..tree import Tree
 from .base import Drafter, propose_batch
 
 DRAFT_BATCHES = (1, 2, 4, 8, 16)  # sequences drafting together, measured
-REVISION = 2  # of the drafting code the cached costs were measured with (2: the head's inputs batched)
+REVISION = 3  # of the drafting code the cached costs were measured with (2: the head's inputs batched; 3: per_row)
 DEEPEST = 3  # depths timed: 1 and this; each further depth costs a share of the difference
+CAUGHT_UP = 16  # rows of context each of 8 sequences' drafts lack, timed for ``per_row``
 
 
 @dataclass(frozen=True)
 class DraftCosts:
     """Seconds of a batch's drafting by the number of sequences (measured at ``sizes``, linear in between and
-    beyond): ``first`` for the first depth of that many sequences, ``further`` for each further depth."""
+    beyond): ``first`` for the first depth of that many sequences, ``further`` for each further depth; ``per_row``
+    for each row a sequence's first depth runs beyond one (``Drafter.catch_up``: the context its draft has not
+    seen)."""
 
     sizes: tuple[int, ...]
     first: tuple[float, ...]
     further: tuple[float, ...]
+    per_row: float = 0.0
 
     def seconds(self, counts: list[int]) -> float:
         """Seconds of a step whose drafting sequences draft ``counts[k]`` of them k + 1 tokens or more."""
@@ -61,6 +67,27 @@ def _timed(forks: list[Drafter], context: list[int], depth: int, repeats: int) -
     return times
 
 
+def _per_row(target, drafter: Drafter, context: list[int], hidden, repeats: int) -> float:
+    """``DraftCosts.per_row``: the first depth of 8 sequences whose drafts lack ``CAUGHT_UP`` rows of ``context``,
+    against the same with one row lacking, per further row (medians of ``repeats``, the two taking turns)."""
+    n, behind = 8, len(context) - CAUGHT_UP
+    times: dict[int, list[float]] = {CAUGHT_UP: [], 1: []}
+    for _ in range(repeats):
+        forks = []
+        for _ in range(n):
+            f = drafter.fork()
+            f.reset(context[:behind])
+            if f.uses_target_hidden:
+                f.observe(hidden)
+            forks.append(f)
+        _timed(forks, context[:behind], 1, 1)  # caught up to ``behind`` (untimed)
+        lacking = forks[0].catch_up(context)
+        times[CAUGHT_UP] += _timed(forks, context, 1, 1)
+        times[1] += _timed(forks, context, 1, 1)  # nothing accepted: one row lacking again
+    extra = statistics.median(times[CAUGHT_UP]) - statistics.median(times[1])
+    return max(extra, 0.0) / (n * max(lacking - 1, 1))
+
+
 def draft_costs(target, drafter: Drafter, repeats: int = 5, measure: bool = True) -> DraftCosts | None:
     """``drafter``'s ``DraftCosts`` after a context of ``BATCH_CONTEXT`` tokens (medians of ``repeats``; the batch
     sizes take turns within each round), measured once and cached under its ``cost_id``; None for a draft with no
@@ -70,7 +97,7 @@ def draft_costs(target, drafter: Drafter, repeats: int = 5, measure: bool = True
     entry = cache.key("draft", REVISION, drafter.cost_id, target.forward_id, platform.machine(), os.cpu_count())
     got = cache.read("costs", entry)
     if got and tuple(got.get("sizes", ())) == DRAFT_BATCHES:
-        return DraftCosts(DRAFT_BATCHES, tuple(got["first"]), tuple(got["further"]))
+        return DraftCosts(DRAFT_BATCHES, tuple(got["first"]), tuple(got["further"]), got["per_row"])
     if not measure:
         return None
     context = [5] * (BATCH_CONTEXT - 1) + [7]
@@ -91,9 +118,10 @@ def draft_costs(target, drafter: Drafter, repeats: int = 5, measure: bool = True
                 times[n, d] += _timed(forks[:n], context, d, 1)
     first = [statistics.median(times[n, 1]) for n in DRAFT_BATCHES]
     further = [max(statistics.median(times[n, DEEPEST]) - f, 0.0) / (DEEPEST - 1) for n, f in zip(DRAFT_BATCHES, first)]
-    out = DraftCosts(DRAFT_BATCHES, tuple(first), tuple(further))
+    per_row = _per_row(target, drafter, context, pre.hidden, repeats)
+    out = DraftCosts(DRAFT_BATCHES, tuple(first), tuple(further), per_row)
     cache.write("costs", entry, {"sizes": list(DRAFT_BATCHES), "first": first, "further": further,
-                                 "draft": drafter.name, "target": target.name})
+                                 "per_row": per_row, "draft": drafter.name, "target": target.name})
     return out
 
 
