@@ -82,10 +82,10 @@ class BatchCosts:
     """Seconds of a target forward over ``rows`` tree tokens shared by ``seqs`` sequences whose widest tree has
     ``widest`` rows: the forward of that many rows of one sequence (measured at ``BATCH_SIZES``, fitted
     non-decreasing, linear in between and beyond), plus ``per_sequence`` for each further sequence (its own
-    attention, its own cache: measured as a batch of 8 one-row sequences against one sequence of 8 rows), plus, for
-    each sequence, ``padding`` at ``widest`` (measured at ``PADDED_ROWS``, linear in between): the attention of a
-    batch runs every sequence's query rows padded to the widest tree's, so one sequence drafting deeper makes the
-    whole batch's attention wider. It is measured the way a loaded batch meets it: 8 sequences of which one drafts
+    attention, its own cache: measured as a batch of 8 one-row sequences against one sequence of 8 rows, in the same
+    rounds), plus, for each sequence, ``padding`` at ``widest`` (measured at ``PADDED_ROWS``, linear in between): the
+    attention of a batch runs every sequence's query rows padded to the widest tree's, so one sequence drafting
+    deeper makes the whole batch's attention wider. It is measured the way a loaded batch meets it: 8 sequences of which one drafts
     n rows, against 8 of one row in the same rounds, less the extra rows' own cost; at ``BATCH_CONTEXT`` entries
     (``padding``) and at ``LONG_CONTEXT`` (``long_padding``), and taken on the line through the two at the batch's
     ``span`` (its longest sequence's entries: every sequence's padded rows run over that many keys, and the
@@ -132,45 +132,61 @@ def _monotone(ys: list[float]) -> list[float]:
 
 
 def _batch_seconds(target, states: list, cases: dict, repeats: int) -> dict:
-    """Median seconds of one ``forward_batch`` of ``states`` drafting each case's trees (one per state), for each
-    case; the cases take turns within each round (``target_forward_cost``)."""
+    """Median seconds of one ``forward_batch`` of ``states`` drafting each case's trees (one per state; a state
+    whose tree is None sits the case out), for each case; the cases take turns within each round
+    (``target_forward_cost``)."""
     times: dict = {key: [] for key in cases}
     for _ in range(repeats):
         for key, trees in cases.items():
+            ran = [(s, tree) for s, tree in zip(states, trees) if tree is not None]
             t = time.perf_counter()
-            target.forward_batch(states, [torch.full((tree.size,), 7) for tree in trees],
-                                 [s.committed + torch.tensor(tree.depths) for s, tree in zip(states, trees)],
-                                 [tree.ancestors_mask() for tree in trees])
+            target.forward_batch([s for s, _ in ran], [torch.full((tree.size,), 7) for _, tree in ran],
+                                 [s.committed + torch.tensor(tree.depths) for s, tree in ran],
+                                 [tree.ancestors_mask() for _, tree in ran])
             times[key].append(time.perf_counter() - t)
-            for s in states:
+            for s, _ in ran:
                 target.commit(s, [])
     return {key: statistics.median(ts) for key, ts in times.items()}
 
 
-def _ragged(target, plain: "BatchCosts", context: int, repeats: int) -> tuple[float, list[float], float]:
-    """``per_sequence``, ``padding`` and ``per_key`` (``BatchCosts``) measured with 8 sequences of ``context`` cache
-    entries each, against ``plain``'s table of rows."""
+def _ragged(target, context: int, repeats: int, plain: "BatchCosts | None" = None
+            ) -> tuple["BatchCosts", float, list[float], float]:
+    """With 8 sequences of ``context`` cache entries each: the table of rows (one sequence running each of
+    ``BATCH_SIZES`` rows, fitted non-decreasing; ``plain``'s where given), and ``per_sequence``, ``padding`` and
+    ``per_key`` (``BatchCosts``) against it. Every case is a ``forward_batch`` (the engine's batched forward, which
+    need not cost what the one-sequence ``forward`` does: 10 % less for one row, measured in bfloat16) and all take
+    turns in the same rounds, so that a slow spell of the machine falls on the differences' two sides alike."""
     prompt = [5] * (context - 1)
-    pool = target.state_pool(8, context + max(PADDED_ROWS) + 1)
+    pool = target.state_pool(8, context + max(BATCH_SIZES) + 1)
     states = [pool.acquire() if pool is not None else target.new_state() for _ in range(8)]
     for s in states:
         target.prefill(s, prompt)
-    # the padding is a difference of a few ms between forwards of about the same size: more rounds for it
     root, chain = Tree.root_only(), Tree.chain(1)
-    cases: dict = {n: [root] * 7 + [Tree.complete(n - 1, 1) if n > 1 else root] for n in PADDED_ROWS}
+    alone = [None] * 7
+
+    def rows_of(n: int) -> Tree:
+        return Tree.complete(n - 1, 1) if n > 1 else root
+
+    cases: dict = {n: [root] * 7 + [rows_of(n)] for n in PADDED_ROWS}
     cases["all"] = [chain] * 8  # every sequence drafts a row: as wide as one doing so (n = 2), 7 rows more
+    cases["one"] = [rows_of(8)] + alone  # the same 8 rows in one sequence
+    if plain is None:
+        cases.update({("rows", n): [rows_of(n)] + alone for n in BATCH_SIZES})
+    # the padding is a difference of a few ms between forwards of about the same size: more rounds for it
     ragged = _batch_seconds(target, states, cases, 3 * repeats)
-    per_sequence = max(ragged[1] - plain.seconds(8), 0.0) / 7
+    if plain is None:
+        plain = BatchCosts(BATCH_SIZES, tuple(_monotone([ragged["rows", n] for n in BATCH_SIZES])), 0.0)
+    per_sequence = max(ragged[1] - ragged["one"], 0.0) / 7
     padding = [max(ragged[n] - ragged[1] - (plain.seconds(7 + n) - plain.seconds(8)), 0.0) / 8 for n in PADDED_ROWS]
     padding = list(itertools.accumulate(padding, max))  # wider never costs less: what looks so is timing noise
     per_key = max(ragged["all"] - ragged[2] - (plain.seconds(16) - plain.seconds(9)), 0.0) / (7 * context)
-    return per_sequence, padding, per_key
+    return plain, per_sequence, padding, per_key
 
 
 def batch_costs(target, repeats: int = 5, measure: bool = True) -> BatchCosts | None:
     """The target's ``BatchCosts`` on this machine, measured once (medians) and kept in the cache under
     ``target.forward_id``; None when not cached and ``measure`` is False."""
-    entry = cache.key("batch", 6, target.forward_id, platform.machine(), os.cpu_count())
+    entry = cache.key("batch", 7, target.forward_id, platform.machine(), os.cpu_count())
     got = cache.read("costs", entry)
     if got and tuple(got.get("rows", ())) == BATCH_SIZES and len(got.get("padding", ())) == len(PADDED_ROWS) \
             and len(got.get("long_padding", ())) == len(PADDED_ROWS):
@@ -178,11 +194,8 @@ def batch_costs(target, repeats: int = 5, measure: bool = True) -> BatchCosts | 
                           got["per_key"], tuple(got["long_padding"]))
     if not measure:
         return None
-    context = [5] * (BATCH_CONTEXT - 1) + [7]
-    seconds = target_forward_cost(target, context, list(BATCH_SIZES), repeats)
-    plain = BatchCosts(BATCH_SIZES, tuple(_monotone([seconds[n] for n in BATCH_SIZES])), 0.0)
-    per_sequence, padding, per_key = _ragged(target, plain, BATCH_CONTEXT, repeats)
-    _, long_padding, _ = _ragged(target, plain, LONG_CONTEXT, repeats)
+    plain, per_sequence, padding, per_key = _ragged(target, BATCH_CONTEXT, repeats)
+    _, _, long_padding, _ = _ragged(target, LONG_CONTEXT, repeats, plain)
     out = BatchCosts(plain.rows, plain.seconds_by_rows, per_sequence, tuple(padding), per_key, tuple(long_padding))
     cache.write("costs", entry, {"rows": list(out.rows), "seconds": list(out.seconds_by_rows),
                                  "per_sequence": per_sequence, "padding": padding, "per_key": per_key,
