@@ -146,6 +146,33 @@ def test_greedy_batched_equals_greedy_alone_for_every_drafter_and_verifier(targe
         assert all(b.error is None for b in batch)
 
 
+def test_prompts_joining_by_chunks_give_the_tokens_of_decoding_alone_and_skip_the_output_layer(target):
+    """With ``prefill_chunk``, a joining prompt runs a few rows at a time beside the others' trees: its features go to
+    the draft, its logits are never read, so only its last row's are computed; the tokens are those of decoding each
+    prompt alone (greedy), for drafts that read the target's features and drafts that do not."""
+    forward, logit_rows = target.forward_batch, []
+
+    def counted(states, tokens, positions, attends, features=(-1,), last_logits_only=None):
+        outs = forward(states, tokens, positions, attends, features=features, last_logits_only=last_logits_only)
+        logit_rows.extend((len(t), len(o.logits), bool(last_logits_only and only))
+                          for t, o, only in zip(tokens, outs, last_logits_only or [False] * len(outs)))
+        return outs
+
+    target.forward_batch = counted
+    for name in ("eagle", "hybrid", "ngram"):
+        d = drafters(target)[name]
+        engine = Engine(target, max_batch=3, prefill_chunk=2)
+        seqs = [engine.submit(p, drafter=d.fork(), verifier=get_verifier("chain"), tree=Tree.parse("chain:3"),
+                              sampling=Sampling(0.0), max_new_tokens=12) for p in PROMPTS]
+        run_all(engine)
+        for s, p in zip(seqs, PROMPTS):
+            alone = generate(target, d.fork(), "chain", p, tree="chain:3", temperature=0.0, max_new_tokens=12)
+            assert s.token_ids == alone.token_ids, name
+    chunks = [(rows, got) for rows, got, only in logit_rows if only]
+    assert chunks and all(got == 1 for _, got in chunks) and any(rows > 1 for rows, _ in chunks)
+    assert all(got == rows for rows, got, only in logit_rows if not only)
+
+
 def test_sequences_join_and_leave_between_steps(target):
     engine = Engine(target, max_batch=2)
     d = NgramDrafter(target.vocab_size)

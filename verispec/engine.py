@@ -242,8 +242,11 @@ class Engine:
         attends = [d.tree.ancestors_mask() for d in drafts] + [torch.ones(len(c), len(c), dtype=torch.bool).tril()
                                                                for _, c in chunks]
         features = (seqs or filling)[0].drafter.feature_layers
+        # a prompt chunk's logits are never read (its features are): its rows skip the output layer, all but one
+        last = [False] * len(seqs) + [True] * len(chunks) if chunks else None
         try:
-            outs = self.target.forward_batch(states, tokens, positions, attends, features=features)
+            outs = self.target.forward_batch(states, tokens, positions, attends, features=features,
+                                             last_logits_only=last)
         except Exception as exc:  # noqa: BLE001 - the batch's own forward: every sequence in it fails (isolate)
             if not self.isolate:
                 raise

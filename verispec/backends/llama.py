@@ -292,12 +292,14 @@ class LlamaCppTarget:
         return None  # one sequence at a time (see forward_batch)
 
     def forward_batch(self, states: list[LlamaState], tokens: list[torch.Tensor], positions: list[torch.Tensor],
-                      attends: list[torch.Tensor], features: tuple[int, ...] = (-1,)) -> list[ForwardOutput]:
+                      attends: list[torch.Tensor], features: tuple[int, ...] = (-1,),
+                      last_logits_only: list[bool] | None = None) -> list[ForwardOutput]:
         """One sequence only: this backend keeps one sequence's cache at a time (``new_state`` clears it)."""
         if len(states) != 1:
             raise VerispecError(f"the llama backend decodes one sequence at a time, not a batch of {len(states)}; "
                                 "batch on the Hugging Face backend (--backend hf)")
-        return [self.forward(states[0], tokens[0], positions[0], attends[0], features=features)]
+        return [self.forward(states[0], tokens[0], positions[0], attends[0],
+                             last_logits_only=bool(last_logits_only and last_logits_only[0]), features=features)]
 
     def _seqs_for(self, state: LlamaState, parent: int | None, fresh: bool = False) -> list[int]:
         """Sequence ids for a path leaving the already-decoded entry ``parent`` (None: from the committed text): its
