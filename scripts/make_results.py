@@ -1013,7 +1013,8 @@ def render() -> str:
              "plan moves groups of sequences, not one at a time, and its cost model holds the draft's measured cost "
              "by batch size, the drafted rows' padding at the batch's longest context, the slope of rows beside "
              "a joining prompt and the rows a draft catches up on after steps it sat out, and a move must raise the "
-             "batch's rate by 10 % (see docs/design.md, Load-aware speculation); the shipped head is the one trained "
+             "batch's rate by 10 % (see docs/design.md, Load-aware speculation); in both verispec loops a joining "
+             "prompt's rows skip the output layer; the shipped head is the one trained "
              "five epochs (see The draft head below). Only verispec's two loops and Hugging Face's static batches "
              "ran: the llama.cpp extra was not installed in these sessions, and transformers' continuous batching "
              "trailed every other loop in the run above.",), tag="_groups")
