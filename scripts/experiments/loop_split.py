@@ -1,8 +1,8 @@
 """Where the batched engine's steps spend their time in a closed loop: each method's loop of the same Spec-Bench
 requests (N in flight), every ``Engine.step`` timed whole and split into planning and drafting, the target's forward,
 and the rest (verification, commits, the draft's bookkeeping: also per sequence, by its drafted tokens), with the
-tokens it emitted and the depths the plan chose. What the load-aware plan's cost model leaves out shows up as the difference between the two loops' step times
-that the forward does not explain. A measurement, not the benchmark.
+tokens it emitted and the depths the plan chose. What the load-aware plan's cost model leaves out shows up as the
+difference between the two loops' step times that the forward does not explain. A measurement, not the benchmark.
 
     python scripts/experiments/loop_split.py --concurrency 8 --temperature 0
 """

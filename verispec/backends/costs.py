@@ -85,9 +85,10 @@ class BatchCosts:
     attention, its own cache: measured as a batch of 8 one-row sequences against one sequence of 8 rows, in the same
     rounds), plus, for each sequence, ``padding`` at ``widest`` (measured at ``PADDED_ROWS``, linear in between): the
     attention of a batch runs every sequence's query rows padded to the widest tree's, so one sequence drafting
-    deeper makes the whole batch's attention wider. It is measured the way a loaded batch meets it: 8 sequences of which one drafts
-    n rows, against 8 of one row in the same rounds, less the extra rows' own cost; at ``BATCH_CONTEXT`` entries
-    (``padding``) and at ``LONG_CONTEXT`` (``long_padding``), and taken on the line through the two at the batch's
+    deeper makes the whole batch's attention wider. It is measured the way a loaded batch meets it: 8 sequences of
+    which one drafts n rows, against 8 of one row in the same rounds, less the extra rows' own cost; at
+    ``BATCH_CONTEXT`` entries (``padding``) and at ``LONG_CONTEXT`` (``long_padding``), and taken on the line through
+    the two at the batch's
     ``span`` (its longest sequence's entries: every sequence's padded rows run over that many keys, and the
     attention leaves the fused one-row kernel for the padded one). Plus ``per_key`` for each row
     beyond a sequence's first and each cache entry of its sequence (``context``, the batch's mean): one sequence's

@@ -67,7 +67,7 @@ def _timed(forks: list[Drafter], context: list[int], depth: int, repeats: int) -
     return times
 
 
-def _per_row(target, drafter: Drafter, context: list[int], hidden, repeats: int) -> float:
+def _per_row(drafter: Drafter, context: list[int], hidden, repeats: int) -> float:
     """``DraftCosts.per_row``: the first depth of 8 sequences whose drafts lack ``CAUGHT_UP`` rows of ``context``,
     against the same with one row lacking, per further row (medians of ``repeats``, the two taking turns)."""
     n, behind = 8, len(context) - CAUGHT_UP
@@ -118,7 +118,7 @@ def draft_costs(target, drafter: Drafter, repeats: int = 5, measure: bool = True
                 times[n, d] += _timed(forks[:n], context, d, 1)
     first = [statistics.median(times[n, 1]) for n in DRAFT_BATCHES]
     further = [max(statistics.median(times[n, DEEPEST]) - f, 0.0) / (DEEPEST - 1) for n, f in zip(DRAFT_BATCHES, first)]
-    per_row = _per_row(target, drafter, context, pre.hidden, repeats)
+    per_row = _per_row(drafter, context, pre.hidden, repeats)
     out = DraftCosts(DRAFT_BATCHES, tuple(first), tuple(further), per_row)
     cache.write("costs", entry, {"sizes": list(DRAFT_BATCHES), "first": first, "further": further,
                                  "per_row": per_row, "draft": drafter.name, "target": target.name})
