@@ -67,19 +67,25 @@ def _timed(forks: list[Drafter], context: list[int], depth: int, repeats: int) -
     return times
 
 
+def _forks(drafter: Drafter, context: list[int], hidden, n: int) -> list[Drafter]:
+    """``n`` fresh copies of ``drafter`` started on ``context``, each given the target's features ``hidden``."""
+    forks = []
+    for _ in range(n):
+        f = drafter.fork()
+        f.reset(context)
+        if f.uses_target_hidden:
+            f.observe(hidden)
+        forks.append(f)
+    return forks
+
+
 def _per_row(drafter: Drafter, context: list[int], hidden, repeats: int) -> float:
     """``DraftCosts.per_row``: the first depth of 8 sequences whose drafts lack ``CAUGHT_UP`` rows of ``context``,
     against the same with one row lacking, per further row (medians of ``repeats``, the two taking turns)."""
     n, behind = 8, len(context) - CAUGHT_UP
     times: dict[int, list[float]] = {CAUGHT_UP: [], 1: []}
     for _ in range(repeats):
-        forks = []
-        for _ in range(n):
-            f = drafter.fork()
-            f.reset(context[:behind])
-            if f.uses_target_hidden:
-                f.observe(hidden)
-            forks.append(f)
+        forks = _forks(drafter, context[:behind], hidden, n)
         _timed(forks, context[:behind], 1, 1)  # caught up to ``behind`` (untimed)
         lacking = forks[0].catch_up(context)
         times[CAUGHT_UP] += _timed(forks, context, 1, 1)
@@ -103,13 +109,7 @@ def draft_costs(target, drafter: Drafter, repeats: int = 5, measure: bool = True
     context = [5] * (BATCH_CONTEXT - 1) + [7]
     state = target.new_state()
     pre = target.prefill_output(state, context[:-1], features=drafter.feature_layers)
-    forks = []
-    for _ in range(max(DRAFT_BATCHES)):
-        f = drafter.fork()
-        f.reset(context)
-        if f.uses_target_hidden:
-            f.observe(pre.hidden)
-        forks.append(f)
+    forks = _forks(drafter, context, pre.hidden, max(DRAFT_BATCHES))
     _timed(forks, context, DEEPEST, 1)  # each draft's cache takes in the context, once: not what a step costs
     times: dict[tuple[int, int], list[float]] = {(n, d): [] for n in DRAFT_BATCHES for d in (1, DEEPEST)}
     for _ in range(repeats):
