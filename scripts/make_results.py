@@ -196,8 +196,11 @@ RUNS["concurrency_bf16"] = [*concurrency_run(), "--dtype", "bfloat16"]
 # after the load-aware plan's group moves (5c3aa6b), run again with the five-epoch head and the padding taken at the
 # batch's longest context (fe7953e): verispec's two loops and the static batches only (the llama.cpp extra was not
 # built in those sessions; hf-continuous trailed every loop above)
-RUNS["concurrency_bf16_groups"] = ["--methods", "ar", "default", "hf-generate", "--drafts", "auto", *spec_bench(),
-                                   "--concurrency", "1", "2", "4", "8", "--dtype", "bfloat16"]
+# the same closed loops in two rounds, the methods' order reversed in the second: one slot in a run's order was seen
+# to be 20 % slower than the next, whichever method held it, so ratios pair round by round (--rounds)
+RUNS["concurrency_bf16_rounds"] = ["--methods", "ar", "default", "hf-generate", "llama-cpp", "llama-server",
+                                   "--drafts", "auto", *spec_bench(), "--concurrency", "1", "2", "4", "8",
+                                   "--dtype", "bfloat16", "--rounds", "2"]
 RUNS["serving_n8_bf16"] = [*RUNS["serving_n8"], "--dtype", "bfloat16"]
 RUNS["serving_bf16"] = [*serving_run(), "--dtype", "bfloat16"]
 # ResiSpec Table 3 shape (a cell costs ~30 s here): one run per temperature and tree group, two at a time share the
@@ -338,6 +341,7 @@ def concurrency_section(res: Results, figs: Path, heading: str = "", lead: tuple
     from verispec.bench.report import loop_summary, table_loops
 
     rows = loop_summary(res)
+    rounds = max((r.rounds for r in rows), default=1)
     same = []
     for method in dict.fromkeys(r.method for r in rows if r.method in ("ar", "default")):
         alone = {r["cell"]["prompt"]: r["token_ids"] for r in res.prompts
@@ -362,7 +366,9 @@ def concurrency_section(res: Results, figs: Path, heading: str = "", lead: tuple
             "N parallel slots over loopback. The llama.cpp rows run the Q4_1 GGUF file: another, quantised target, "
             "shown for scale. tokens/s is all tokens over the loop's wall time; each ratio is of throughputs at the "
             "same N, its 95 % interval from the prompts (a paired bootstrap of Little's law, sum(tokens) / "
-            "sum(time in system), scaled to the measured ratio; machine noise between runs is not in it). TPOT: "
+            "sum(time in system), scaled to the measured ratio" + (
+                "; rounds are drawn too, so the spread between rounds is in it" if rounds > 1 else
+                "; machine noise between runs is not in it") + "). TPOT: "
             "time per output token after the first; TTFT: time to the first token from submission, queueing "
             "included.", "", table_loops(rows), "",
             "Greedy text against the same method's loop of one request at a time (T = 0): " + "; ".join(same) + ".",
@@ -1005,19 +1011,24 @@ def render() -> str:
     if path("concurrency_bf16").exists():
         out += dtype_section([Results.load(path(n)) for n in ("concurrency", "concurrency_bf16")])
         out += concurrency_section(Results.load(path("concurrency_bf16")), figs)
-    if path("concurrency_bf16_groups").exists():
+    if path("concurrency_bf16_rounds").exists():
         out += concurrency_section(
-            Results.load(path("concurrency_bf16_groups")), figs,
-            "Many requests at once, target in bfloat16: the plan's group moves and measured costs",
+            Results.load(path("concurrency_bf16_rounds")), figs,
+            "Many requests at once, target in bfloat16: the plan's group moves and measured costs, in two rounds",
             ("The same closed loops after these changes to `default` (the run above predates them): the load-aware "
              "plan moves groups of sequences, not one at a time, and its cost model holds the draft's measured cost "
              "by batch size, the drafted rows' padding at the batch's longest context, the slope of rows beside "
              "a joining prompt and the rows a draft catches up on after steps it sat out, and a move must raise the "
              "batch's rate by 10 % (see docs/design.md, Load-aware speculation); in both verispec loops a joining "
-             "prompt's rows skip the output layer; the shipped head is the one trained "
-             "five epochs (see The draft head below). Only verispec's two loops and Hugging Face's static batches "
-             "ran: the llama.cpp extra was not installed in these sessions, and transformers' continuous batching "
-             "trailed every other loop in the run above.",), tag="_groups")
+             "prompt's rows skip the output layer; the shipped head is the one trained five epochs (see The draft "
+             "head below). transformers' continuous batching is left out: it trailed every other loop in the run "
+             "above. Every loop ran twice, the methods' order reversed in the second round (`--rounds 2`). The reason: "
+             "in four runs of two loops each (`ar` and `default`, N = 8, T = 0, one process per run, git 4bbab27), "
+             "the first loop was the faster one every time, by 3-27 %, whichever method ran it; and the last run "
+             "with one round, `ar` always just before `default`, had `default` at 0.93x [0.91, 0.95] of `ar` at "
+             "N = 8, T = 0 (git a9e2cf3), an interval that holds the prompts' spread but not the machine's. "
+             "Throughput pools both rounds; each ratio is the geometric mean of the two rounds' ratios.",),
+            tag="_rounds")
     if path("serving_bf16").exists():
         out += serving_section(Results.load(path("serving_bf16")), figs)
     if path("serving_n8_bf16").exists():

@@ -9,8 +9,9 @@ from conftest import ByteTokenizer, tiny_model
 from verispec import cli
 from verispec.bench.peers import PEERS
 from verispec.bench.records import Results, read_records
-from verispec.bench.report import report, rows_csv, summarize, table_width
-from verispec.bench.runner import BenchConfig, Runner, plan, run_bench
+from verispec.bench.report import loop_summary, report, rows_csv, summarize, table_width
+from verispec.bench.runner import BenchConfig, Runner, plan, plan_groups, run_bench
+from verispec.bench.stats import ratio_of_loops, ratio_of_rates
 from verispec.datasets import jsonl_problems, load_prompts
 from verispec.errors import VerispecError
 from verispec.methods import resolve
@@ -472,6 +473,48 @@ def test_closed_loops_of_concurrent_requests(tmp_path, tiny_target):
     run_bench(config, cut, target=tiny_target, progress=False, resume=True, log=lambda m: None)
     again = Results.load(cut)
     assert len(again.cells) == 8 and len(again.prompts) == 24
+
+
+def test_rounds_alternate_the_order_of_closed_loops_and_their_ratios_pair_round_by_round(tmp_path, tiny_target):
+    """--rounds K: each (temperature, N) runs its methods K times, in reverse order every other round; the report
+    pools a method's rounds and pairs its ratios round by round, so a slot that is slow whichever method holds it
+    cancels out."""
+    base = tiny_config(tmp_path)
+    config = BenchConfig(**{**base.to_dict(), "methods": ["ar", "fixed"], "drafts": ["ngram"], "temperatures": [0.0],
+                            "seeds": [0], "concurrency": [1, 2], "rounds": 2, "audit_cases": 0})
+    groups, _ = plan_groups(config, config.validate())
+    assert [(g.concurrency, g.round, g.method.name) for g in groups] == [
+        (1, 0, "ar"), (1, 0, "fixed"), (1, 1, "fixed"), (1, 1, "ar"),
+        (2, 0, "ar"), (2, 0, "fixed"), (2, 1, "fixed"), (2, 1, "ar")]
+    out = run_bench(config, tmp_path / "r.jsonl", target=tiny_target, progress=False, log=lambda m: None)
+    res = Results.load(out)
+    assert sorted(c["cell"]["round"] for c in res.cells) == [0, 0, 0, 0, 1, 1, 1, 1]
+    rows = {(r.method, r.concurrency): r for r in loop_summary(res)}
+    assert len(rows) == 4 and all(r.rounds == 2 and r.requests == 6 for r in rows.values())
+    assert "| rounds |" in report(res)
+    # a slot bias: whichever method runs first in a round is 25 % faster; paired rounds cancel it
+    for c in res.cells:
+        first = (c["cell"]["method"] == "ar") == (c["cell"]["round"] == 0)
+        c["throughput"] = 125.0 if first else 100.0
+    rows = {(r.method, r.concurrency): r for r in loop_summary(res)}
+    low, high = rows["fixed", 2].ci["vs_ar"]
+    assert rows["fixed", 2].vs["vs_ar"] == pytest.approx(1.0) and low < 1.0 < high
+    with pytest.raises(VerispecError, match="give --concurrency"):
+        BenchConfig(**{**config.to_dict(), "concurrency": []}).validate()
+
+
+def test_the_loop_interval_takes_in_rounds_and_prompts():
+    """``ratio_of_loops``: one round gives the prompt bootstrap scaled to the measured ratio; rounds that disagree
+    widen the interval, rounds that agree do not."""
+    tokens, times = [100, 120, 90, 128, 64, 110], [2.0, 2.5, 1.5, 3.0, 1.0, 2.2]
+    other = [t * f for t, f in zip(times, (1.1, 0.9, 1.2, 1.0, 0.8, 1.05))]
+    est, low, high = ratio_of_rates(tokens, times, tokens, other)
+    one = ratio_of_loops([(90.0, 100.0, tokens, times, tokens, other)])
+    assert one == pytest.approx((0.9, 0.9 * low / est, 0.9 * high / est))
+    agree = ratio_of_loops([(90.0, 100.0, tokens, times, tokens, other)] * 3)
+    apart = ratio_of_loops([(70.0, 100.0, tokens, times, tokens, other), (110.0, 100.0, tokens, times, tokens, other)])
+    assert agree[0] == pytest.approx(0.9) and agree[2] - agree[1] <= (one[2] - one[1]) * 1.01
+    assert apart[0] == pytest.approx(math.sqrt(0.77)) and apart[2] - apart[1] > 2 * (one[2] - one[1])
 
 
 def test_gzipped_records_read_as_the_plain_ones_and_runs_write_plain(tmp_path, capsys):

@@ -417,8 +417,8 @@ def _add_bench(sub):
             kind = {"temperatures": float, "seeds": int, "concurrency": int}.get(f.name, str)
             b.add_argument(flag, nargs="+" if f.name != "shadow" else "*", type=kind, default=None, help=text)
         else:
-            b.add_argument(flag, type=int if f.name in ("limit", "audit_cases", "max_new_tokens", "shadow_seeds")
-                           else str, default=None, help=text)
+            ints = ("limit", "audit_cases", "max_new_tokens", "shadow_seeds", "rounds")
+            b.add_argument(flag, type=int if f.name in ints else str, default=None, help=text)
     b.add_argument("--out", default="results/bench.jsonl", help="results file (JSONL)")
     b.add_argument("--resume", action="store_true", help="continue an interrupted run of the same configuration")
     b.add_argument("--overwrite", action="store_true", help="start again even if the results file exists")

@@ -9,9 +9,10 @@ A results file holds one JSON object per line:
 * ``{"type": "prompt", "cell": KEY, ...}``: one per finished (method, draft, prompt, temperature, seed) cell,
   written after its steps: tokens, wall time, text, the machine's load while it ran;
 * ``{"type": "cell", "cell": GROUP, ...}``: with ``--concurrency``, one per (temperature, seed, draft, method,
-  concurrency): every prompt ran as a request of a closed loop keeping that many in flight; ``tokens``, ``wall_s``
-  (first request's start to last one's end), ``throughput`` (tokens per second) and ``requests``. Its requests'
-  prompt records carry ``concurrency`` in their key and their latencies (``ttft_s``, ``tpot_s``, ``latency_s``);
+  concurrency, round): every prompt ran as a request of a closed loop keeping that many in flight; ``tokens``,
+  ``wall_s`` (first request's start to last one's end), ``throughput`` (tokens per second) and ``requests``. Its
+  requests' prompt records carry ``concurrency`` and ``round`` in their key and their latencies (``ttft_s``,
+  ``tpot_s``, ``latency_s``). ``round`` counts from 0 (``--rounds``); records written before it lack it (round 0);
 * ``{"type": "audit", ...}``: the exhaustive exactness audit of the verifiers used (one per verifier).
 
 A cell counts as done once its prompt record is written; the steps of an unfinished cell never count. A concurrency
@@ -43,12 +44,12 @@ _STEP_FIELDS = {f.name for f in fields(StepRecord)}
 
 
 def cell_id(key: dict) -> tuple:
-    return key["T"], key["seed"], key["prompt"], key["draft"], key["method"], key.get("concurrency")
+    return key["T"], key["seed"], key["prompt"], key["draft"], key["method"], key.get("concurrency"), key.get("round", 0)
 
 
 def group_id(key: dict) -> tuple:
     """A concurrency group: the cells that ran together in one closed loop (``key`` a prompt's or the group's)."""
-    return key["T"], key["seed"], key["draft"], key["method"], key.get("concurrency")
+    return key["T"], key["seed"], key["draft"], key["method"], key.get("concurrency"), key.get("round", 0)
 
 
 def step_record(cell: dict, i: int, step: StepRecord, **extra) -> dict:

@@ -34,7 +34,7 @@ from ..metrics import mean_accepted_length, per_candidate_acceptance
 from ..tree import Tree
 from .peers import BASELINES, PEERS
 from .records import NO_DRAFT, Results, cell_id, contended
-from .stats import fmt, ratio_of_rates, ratio_of_sums
+from .stats import fmt, ratio_of_loops, ratio_of_rates, ratio_of_sums
 
 NAN = float("nan")
 _COLUMNS = {b.column for b in BASELINES}
@@ -320,10 +320,10 @@ def loops_csv(rows: list[LoopRow]) -> str:
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(["T", "concurrency", "method", "draft", "requests", "tokens", "wall_s", "throughput", "tpot_ms_p50",
                 "tpot_ms_p90", "ttft_ms_p50", "ttft_ms_p90", "mean_accepted_length", "drafted_per_step", "errors",
-                *[f"{c}{e}" for c in cols for e in ("", "_low", "_high")]])
+                "rounds", *[f"{c}{e}" for c in cols for e in ("", "_low", "_high")]])
     for r in rows:
         w.writerow([r.T, r.concurrency, r.method, r.draft, r.requests, r.tokens, r.wall_s, r.throughput, *r.tpot_ms,
-                    *r.ttft_ms, r.mean_accepted_length, r.drafted_per_step, r.errors,
+                    *r.ttft_ms, r.mean_accepted_length, r.drafted_per_step, r.errors, r.rounds,
                     *[x for c in cols for x in (r.vs.get(c, NAN), *r.ci.get(c, (NAN, NAN)))]])
     return buf.getvalue()
 
@@ -506,6 +506,7 @@ class LoopRow:
     drafted_per_step: float
     errors: int
     contended: bool
+    rounds: int = 1  # loops of this (temperature, concurrency, draft, method) pooled here (``--rounds``)
     vs: dict = field(default_factory=dict)  # column -> ratio (see ``loop_summary``)
     ci: dict = field(default_factory=dict)
 
@@ -534,67 +535,75 @@ def _quantiles(xs: list[float]) -> tuple[float, float]:
 
 
 def loop_summary(res: Results) -> list[LoopRow]:
-    """One row per closed loop (temperature, concurrency, draft, method). A ratio is of measured throughputs, at the
-    same temperature and concurrency (``vs_own_1``: against the same method's loop of one request at a time). Its
-    interval says how much the prompts drawn move it: by Little's law a loop's throughput is about N x sum(tokens)
-    / sum(time in system) over its requests, so the paired bootstrap over prompts of that ratio of sums, scaled to the
-    measured ratio, gives the interval (machine noise between runs is not in it)."""
-    requests: dict[tuple, list[dict]] = defaultdict(list)
+    """One row per closed loop (temperature, concurrency, draft, method), its rounds (``--rounds``) pooled: tokens
+    and wall time summed, latencies and steps of every request. A ratio is of measured throughputs, at the same
+    temperature and concurrency (``vs_own_1``: against the same method's loop of one request at a time), paired
+    round by round: the geometric mean of the rounds' ratios. Its interval says how much the rounds and the prompts
+    drawn move it (``stats.ratio_of_loops``): by Little's law a loop's throughput is about N x sum(tokens) / sum(time
+    in system) over its requests, so resampling prompts moves a round's ratio as it moves that ratio of sums. With
+    one round, machine noise between runs is not in it."""
+    def loop(c: dict) -> tuple:
+        return c["T"], c["seed"], c["draft"], c["method"], c["concurrency"]
+
+    requests: dict[tuple, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in res.prompts:
         c = r["cell"]
         if c.get("concurrency") is not None:
-            requests[(c["T"], c["seed"], c["draft"], c["method"], c["concurrency"])].append(r)
-    rows = []
+            requests[loop(c)][c.get("round", 0)].append(r)
+    cells: dict[tuple, dict[int, dict]] = defaultdict(dict)
     for cell in res.cells:
-        c = cell["cell"]
-        mine = requests.get((c["T"], c["seed"], c["draft"], c["method"], c["concurrency"]), [])
+        cells[loop(cell["cell"])][cell["cell"].get("round", 0)] = cell
+    rows = []
+    for key, by_round in cells.items():
+        T, seed, draft, method, n = key
+        mine = [r for k in sorted(by_round) for r in requests[key].get(k, [])]
         steps = [s for r in mine for s in res.steps.get(cell_id(r["cell"]), [])]
-        row = LoopRow(c["T"], c["concurrency"], c["draft"], c["method"], cell["requests"], cell["tokens"],
-                      cell["wall_s"], cell["throughput"],
+        tokens, wall = sum(c["tokens"] for c in by_round.values()), sum(c["wall_s"] for c in by_round.values())
+        row = LoopRow(T, n, draft, method, sum(c["requests"] for c in by_round.values()), tokens, wall,
+                      tokens / wall if wall > 0 else NAN,
                       tuple(1000 * x for x in _quantiles([r.get("tpot_s") for r in mine])),
                       tuple(1000 * x for x in _quantiles([r.get("ttft_s") for r in mine])),
                       mean_accepted_length(steps) if steps else NAN, _mean(s["drafted"] for s in steps),
-                      cell.get("errors", 0), contended(cell))
-        throughput = {(x["cell"]["T"], x["cell"]["seed"], x["cell"]["draft"], x["cell"]["method"],
-                       x["cell"]["concurrency"]): x["throughput"] for x in res.cells}
-        for column, _, method in LOOP_BASELINES:
-            base = [k for k in requests if (k[0], k[1], k[3], k[4]) == (c["T"], c["seed"], method, c["concurrency"])]
+                      sum(c.get("errors", 0) for c in by_round.values()),
+                      any(contended(c) for c in by_round.values()), rounds=len(by_round))
+        for column, _, base_method in LOOP_BASELINES:
+            base = [k for k in cells if (k[0], k[1], k[3], k[4]) == (T, seed, base_method, n)]
             if base:
-                row.vs[column], row.ci[column] = _loop_ratio(mine, requests[base[0]], cell["throughput"],
-                                                             throughput[base[0]])
-        own = (c["T"], c["seed"], c["draft"], c["method"], 1)
-        if own in requests and c["concurrency"] != 1:
-            row.vs["vs_own_1"], row.ci["vs_own_1"] = _loop_ratio(mine, requests[own], cell["throughput"],
-                                                                 throughput[own])
+                row.vs[column], row.ci[column] = _loop_ratio(key, base[0], cells, requests)
+        own = (T, seed, draft, method, 1)
+        if own in cells and n != 1:
+            row.vs["vs_own_1"], row.ci["vs_own_1"] = _loop_ratio(key, own, cells, requests)
         rows.append(row)
     order = {name: i for i, name in enumerate(res.header.get("config", {}).get("methods", []))}
     rows.sort(key=lambda r: (r.T, r.concurrency, order.get(r.method, 99), r.draft))
     return rows
 
 
-def _loop_ratio(mine: list[dict], base: list[dict], mine_rate: float,
-                base_rate: float) -> tuple[float, tuple[float, float]]:
-    """The measured throughput ratio and its interval (see ``loop_summary``)."""
-    theirs = {r["cell"]["prompt"]: r for r in base}
-    pairs = [(r, theirs[r["cell"]["prompt"]]) for r in mine if r["cell"]["prompt"] in theirs]
-    ratio = mine_rate / base_rate if base_rate > 0 else NAN
-    if not pairs:
-        return ratio, (NAN, NAN)
-    est, low, high = ratio_of_rates([a["tokens"] for a, _ in pairs], [a["latency_s"] for a, _ in pairs],
-                                    [b["tokens"] for _, b in pairs], [b["latency_s"] for _, b in pairs])
-    if not est > 0:
-        return ratio, (NAN, NAN)
-    return ratio, (ratio * low / est, ratio * high / est)
+def _loop_ratio(mine: tuple, base: tuple, cells: dict, requests: dict) -> tuple[float, tuple[float, float]]:
+    """The ratio of two loops' throughputs over the rounds both ran, and its interval (see ``loop_summary``)."""
+    shared = sorted(set(cells[mine]) & set(cells[base]))
+    by_prompt = [({r["cell"]["prompt"]: r for r in requests[mine].get(k, [])},
+                  {r["cell"]["prompt"]: r for r in requests[base].get(k, [])}) for k in shared]
+    both = set.intersection(*(set(a) & set(b) for a, b in by_prompt)) if by_prompt else set()
+    prompts = [p for p in by_prompt[0][0] if p in both] if by_prompt else []  # the first round's order
+    rounds = [(cells[mine][k]["throughput"], cells[base][k]["throughput"],
+               [a[p]["tokens"] for p in prompts], [a[p]["latency_s"] for p in prompts],
+               [b[p]["tokens"] for p in prompts], [b[p]["latency_s"] for p in prompts])
+              for k, (a, b) in zip(shared, by_prompt)]
+    est, low, high = ratio_of_loops(rounds)
+    return est, (low, high)
 
 
 def table_loops(rows: list[LoopRow]) -> str:
-    """Closed loops: throughput against concurrency, each ratio with its interval, and what a request waits."""
+    """Closed loops: throughput against concurrency, each ratio with its interval, and what a request waits (with
+    ``--rounds``, requests count every round's)."""
     cols = [(c, label) for c, label, _ in LOOP_BASELINES if any(c in r.vs for r in rows)]
     own = any("vs_own_1" in r.vs for r in rows)
-    head = ["T", "N", "method", "draft", "requests", "tokens/s", *[label for _, label in cols],
-            *(["vs itself at N = 1"] if own else []), "TPOT ms (p50 / p90)", "TTFT ms (p50 / p90)",
-            "accepted length", "errors"]
-    body = [[f"{r.T:g}", str(r.concurrency), r.method, r.draft, str(r.requests),
+    rounds = any(r.rounds > 1 for r in rows)
+    head = ["T", "N", "method", "draft", "requests", *(["rounds"] if rounds else []), "tokens/s",
+            *[label for _, label in cols], *(["vs itself at N = 1"] if own else []), "TPOT ms (p50 / p90)",
+            "TTFT ms (p50 / p90)", "accepted length", "errors"]
+    body = [[f"{r.T:g}", str(r.concurrency), r.method, r.draft, str(r.requests), *([str(r.rounds)] if rounds else []),
              _f(r.throughput, ".1f") + (" (busy machine)" if r.contended else ""),
              *[r.show(c, ".2f", "x") for c, _ in cols], *([r.show("vs_own_1", ".2f", "x")] if own else []),
              f"{_f(r.tpot_ms[0], '.1f')} / {_f(r.tpot_ms[1], '.1f')}",

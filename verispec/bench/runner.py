@@ -66,6 +66,7 @@ class BenchConfig:
     distortion: bool = False  # record lossy rules' exact TV at every decoded position, and each cell's NLL
     backend: str = "hf"  # the target's engine: hf (transformers) or llama (llama.cpp on the GGUF file)
     concurrency: list[int] = field(default_factory=list)  # closed loops with N requests in flight (empty: none)
+    rounds: int = 1  # closed loops: each (temperature, seed, N)'s methods this many times, in turn (see plan_groups)
 
     @classmethod
     def from_dict(cls, d: dict) -> "BenchConfig":
@@ -96,6 +97,10 @@ class BenchConfig:
             raise VerispecError("audit_cases must be >= 0")
         if any(n < 1 for n in self.concurrency):
             raise VerispecError(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.rounds < 1:
+            raise VerispecError(f"rounds must be >= 1, got {self.rounds}")
+        if self.rounds > 1 and not self.concurrency:
+            raise VerispecError("--rounds repeats closed loops; give --concurrency too")
         if self.concurrency and (self.shadow or self.distortion or self.carry_state):
             raise VerispecError("--concurrency runs closed loops of requests; --shadow, --distortion and --carry-state "
                                 "are for one request at a time")
@@ -127,6 +132,9 @@ BENCH_HELP = {
     "concurrency": "instead of one prompt at a time: for each N, every prompt as a request of a closed loop that "
                    "keeps N in flight (a new one starts as one finishes); records each request's latencies and each "
                    "loop's throughput",
+    "rounds": "closed loops: run every temperature and N's methods this many times, in turn and in reverse order every "
+              "other round, so that a slow spell of the machine falls on all of them; ratios are paired within a "
+              "round and their intervals take in the spread between rounds",
     "distortion": "record, for lossy rules, the exact total variation of their law from the target's at every "
                   "position a run tests, and for every cell at T > 0 the NLL of its text under the target",
 }
@@ -194,16 +202,20 @@ class Group:
     draft: str
     method: Plan | Peer
     concurrency: int
+    round: int = 0
 
     @property
     def key(self) -> dict:
         return {"T": self.temperature, "seed": self.seed, "draft": self.draft, "method": self.method.name,
-                "concurrency": self.concurrency}
+                "concurrency": self.concurrency, "round": self.round}
 
 
 def plan_groups(config: BenchConfig, methods: list[Plan | Peer]) -> tuple[list[Group], list[str]]:
     """The closed loops of a ``--concurrency`` run, in the order they run: per temperature, seed and concurrency,
-    every method (with every draft it uses) in turn. Returns (groups, notes about what is left out)."""
+    ``config.rounds`` rounds of every method (with every draft it uses) in turn, the order reversed in every other
+    round. One slot in the order is not as fast as another on a shared machine (two loops of the same method in one
+    process differed by 20 % on this machine): alternating rounds spread that over all methods. Returns (groups,
+    notes about what is left out)."""
     groups, notes, kept = [], [], []
     for m in methods:
         why = m.missing(config) if isinstance(m, Peer) else None
@@ -217,12 +229,10 @@ def plan_groups(config: BenchConfig, methods: list[Plan | Peer]) -> tuple[list[G
     for t in config.temperatures:
         for seed in config.seeds:
             for n in config.concurrency:
-                for m in kept:
-                    drafts = config.drafts if m.drafts else [NO_DRAFT]
-                    for d in drafts:
-                        if isinstance(m, Peer) and m.drafts and not m.takes_draft(d):
-                            continue
-                        groups.append(Group(t, seed, d, m, n))
+                loops = [(m, d) for m in kept for d in (config.drafts if m.drafts else [NO_DRAFT])
+                         if not (isinstance(m, Peer) and m.drafts and not m.takes_draft(d))]
+                for r in range(config.rounds):
+                    groups += [Group(t, seed, d, m, n, r) for m, d in (loops if r % 2 == 0 else loops[::-1])]
     return groups, notes
 
 
@@ -339,8 +349,7 @@ class Runner:
         load = meter.stop()
         records = []
         for req, prompt_ids in zip(requests, ids):
-            key = {"T": t, "seed": group.seed, "prompt": req.problem.id, "draft": group.draft, "method": m.name,
-                   "concurrency": group.concurrency}
+            key = {**group.key, "prompt": req.problem.id}
             records += [step_record(key, i, s) for i, s in enumerate(req.steps)]
             text = self.target.decode([x for x in req.token_ids if x not in self.target.eos_token_ids])
             correct = score(req.problem, text) if req.problem.task in ("gsm8k", "humaneval") else None
@@ -521,13 +530,14 @@ def _run_groups(config: BenchConfig, methods, problems, out: Path, resume: bool,
                disable=not progress, file=sys.stderr)
     with out.open("a", encoding="utf-8") as f:
         for g in todo:
-            bar.set_postfix_str(f"T={g.temperature:g} N={g.concurrency} {g.method.name}")
+            where = f"T={g.temperature:g} N={g.concurrency} {g.method.name}" + \
+                (f" round {g.round + 1}/{config.rounds}" if config.rounds > 1 else "")
+            bar.set_postfix_str(where)
             records = runner.run_group(g, problems)
             for r in records:
                 f.write(json.dumps(r) + "\n")
             f.flush()
-            bar.set_postfix_str(f"T={g.temperature:g} N={g.concurrency} {g.method.name} "
-                                f"{records[-1]['throughput']:.1f} tok/s")
+            bar.set_postfix_str(f"{where} {records[-1]['throughput']:.1f} tok/s")
             bar.update(1)
     bar.close()
     return out

@@ -3,7 +3,9 @@
 * ``mean_interval(values)``: mean and a Student-t interval of per-prompt values;
 * ``bootstrap(groups, statistic)``: an interval for any statistic of per-prompt groups by resampling prompts with
   replacement (percentile bootstrap, seeded: the same records give the same interval). Ratios of sums (tokens/s of
-  one method over another on the same prompts) use it, paired: each resampled prompt brings both methods' cells.
+  one method over another on the same prompts) use it, paired: each resampled prompt brings both methods' cells;
+* ``ratio_of_loops(rounds)``: two closed loops' throughput ratio over rounds run in turn, resampling rounds (the
+  machine's spells) and prompts.
 
 With one prompt there is no interval (NaN bounds).
 """
@@ -111,3 +113,36 @@ def ratio_of_rates(a_num: Sequence[float], a_den: Sequence[float], b_num: Sequen
     if len(stats) < n // 2:
         return float(est), NAN, NAN
     return float(est), float(np.quantile(stats, 0.025, method="lower")), float(np.quantile(stats, 0.975, method="higher"))
+
+
+def ratio_of_loops(rounds: Sequence[tuple[float, float, Sequence[float], Sequence[float], Sequence[float],
+                                          Sequence[float]]], n: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """The throughput ratio of two methods' closed loops run side by side in several rounds. ``rounds`` holds, per
+    round, (A's measured throughput, B's, then per prompt, in the same prompt order in every round: A's tokens, A's
+    time in system, B's tokens, B's time in system).
+
+    The estimate is the geometric mean of the rounds' measured ratios. The 95 % percentile bootstrap draws rounds
+    (what the machine's spells move) and prompts (the same prompts drawn in every round); a drawn round's ratio is its
+    measured ratio times how much the drawn prompts move its Little's-law ratio of sums (``ratio_of_rates``). With
+    one round this is ``ratio_of_rates``'s interval scaled to the measured ratio."""
+    if not rounds:
+        return NAN, NAN, NAN
+    measured = np.asarray([a / b if b > 0 else NAN for a, b, *_ in rounds], dtype=float)
+    if not np.all(measured > 0):
+        return NAN, NAN, NAN
+    est = float(np.exp(np.log(measured).mean()))
+    an, ad, bn, bd = (np.asarray([r[i] for r in rounds], dtype=float) for i in range(2, 6))  # (rounds, prompts)
+    n_prompts = an.shape[1]
+    if n_prompts < 2:
+        return est, NAN, NAN
+    idx = _draws(n_prompts, n, seed)  # (n, prompts)
+    picks = np.random.default_rng(seed + 1).integers(0, len(rounds), size=(n, len(rounds)))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        full = (an.sum(1) / ad.sum(1)) / (bn.sum(1) / bd.sum(1))  # (rounds,)
+        drawn = (an[:, idx].sum(2) / ad[:, idx].sum(2)) / (bn[:, idx].sum(2) / bd[:, idx].sum(2))  # (rounds, n)
+        logs = np.log(measured)[:, None] + np.log(drawn / full[:, None])
+    stats = np.exp(logs[picks, np.arange(n)[:, None]].mean(1))
+    stats = stats[np.isfinite(stats)]
+    if len(stats) < n // 2:
+        return est, NAN, NAN
+    return est, float(np.quantile(stats, 0.025, method="lower")), float(np.quantile(stats, 0.975, method="higher"))
