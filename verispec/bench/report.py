@@ -33,7 +33,7 @@ from ..methods import resolve
 from ..metrics import mean_accepted_length, per_candidate_acceptance
 from ..tree import Tree
 from .peers import BASELINES, PEERS
-from .records import NO_DRAFT, Results, cell_id, contended
+from .records import NO_DRAFT, Results, cell_id, contended, group_id
 from .stats import fmt, ratio_of_loops, ratio_of_rates, ratio_of_sums
 
 NAN = float("nan")
@@ -542,17 +542,15 @@ def loop_summary(res: Results) -> list[LoopRow]:
     drawn move it (``stats.ratio_of_loops``): by Little's law a loop's throughput is about N x sum(tokens) / sum(time
     in system) over its requests, so resampling prompts moves a round's ratio as it moves that ratio of sums. With
     one round, machine noise between runs is not in it."""
-    def loop(c: dict) -> tuple:
-        return c["T"], c["seed"], c["draft"], c["method"], c["concurrency"]
-
-    requests: dict[tuple, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    requests: dict[tuple, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))  # loop -> round -> requests
     for r in res.prompts:
-        c = r["cell"]
-        if c.get("concurrency") is not None:
-            requests[loop(c)][c.get("round", 0)].append(r)
-    cells: dict[tuple, dict[int, dict]] = defaultdict(dict)
+        if r["cell"].get("concurrency") is not None:
+            *loop, k = group_id(r["cell"])
+            requests[tuple(loop)][k].append(r)
+    cells: dict[tuple, dict[int, dict]] = defaultdict(dict)  # loop -> round -> its cell record
     for cell in res.cells:
-        cells[loop(cell["cell"])][cell["cell"].get("round", 0)] = cell
+        *loop, k = group_id(cell["cell"])
+        cells[tuple(loop)][k] = cell
     rows = []
     for key, by_round in cells.items():
         T, seed, draft, method, n = key
