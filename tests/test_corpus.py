@@ -4,6 +4,7 @@ a row does not depend on the batch beside it); greedy text equal to ``generate``
 features, repeated records dropped; training streams the corpus a few rounds at a time, stops when the held-out
 rounds stop improving and ships the best checkpoint."""
 
+import functools
 import importlib
 import json
 
@@ -318,17 +319,58 @@ def test_a_time_budget_stops_training_at_a_checkpoint_and_the_same_command_resum
         train(t, tmp_path / "other", cfg, progress=False, log=lambda m: None, max_minutes=0)
 
 
-def test_a_target_off_the_cpu_trains_on_a_written_corpus_and_never_writes_one(tmp_path, monkeypatch):
-    """On a GPU (train-draft --device) training reads a corpus whose text is there; new rounds are written on the
-    CPU, and asking a GPU target for them is refused in one line before anything runs."""
-    from verispec.backends import CausalLM
+def test_the_generate_writer_draws_each_row_at_its_own_temperature():
+    """``_RowTemperature``: a row at T > 0 is its logits over T; a row at 0 keeps only its argmax (the first
+    largest), so sampling it is greedy decoding."""
+    scores = torch.tensor([[1.0, 3.0, 3.0, 0.5], [2.0, -1.0, 0.0, 4.0], [0.0, 1.0, 2.0, 3.0]])
+    out = corpus_mod._RowTemperature(torch.tensor([0.0, 0.5, 2.0]))(None, scores.clone())
+    assert torch.equal(torch.softmax(out[0], -1), torch.tensor([0.0, 1.0, 0.0, 0.0]))
+    assert torch.allclose(out[1], scores[1] / 0.5) and torch.allclose(out[2], scores[2] / 2.0)
 
+
+def test_a_gpu_target_writes_rounds_with_generate_and_its_greedy_text_is_the_batch_writers(tmp_path, monkeypatch):
+    """Off the CPU (train-draft --device cuda) new rounds are written with ``generate`` (text only, many rounds
+    together), their features computed by teacher forcing, and ``writers.jsonl`` names them. A greedy job's text is the
+    CPU batch writer's; every row stops at its own job's limit or its first end-of-sequence token."""
     t = chat_target()
-    monkeypatch.setattr(CausalLM, "device", property(lambda self: torch.device("cuda")))
-    with pytest.raises(VerispecError, match="0 complete corpus rounds, fewer than --rounds 4; new rounds are written "
-                                            "on the CPU"):
-        train(t, tmp_path / "run", TrainConfig(rounds=4, gen_batch=2, top_k=8, vocab=0), progress=False,
-              log=lambda m: None)
+    g = corpus_mod._GenerateWriter(t, max_batch=2, budget=200)  # 5 prompts, small padded batches
+    batch = _Writer(t, None, 8, max_batch=5)
+
+    def job(temperature, limit):
+        return (yield corpus_mod.Job(PROMPTS, limit, temperature))
+
+    tasks = [job(0.0, 12), job(0.0, 5), job(0.9, 7)]
+    got = dict(g.run(iter(tasks), at_once=3))
+    (_, (want, _)), = batch.run(iter([job(0.0, 12)]))
+    assert got[0][0] == want and got[0][1] == [None] * len(PROMPTS)
+    assert all(a == b[:len(a)] and len(a) == min(5, len(b)) for a, b in zip(got[1][0], want))
+    assert all(1 <= len(o) <= 7 and all(v not in t.eos_token_ids for v in o[:-1]) for o in got[2][0])
+
+    # what a target on a GPU does (write_corpus's default there), here on the CPU
+    monkeypatch.setattr(train_mod, "write_corpus", functools.partial(corpus_mod.write_corpus, generate=True))
+    monkeypatch.setattr(corpus_mod, "GENERATE_ROUNDS_AT_ONCE", 2)
+    cfg = TrainConfig(rounds=3, gen_batch=2, top_k=8, vocab=0)
+    train(t, tmp_path / "run", cfg, until="corpus", progress=False, log=lambda m: None)
+    records = read_corpus(tmp_path / "run")
+    assert {r.round for r in records} == {0, 1, 2} and {r.shape for r in records} == {"chat", "document", "qa"}
+    writers = [json.loads(x) for x in (tmp_path / "run" / "writers.jsonl").read_text().splitlines()]
+    assert [w["round"] for w in writers] == [0, 1, 2] and {w["writer"] for w in writers} == {"generate"}
+    for rnd in range(3):  # features by teacher forcing, where training reads them
+        recs = [r for r in records if r.round == rnd]
+        assert [d["tokens"].tolist() for d in round_features(tmp_path / "run", rnd, recs)] == [r.tokens for r in recs]
+
+
+def test_writing_stops_beginning_rounds_at_the_deadline(tmp_path):
+    """--max-minutes with --until corpus bounds the writing: no round begins after it, the rounds written are kept
+    (without features); the same command goes on from there."""
+    t = chat_target()
+    lines = []
+    cfg = TrainConfig(rounds=4, gen_batch=2, top_k=8, vocab=0)
+    out = train(t, tmp_path / "run", cfg, until="corpus", progress=False, log=lines.append, max_minutes=1e-6)
+    assert out == tmp_path / "run" and len({r.round for r in read_corpus(tmp_path / "run")}) < 4
+    assert any("corpus rounds written" in x for x in lines)
+    train(t, tmp_path / "run", cfg, until="corpus", progress=False, log=lambda m: None)
+    assert len({r.round for r in read_corpus(tmp_path / "run")}) == 4
 
 
 def test_devices_are_checked_in_one_line():

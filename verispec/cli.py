@@ -561,12 +561,14 @@ def _add_train_draft(sub):
                    help="train on the corpus of another run folder (read only), e.g. heads of other options or data "
                         "sizes on one corpus; --rounds must not exceed its complete rounds")
     t.add_argument("--device", default="cpu",
-                   help="where the features a corpus lacks are computed and the head trains: cpu, or a GPU (cuda, "
-                        "cuda:1, ...; the target then runs in float32 with the stock transformers forward, and new "
-                        "corpus rounds must be written on the CPU first). scripts/gpu_head.sh runs it on a lent GPU")
+                   help="where the corpus is written, the features it lacks computed and the head trained: cpu, or "
+                        "a GPU (cuda, cuda:1, ...; the target then runs in float32 with the stock transformers "
+                        "forward, and new rounds are text sampled with Hugging Face generate, many rounds together, "
+                        "their features computed afterwards). scripts/gpu_head.sh runs it on a lent GPU")
     t.add_argument("--max-minutes", type=float, default=None,
                    help="stop training at the first checkpoint after this many minutes of the command and write "
-                        "head.pt from the best checkpoint so far (the same command resumes the schedule)")
+                        "head.pt from the best checkpoint so far; with --until corpus, begin no corpus round after "
+                        "them (the same command resumes either)")
     t.add_argument("--no-resume", action="store_true", help="refuse to continue a run folder that exists")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     _threads(t)

@@ -40,6 +40,10 @@ without text, keeping the rounds it has. Each round's choices and draws are seed
 in one go is the one written in several sittings (tested on the tiny models; on the default model a round written
 again was the same bytes, docs/design.md).
 
+On a GPU the rounds are written by ``_GenerateWriter`` instead: text only, many rounds' jobs sampled together with
+Hugging Face ``generate`` on padded batches (the same law, other bytes), their features computed afterwards by
+teacher forcing; ``writers.jsonl`` beside the text names those rounds.
+
 Without a chat template (a base model) every round is free text: the target continues an opening.
 """
 
@@ -49,8 +53,9 @@ import gzip
 import json
 import os
 import random
+import time
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -114,6 +119,8 @@ SLOTS = 128
 # corpus rounds sharing the batch (a stage waits for all its answers; with 2, a round's last long answers decode
 # beside the next round's prompts instead of alone)
 ROUNDS_AT_ONCE = 1  # 2 measured no faster at 128 slots, where the batch is compute-bound (docs/design.md)
+# corpus rounds in flight with _GenerateWriter (a target on a GPU): their jobs sampled together, a pool a tick
+GENERATE_ROUNDS_AT_ONCE = 16
 FORMAT = 2  # 1: text only (features computed afterwards); 2: features and labels written with the text
 
 
@@ -356,6 +363,111 @@ class _Writer:
                 s.closing = True
                 closed.append(s)
         return closed
+
+
+class _RowTemperature:
+    """A logits processor for ``generate``: each row of the batch at its own temperature, a row at 0 reduced to its
+    argmax (sampling it then draws the argmax, the first largest, as greedy decoding does)."""
+
+    def __init__(self, temperatures: torch.Tensor):
+        self.t = temperatures
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        hot = (self.t > 0)[:, None]
+        warm = scores / torch.where(hot, self.t[:, None], torch.ones_like(self.t[:, None]))
+        greedy = torch.full_like(scores, float("-inf")).scatter_(1, scores.argmax(-1, keepdim=True), 0.0)
+        return torch.where(hot, warm, greedy)
+
+
+class _GenerateWriter(_Writer):
+    """A writer of text only that samples its jobs with Hugging Face ``generate`` on statically padded batches (left
+    padding), every job of every round in flight in one pool: for a target on a GPU, where ``generate`` keeps one
+    cache tensor per layer for the whole batch and ``Target.forward_batch`` of the stock forward copies every
+    sequence's cache each step. Each row is drawn from the target at its own job's temperature with no top-k or
+    top-p (``_RowTemperature``), cut after its first end-of-sequence token or at its job's ``max_new``: the target's
+    law, as ``_Writer``'s. Its draws come from torch's generator on the target's device, seeded per pool; a round is
+    therefore not the same bytes as the CPU writer's (or as another pool's), only the same law."""
+
+    def __init__(self, target, max_batch: int = 512, budget: int = 1 << 20, seed: int = 0):
+        super().__init__(target, None, 64, max_batch, seed=seed)
+        self.seed = seed
+        self.budget = budget  # padded rows x (prompt + new tokens) a generate call holds at most
+        self.pools = 0
+
+    def run(self, tasks: Iterator[Generator], at_once: int = 1) -> Iterator[tuple[int, object]]:
+        """As ``_Writer.run``, but in ticks: every task in flight hands its next job, all of them are sampled
+        together (``_generate``), and each task receives its own continuations (``data`` None: text only)."""
+        tasks = enumerate(tasks)
+        flight: dict[int, tuple[Generator, Job]] = {}
+        more = True
+
+        def give(i: int, gen: Generator, result) -> Iterator[tuple[int, object]]:
+            while True:
+                try:
+                    job = gen.send(result) if result is not None else next(gen)
+                except StopIteration as stop:
+                    flight.pop(i, None)
+                    yield i, stop.value
+                    return
+                if job.prompts:
+                    flight[i] = (gen, job)
+                    return
+                result = ([], [])  # nothing to sample
+
+        while True:
+            while more and len(flight) < at_once:
+                nxt = next(tasks, None)
+                if nxt is None:
+                    more = False
+                    break
+                yield from give(nxt[0], nxt[1], None)
+            if not flight:
+                return
+            now = list(flight.items())
+            outs = self._generate([(p, job.max_new, job.temperature) for _, (_, job) in now for p in job.prompts])
+            at = 0
+            for i, (gen, job) in now:
+                n = len(job.prompts)
+                yield from give(i, gen, (outs[at:at + n], [None] * n))
+                at += n
+
+    @torch.inference_mode()
+    def _generate(self, items: list[tuple[list[int], int, float]]) -> list[list[int]]:
+        """One continuation per ``(prompt, max_new, temperature)``: the items sorted by (max_new, prompt length) and
+        cut into padded batches of at most ``max_batch`` rows and ``budget`` cache entries."""
+        from transformers import GenerationConfig, LogitsProcessorList  # noqa: PLC0415 - a 0.7 s import
+
+        hf, dev, eos = self.target.hf, self.target.device, sorted(self.target.eos_token_ids)
+        pad = hf.generation_config.pad_token_id
+        pad = pad if isinstance(pad, int) else (eos[0] if eos else 0)
+        order = sorted(range(len(items)), key=lambda k: (items[k][1], len(items[k][0])))
+        batches, cur = [], []
+        for k in order:
+            width = max([len(items[j][0]) for j in cur + [k]]) + max(items[j][1] for j in cur + [k])
+            if cur and (len(cur) == self.max_batch or (len(cur) + 1) * width > self.budget):
+                batches.append(cur)
+                cur = []
+            cur.append(k)
+        if cur:
+            batches.append(cur)
+        outs: list[list[int]] = [[] for _ in items]
+        for b in batches:
+            torch.manual_seed(self.seed * 100_000 + self.pools)
+            self.pools += 1
+            width = max(len(items[k][0]) for k in b)
+            ids = torch.tensor([[pad] * (width - len(items[k][0])) + items[k][0] for k in b], device=dev)
+            mask = torch.tensor([[0] * (width - len(items[k][0])) + [1] * len(items[k][0]) for k in b], device=dev)
+            temps = torch.tensor([float(items[k][2]) for k in b], device=dev)
+            config = GenerationConfig(max_new_tokens=max(items[k][1] for k in b), do_sample=True, temperature=1.0,
+                                      top_k=0, top_p=1.0, repetition_penalty=1.0, eos_token_id=eos or None,
+                                      pad_token_id=pad)
+            got = hf.generate(ids, attention_mask=mask, generation_config=config,
+                              logits_processor=LogitsProcessorList([_RowTemperature(temps)]))
+            for k, row in zip(b, got[:, width:].tolist()):
+                row = row[:items[k][1]]
+                cut = next((j for j, v in enumerate(row) if v in self.target.eos_token_ids), None)
+                outs[k] = row if cut is None else row[:cut + 1]
+        return outs
 
 
 @dataclass
@@ -620,19 +732,32 @@ def response_mask(record: Record) -> torch.Tensor:
 
 
 def write_corpus(target, folder: str | Path, config: CorpusConfig,
-                 on_round: Callable[[int, list[Record]], None] | None = None) -> list[Record]:
+                 on_round: Callable[[int, list[Record]], None] | None = None, generate: bool | None = None,
+                 deadline: float | None = None) -> list[Record]:
     """Generate (or resume) ``config.rounds`` rounds into ``folder``: each round's text ``text/NNNNN.jsonl.gz``,
     written last, after (with ``config.layers``) its features ``features/NNNNN.pt``; returns every record, without
     features. Up to ``ROUNDS_AT_ONCE`` rounds share the writer's batch (``_Writer.run``); they are written in order,
-    a round finished early waiting in memory for the ones before it."""
+    a round finished early waiting in memory for the ones before it.
+
+    ``generate`` (default: where the target is off the CPU) writes text only with ``_GenerateWriter``,
+    ``GENERATE_ROUNDS_AT_ONCE`` rounds in flight; ``fill_features`` computes their features afterwards. No round
+    begins after ``deadline`` (a ``time.time()``); the rounds begun are finished and kept."""
     folder = Path(folder)
     records = read_corpus(folder)
     done = max((r.round for r in records), default=-1) + 1
     seen = {hash(tuple(r.tokens)) for r in records}
-    w = _Writer(target, config.layers, config.top_k, SLOTS, capacity=MAX_PROMPT + max(LIMITS.values()) + 1)
+    if generate is None:
+        generate = target.device.type != "cpu"
+    if generate:
+        w = _GenerateWriter(target, seed=config.seed * 1_000_003 + done)
+        config, at_once = replace(config, layers=None), GENERATE_ROUNDS_AT_ONCE
+    else:
+        w = _Writer(target, config.layers, config.top_k, SLOTS, capacity=MAX_PROMPT + max(LIMITS.values()) + 1)
+        at_once = ROUNDS_AT_ONCE
     todo = list(range(done, config.rounds))
     finished: dict[int, list[Record]] = {}
-    for i, made in w.run((_round_task(w, config, rnd_i) for rnd_i in todo), at_once=ROUNDS_AT_ONCE):
+    begun = (_round_task(w, config, rnd_i) for rnd_i in todo if deadline is None or time.time() < deadline)
+    for i, made in w.run(begun, at_once=at_once):
         finished[todo[i]] = made
         while done in finished:
             new = []
@@ -645,6 +770,9 @@ def write_corpus(target, folder: str | Path, config: CorpusConfig,
                 _save({"data": [{k: v for k, v in r.data.items()} for r in new]}, features_path(folder, done))
             text = gzip.compress("".join(r.to_json() + "\n" for r in new).encode(), mtime=0)  # no time: its bytes
             _replace(text_path(folder, done), lambda tmp, text=text: tmp.write_bytes(text))
+            if generate:  # which rounds another writer made (the others: config.json's written_by, the batch writer)
+                with (folder / "writers.jsonl").open("a") as f:
+                    f.write(json.dumps({"round": done, "writer": "generate", "forward": target.forward_id}) + "\n")
             for r in new:
                 r.data = None
             records += new

@@ -417,9 +417,10 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
     several heads (other options, other data sizes) train on one corpus.
 
     The head trains where the target is (``target.device``: a GPU with ``train-draft --device cuda``, which also
-    computes missing features there; writing new rounds runs on the CPU only). ``max_minutes`` stops training at the
-    first checkpoint past that time and writes ``head.pt`` from the best checkpoint so far; the same command resumes
-    the schedule later."""
+    writes new rounds there, text only with ``generate``, and computes their features by teacher forcing).
+    ``max_minutes`` stops training at the first checkpoint past that time and writes ``head.pt`` from the best
+    checkpoint so far; with ``until="corpus"`` it begins no corpus round after that time instead. The same command
+    resumes either later."""
     config.validate()
     if max_minutes is not None and not max_minutes > 0:
         raise VerispecError(f"--max-minutes must be > 0, got {max_minutes}")
@@ -456,10 +457,6 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
         raise VerispecError(f"{source} holds {done} complete corpus rounds, fewer than --rounds {config.rounds}; "
                             f"extend it with 'verispec train-draft --until corpus --out {source} --rounds "
                             f"{config.rounds}' (its options) or ask for fewer")
-    if done < config.rounds and target.device.type != "cpu":
-        raise VerispecError(f"{source} holds {done} complete corpus rounds, fewer than --rounds {config.rounds}; "
-                            f"new rounds are written on the CPU ('verispec train-draft --until corpus --out {source} "
-                            f"--rounds {config.rounds}'), not on {target.device.type}")
     if done < config.rounds:
         bar = tqdm(total=config.rounds, initial=done, desc="self-written corpus", unit="round", disable=not progress)
         written = [sum(b - a for r in records for a, b in r.spans)]
@@ -471,8 +468,12 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
 
         records = write_corpus(target, source, CorpusConfig(config.rounds, config.gen_batch, config.seed,
                                                                  layers=tuple(info["layers"]), top_k=info["top_k"]),
-                               on_round=tick)
+                               on_round=tick, deadline=t_start + 60 * max_minutes if max_minutes and until == "corpus" else None)
         bar.close()
+        if len({r.round for r in records}) < config.rounds:  # the deadline came first: no features
+            log(f"--max-minutes {max_minutes:g} has passed: {len({r.round for r in records})} of {config.rounds} "
+                "corpus rounds written (the same command writes the rest)")
+            return source
     records = [r for r in records if r.round < config.rounds]
     log(f"corpus: {len(records)} sequences, {sum(len(r.tokens) for r in records):,} tokens, "
         f"{_response_tokens(records, range(len(records))):,} written by the target")
