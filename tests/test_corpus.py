@@ -435,3 +435,22 @@ def test_eval_draft_holds_out_the_rounds_the_head_held_out_as_the_corpus_grows(t
     _, recs, val = _held_out(head, tmp_path / "corpus")
     assert {recs[i].round for i in val} == held(6) and max(r.round for r in recs) == 5
     assert training_record(head)["rounds"] == 6  # what eval-draft's report says the head trained with
+
+
+def test_first_round_trains_and_holds_out_on_the_later_rounds_only(tmp_path):
+    """--first-round: a head goes on training on the rounds added since it trained; its held-out rounds (which
+    eval-draft --corpus measures it on) are among them too."""
+    from verispec.bench.agreement import _held_out
+
+    t = chat_target()
+    cfg = TrainConfig(rounds=5, gen_batch=2, top_k=8, vocab=0, epochs=1, batch=2, checkpoint_every=2)
+    train(t, tmp_path / "run", cfg, until="corpus", progress=False, log=lambda m: None)
+    records = read_corpus(tmp_path / "run")
+    later = TrainConfig(rounds=5, gen_batch=2, top_k=8, vocab=0, epochs=1, batch=2, checkpoint_every=2, first_round=3)
+    path = train(t, tmp_path / "later", later, corpus_dir=tmp_path / "run", progress=False, log=lambda m: None)
+    head = EagleHead.load(path, t)
+    _, held, val = _held_out(head, tmp_path / "run")
+    assert {r.round for r in held} == {3, 4} and val
+    assert head.meta["sequences"] + len(val) == sum(r.round >= 3 for r in records)
+    with pytest.raises(VerispecError, match="--first-round"):
+        TrainConfig(rounds=5, first_round=4).validate()

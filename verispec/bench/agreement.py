@@ -158,7 +158,7 @@ def _held_out(head: EagleHead, folder: Path) -> tuple[TrainConfig, list[Record],
     if not cfg:
         cfg = json.loads((folder / "config.json").read_text()) if (folder / "config.json").exists() else {}
     config = TrainConfig(**{k: v for k, v in cfg.items() if k in TrainConfig.__dataclass_fields__})
-    records = [r for r in read_corpus(folder) if r.round < config.rounds]
+    records = config.selects(read_corpus(folder))
     _, val = _split(records, config)
     return config, records, val
 

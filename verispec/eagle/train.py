@@ -59,6 +59,11 @@ class TrainConfig:
     checkpoint_every: int = 50  # optimiser steps
     vocab: int = 16384  # draft vocabulary (the most frequent tokens of the corpus); 0: the target's whole vocabulary
     init: str = ""  # a head file to start from (its weights and draft vocabulary) instead of a fresh head
+    first_round: int = 0  # train (and hold out) on rounds first_round..rounds-1 only: the rounds added since a head trained
+
+    def selects(self, records: list[Record]) -> list[Record]:
+        """The corpus records this configuration trains and validates on (rounds ``first_round..rounds-1``)."""
+        return [r for r in records if self.first_round <= r.round < self.rounds]
 
     def layers(self) -> tuple[int, ...]:
         try:
@@ -70,10 +75,11 @@ class TrainConfig:
     def validate(self) -> None:
         if self.rounds < 2 or self.gen_batch < 1 or self.epochs < 1 or self.batch < 1 or self.depths < 1 \
                 or not 0 < self.held_out < 1 or self.vocab < 0 or self.top_k < 1 or self.max_tokens < 0 \
-                or self.patience < 0 or self.decoder_layers < 1:
+                or self.patience < 0 or self.decoder_layers < 1 or not 0 <= self.first_round <= self.rounds - 2:
             raise VerispecError("need --rounds >= 2, --gen-batch, --epochs, --batch, --depths, --top-k, "
                                 "--decoder-layers >= 1, "
-                                "0 < --held-out < 1, --vocab, --max-tokens and --patience >= 0")
+                                "0 < --held-out < 1, --vocab, --max-tokens and --patience >= 0, and "
+                                "0 <= --first-round <= --rounds - 2")
         if self.init and not Path(self.init).is_file():
             raise VerispecError(f"--init {self.init}: no such head file")
         self.layers()
@@ -101,6 +107,8 @@ TRAIN_HELP = {
     "checkpoint_every": "optimiser steps between checkpoints (and validations on the held-out rounds)",
     "vocab": "draft vocabulary: the head's output layer keeps this many tokens (the corpus's most frequent), cutting "
              "its cost; other tokens get draft probability 0, which every verifier handles exactly. 0: all",
+    "first_round": "train and hold out on corpus rounds first-round..rounds-1 only, e.g. to go on training a head "
+                   "(--init) on the rounds added to the corpus since it trained",
     "init": "start from this head file (its weights and its draft vocabulary; --vocab is then unused), e.g. to go on "
             "training an earlier session's head on a grown corpus with a new schedule (the checkpoint, with its "
             "optimiser state, stays in its run folder)",
@@ -474,7 +482,7 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
             log(f"--max-minutes {max_minutes:g} has passed: {len({r.round for r in records})} of {config.rounds} "
                 "corpus rounds written (the same command writes the rest)")
             return source
-    records = [r for r in records if r.round < config.rounds]
+    records = config.selects(records)
     log(f"corpus: {len(records)} sequences, {sum(len(r.tokens) for r in records):,} tokens, "
         f"{_response_tokens(records, range(len(records))):,} written by the target")
     fill_features(target, source, records, tuple(info["layers"]), info["top_k"], progress)  # a checkout's corpus
