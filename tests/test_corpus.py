@@ -454,3 +454,37 @@ def test_first_round_trains_and_holds_out_on_the_later_rounds_only(tmp_path):
     assert head.meta["sequences"] + len(val) == sum(r.round >= 3 for r in records)
     with pytest.raises(VerispecError, match="--first-round"):
         TrainConfig(rounds=5, first_round=4).validate()
+
+
+def test_bfloat16_training_computes_in_bfloat16_and_keeps_float32_weights(tmp_path, monkeypatch):
+    """--precision bfloat16: the head's training losses are computed under bfloat16 autocast, near the float32 ones on
+    the same weights; its weights and the head file stay float32; an unknown precision is refused."""
+    t = chat_target()
+    cfg = TrainConfig(rounds=4, gen_batch=2, top_k=8, vocab=0, epochs=1, batch=2, checkpoint_every=2,
+                      precision="bfloat16")
+    seen = []
+    original = train_mod.head_loss
+
+    def spy(head, data, *args, **kwargs):
+        loss, s = original(head, data, *args, **kwargs)
+        if head.training:  # a training step (validation runs in eval mode, in float32)
+            seen.append(torch.is_autocast_enabled("cpu"))
+        return loss, s
+
+    monkeypatch.setattr(train_mod, "head_loss", spy)
+    path = train(t, tmp_path / "run", cfg, progress=False, log=lambda m: None)
+    assert seen and all(seen)
+    head = EagleHead.load(path, t)
+    assert head.meta["config"]["precision"] == "bfloat16"
+    assert all(p.dtype == torch.float32 for p in head.trainable())
+    data = train_mod._Features(tmp_path / "run", read_corpus(tmp_path / "run"),
+                               json.loads((tmp_path / "run" / "config.json").read_text())["corpus"], (-1,), 8,
+                               t.config.hidden_size, t.num_layers)[0]
+    head.train()
+    with torch.no_grad():
+        full = train_mod.head_loss(head, data, 2)[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            half = train_mod.head_loss(head, data, 2)[0]
+    assert torch.isclose(full, half, rtol=0.05) and not torch.equal(full, half)
+    with pytest.raises(VerispecError, match="--precision must be float32 or bfloat16"):
+        TrainConfig(precision="fp8").validate()

@@ -59,6 +59,7 @@ class TrainConfig:
     checkpoint_every: int = 50  # optimiser steps
     vocab: int = 16384  # draft vocabulary (the most frequent tokens of the corpus); 0: the target's whole vocabulary
     init: str = ""  # a head file to start from (its weights and draft vocabulary) instead of a fresh head
+    precision: str = "float32"  # what the head's training forwards and backwards compute in (float32 or bfloat16)
     first_round: int = 0  # train (and hold out) on rounds first_round..rounds-1 only: the rounds added since a head trained
 
     def selects(self, records: list[Record]) -> list[Record]:
@@ -80,6 +81,8 @@ class TrainConfig:
                                 "--decoder-layers >= 1, "
                                 "0 < --held-out < 1, --vocab, --max-tokens and --patience >= 0, and "
                                 "0 <= --first-round <= --rounds - 2")
+        if self.precision not in ("float32", "bfloat16"):
+            raise VerispecError(f"--precision must be float32 or bfloat16, got {self.precision!r}")
         if self.init and not Path(self.init).is_file():
             raise VerispecError(f"--init {self.init}: no such head file")
         self.layers()
@@ -107,6 +110,9 @@ TRAIN_HELP = {
     "checkpoint_every": "optimiser steps between checkpoints (and validations on the held-out rounds)",
     "vocab": "draft vocabulary: the head's output layer keeps this many tokens (the corpus's most frequent), cutting "
              "its cost; other tokens get draft probability 0, which every verifier handles exactly. 0: all",
+    "precision": "what the head's training forwards and backwards compute in: float32, or bfloat16 (autocast: the "
+                 "weights, the optimiser and validation stay float32; about 1.5x the step rate on a CPU with bfloat16 "
+                 "arithmetic)",
     "first_round": "train and hold out on corpus rounds first-round..rounds-1 only, e.g. to go on training a head "
                    "(--init) on the rounds added to the corpus since it trained",
     "init": "start from this head file (its weights and its draft vocabulary; --vocab is then unused), e.g. to go on "
@@ -561,8 +567,9 @@ def _fit(target, out: Path, config: TrainConfig, records: list[Record], source: 
             opt.zero_grad()
             stats: dict[str, float] = {}
             for i in idx:
-                loss, s = head_loss(head, feats[i], config.depths, config.noise, config.feature_weight,
-                                    config.depth_weight)
+                with torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=config.precision == "bfloat16"):
+                    loss, s = head_loss(head, feats[i], config.depths, config.noise, config.feature_weight,
+                                        config.depth_weight)
                 (loss / len(idx)).backward()
                 for key, v in s.items():
                     stats[key] = stats.get(key, 0.0) + v / len(idx)
