@@ -53,7 +53,8 @@ pack() {
     # aside to make room, and restored afterwards with git checkout)
     local tree
     tree=$({ git ls-files -z; git ls-files -z --others --exclude-standard; } \
-        | while IFS= read -r -d '' f; do [[ -e $f ]] && printf '%s\0' "$f"; done | du -cb --files0-from=- | tail -1 | cut -f1)
+        | while IFS= read -r -d '' f; do [[ -e $f ]] && printf '%s\0' "$f"; done \
+        | du -cb --files0-from=- | tail -1 | cut -f1)
     local room=$(( 62 * 1024 * 1024 - tree ))
     if (( room < 8 * 1024 * 1024 )); then
         echo "the working tree is $(( tree >> 20 )) MiB: too little room left for chunks under the 64 MiB a call" >&2

@@ -60,7 +60,7 @@ class TrainConfig:
     vocab: int = 16384  # draft vocabulary (the most frequent tokens of the corpus); 0: the target's whole vocabulary
     init: str = ""  # a head file to start from (its weights and draft vocabulary) instead of a fresh head
     precision: str = "float32"  # what the head's training forwards and backwards compute in (float32 or bfloat16)
-    first_round: int = 0  # train (and hold out) on rounds first_round..rounds-1 only: the rounds added since a head trained
+    first_round: int = 0  # train and hold out on rounds first_round..rounds-1 only (rounds added since)
 
     def selects(self, records: list[Record]) -> list[Record]:
         """The corpus records this configuration trains and validates on (rounds ``first_round..rounds-1``)."""
@@ -480,9 +480,10 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
             bar.set_postfix_str(f"{new[0].shape if new else '-'}: {len(new)} sequences, {written[0]:,} response tokens")
             bar.update(1)
 
+        deadline = t_start + 60 * max_minutes if max_minutes and until == "corpus" else None
         records = write_corpus(target, source, CorpusConfig(config.rounds, config.gen_batch, config.seed,
                                                                  layers=tuple(info["layers"]), top_k=info["top_k"]),
-                               on_round=tick, deadline=t_start + 60 * max_minutes if max_minutes and until == "corpus" else None)
+                               on_round=tick, deadline=deadline)
         bar.close()
         if len({r.round for r in records}) < config.rounds:  # the deadline came first: no features
             log(f"--max-minutes {max_minutes:g} has passed: {len({r.round for r in records})} of {config.rounds} "
