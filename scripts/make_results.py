@@ -86,7 +86,11 @@ EPOCHS_TRAIN = ("verispec train-draft --corpus data/corpus/smollm2-135m --out ru
                 "--feature-layers 3,15,27 --depths 3 --epochs 1 --patience 4 --checkpoint-every 150 "
                 "--init BEFORE")
 EPOCHS_BEFORE = {2: "runs/cap-L1/head.pt", 3: "runs/cap-L1-e2/head.pt",  # else the last epoch's run
-                 4: "data/heads/smollm2-135m-eagle3-3epochs.pt", 5: "data/heads/smollm2-135m-eagle3-4epochs.pt"}
+                 4: "data/heads/smollm2-135m-eagle3-3epochs.pt", 5: "data/heads/smollm2-135m-eagle3-4epochs.pt",
+                 6: "verispec/heads/smollm2-135m.pt (the five-epoch head, git f29244a)"}
+# options an epoch's run added to EPOCHS_TRAIN: the sixth went on from the fifth on the rounds written since (on a
+# GPU), at a lower peak rate (the fifth spent most of its schedule recovering from a warm-up to 1e-3)
+EPOCHS_FLAGS = {6: "--first-round 37 --lr 3e-4 --precision bfloat16"}
 VARIANTS = ROOT / "results" / "head_variants.json"  # `python scripts/experiments/head_variants.py RUN... --out ...`
 
 DYNAMIC = "dyn:4,2,3"  # EAGLE-2 dynamic tree: depth <= 4, top-2 expansion, the 3 most probable nodes kept
@@ -696,8 +700,12 @@ def capacity_section() -> list[str]:
 
 
 def _rounds_trained(training: dict) -> str:
-    """The corpus rounds a head trained with (its eval-draft report's training record), as a count."""
+    """The corpus rounds a head trained with (its eval-draft report's training record): a count, or the range
+    ``first-last`` for a head trained on later rounds only (``--first-round``)."""
     n = training.get("rounds")
+    first = training.get("first_round") or 0
+    if first:
+        return f"{first}-{n - 1}"
     return str(n) if n else "32"  # the heads before this record was kept all trained with --rounds 32
 
 
@@ -741,11 +749,12 @@ def epochs_section() -> list[str]:
     made = "; ".join(provenance(paths[n], "verispec eval-draft --json", r) for n, r in reports.items())
     more = sorted(n for n in reports if n > 1)
     runs = [EPOCHS_BEFORE.get(n, f"runs/cap-L1-e{n - 1}/head.pt") for n in more]
-    rounds = [_rounds_trained(reports[n]["training"]) for n in more]
+    rounds = [reports[n]["training"].get("rounds") or 32 for n in more]  # --rounds R of each command
     out = ["### Longer training", "", f"Made by {made}.", "",
            "The one-layer head of the table above trained one epoch more at a time, each from the weights of the one "
            "before with a new warm-up and cosine schedule: `" + EPOCHS_TRAIN + "` with "
-           + ", ".join(f"E = {n}, R = {k}, BEFORE = {b}" for n, b, k in zip(more, runs, rounds)) + ". A head "
+           + ", ".join(f"E = {n}, R = {k}, BEFORE = {b}" + (f" and `{EPOCHS_FLAGS[n]}`" if n in EPOCHS_FLAGS else "")
+                       for n, b, k in zip(more, runs, rounds)) + ". A head "
            "trained over more rounds (the corpus grew) holds out another round of it, and the split of 37 rounds "
            "holds out one that the heads before never trained on. Spec-Bench: the same answers for every head, "
            "paired intervals; the self-written gain is paired only between heads that held out the same round. The "

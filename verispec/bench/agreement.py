@@ -168,7 +168,8 @@ def training_record(head: EagleHead) -> dict:
     (None for heads written before that was kept)."""
     return {**{k: head.meta.get(k) for k in ("response_tokens", "corpus_tokens", "sequences", "steps", "best_step",
                                              "session_s")},
-            "rounds": (head.meta.get("config") or {}).get("rounds")}
+            "rounds": (head.meta.get("config") or {}).get("rounds"),
+            "first_round": (head.meta.get("config") or {}).get("first_round", 0)}
 
 
 def agreement_report(target, head: EagleHead, depths: int = 4, per_group: int = 2, max_new_tokens: int = 96,
