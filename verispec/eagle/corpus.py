@@ -165,6 +165,15 @@ def _by_rows(items: list[tuple[int, int]], budget: int) -> list[list[int]]:
     return groups
 
 
+def _advance(gen: Generator, result) -> tuple[bool, object]:
+    """Hand a corpus task (a generator of ``Job``s) the result of its last job, or start it (``result`` None):
+    ``(False, its next Job)``, or ``(True, the value it returned)``."""
+    try:
+        return False, (gen.send(result) if result is not None else next(gen))
+    except StopIteration as stop:
+        return True, stop.value
+
+
 class _Writer:
     """Builds prompts from chat turns through the target's template and samples batches on the target's batched
     forward, keeping (when asked) what training reads: every position's features and the target's top-k laws."""
@@ -244,11 +253,10 @@ class _Writer:
         more = True
 
         def give(i: int, gen: Generator, result) -> Iterator[tuple[int, object]]:
-            try:
-                job = gen.send(result) if result is not None else next(gen)
-            except StopIteration as stop:
+            done, job = _advance(gen, result)
+            if done:
                 flight.pop(i, None)
-                yield i, stop.value
+                yield i, job
                 return
             running = _Running(job, self.layers is not None and job.labels_from is not None)
             flight[i] = (gen, running)
@@ -403,11 +411,10 @@ class _GenerateWriter(_Writer):
 
         def give(i: int, gen: Generator, result) -> Iterator[tuple[int, object]]:
             while True:
-                try:
-                    job = gen.send(result) if result is not None else next(gen)
-                except StopIteration as stop:
+                done, job = _advance(gen, result)
+                if done:
                     flight.pop(i, None)
-                    yield i, stop.value
+                    yield i, job
                     return
                 if job.prompts:
                     flight[i] = (gen, job)

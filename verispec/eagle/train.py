@@ -485,8 +485,9 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
                                                                  layers=tuple(info["layers"]), top_k=info["top_k"]),
                                on_round=tick, deadline=deadline)
         bar.close()
-        if len({r.round for r in records}) < config.rounds:  # the deadline came first: no features
-            log(f"--max-minutes {max_minutes:g} has passed: {len({r.round for r in records})} of {config.rounds} "
+        have = len({r.round for r in records})
+        if have < config.rounds:  # the deadline came first: no features
+            log(f"--max-minutes {max_minutes:g} has passed: {have} of {config.rounds} "
                 "corpus rounds written (the same command writes the rest)")
             return source
     records = config.selects(records)
