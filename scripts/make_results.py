@@ -87,7 +87,7 @@ EPOCHS_TRAIN = ("verispec train-draft --corpus data/corpus/smollm2-135m --out ru
                 "--init BEFORE")
 EPOCHS_BEFORE = {2: "runs/cap-L1/head.pt", 3: "runs/cap-L1-e2/head.pt",  # else the last epoch's run
                  4: "data/heads/smollm2-135m-eagle3-3epochs.pt", 5: "data/heads/smollm2-135m-eagle3-4epochs.pt",
-                 6: "verispec/heads/smollm2-135m.pt (the five-epoch head, git f29244a)"}
+                 6: "data/heads/smollm2-135m-eagle3-5epochs.pt"}
 # options an epoch's run added to EPOCHS_TRAIN: the sixth went on from the fifth on the rounds written since (on a
 # GPU), at a lower peak rate (the fifth spent most of its schedule recovering from a warm-up to 1e-3)
 EPOCHS_FLAGS = {6: "--first-round 37 --lr 3e-4 --precision bfloat16"}
@@ -1031,7 +1031,7 @@ def render() -> str:
              "by batch size, the drafted rows' padding at the batch's longest context, the slope of rows beside "
              "a joining prompt and the rows a draft catches up on after steps it sat out, and a move must raise the "
              "batch's rate by 10 % (see docs/design.md, Load-aware speculation); in both verispec loops a joining "
-             "prompt's rows skip the output layer; the shipped head is the one trained five epochs (see The draft "
+             "prompt's rows skip the output layer; the head was the one trained five epochs (see The draft "
              "head below). Beside them, only llama.cpp's `llama-server` ran: Hugging Face's static batches, llama.cpp "
              "one request at a time and transformers' continuous batching were left out to fit the run in one "
              "session (they are in the runs above; the static batches trailed `ar` at every N). Every loop ran twice, the methods' order reversed in the second round (`--rounds 2`). The reason: "
