@@ -197,14 +197,12 @@ RUNS["serving_n8"] = ["--methods", "verispec-serve", "llama-cpp-server", "llama-
 # the same three, with the target in bfloat16 (verispec, Hugging Face and transformers serve alike; llama.cpp runs its
 # Q4_1 file either way): the dtype where many rows cost little more than one
 RUNS["concurrency_bf16"] = [*concurrency_run(), "--dtype", "bfloat16"]
-# after the load-aware plan's group moves (5c3aa6b), run again with the five-epoch head and the padding taken at the
-# batch's longest context (fe7953e): verispec's two loops and the static batches only (the llama.cpp extra was not
-# built in those sessions; hf-continuous trailed every loop above)
-# the same closed loops in two rounds, the methods' order reversed in the second: one slot in a run's order was seen
-# to be 20 % slower than the next, whichever method held it, so ratios pair round by round (--rounds)
-# (Hugging Face's static batches and llama.cpp one request at a time left out to fit a session: their loops were
-# measured in the runs above and do not depend on verispec's order)
-RUNS["concurrency_bf16_rounds"] = ["--methods", "ar", "default", "llama-server",
+# after the load-aware plan's group moves (5c3aa6b) and the padding taken at the batch's longest context (fe7953e),
+# with the six-epoch head: the same closed loops in two rounds, the methods' order reversed in the second (one slot
+# in a run's order was seen to be 20 % slower than the next, whichever method held it, so ratios pair round by round:
+# --rounds); Hugging Face's static batches and continuous batching left out to fit a session (measured in the runs
+# above, they trailed verispec's loops)
+RUNS["concurrency_bf16_rounds"] = ["--methods", "ar", "default", "llama-cpp", "llama-server",
                                    "--drafts", "auto", *spec_bench(), "--concurrency", "1", "2", "4", "8",
                                    "--dtype", "bfloat16", "--rounds", "2"]
 RUNS["serving_n8_bf16"] = [*RUNS["serving_n8"], "--dtype", "bfloat16"]
@@ -1031,10 +1029,10 @@ def render() -> str:
              "by batch size, the drafted rows' padding at the batch's longest context, the slope of rows beside "
              "a joining prompt and the rows a draft catches up on after steps it sat out, and a move must raise the "
              "batch's rate by 10 % (see docs/design.md, Load-aware speculation); in both verispec loops a joining "
-             "prompt's rows skip the output layer; the head was the one trained five epochs (see The draft "
-             "head below). Beside them, only llama.cpp's `llama-server` ran: Hugging Face's static batches, llama.cpp "
-             "one request at a time and transformers' continuous batching were left out to fit the run in one "
-             "session (they are in the runs above; the static batches trailed `ar` at every N). Every loop ran twice, the methods' order reversed in the second round (`--rounds 2`). The reason: "
+             "prompt's rows skip the output layer; the draft head is the one trained six epochs, shipped now (see "
+             "The draft head below). Beside them llama.cpp ran, one request at a time (`llama-cpp`) and as "
+             "`llama-server`; Hugging Face's static batches and transformers' continuous batching were left out to "
+             "fit the run in one session (they are in the runs above; the static batches trailed `ar` at every N). Every loop ran twice, the methods' order reversed in the second round (`--rounds 2`). The reason: "
              "in four runs of two loops each (`ar` and `default`, N = 8, T = 0, one process per run, git 4bbab27), "
              "the first loop was the faster one every time, by 3-27 %, whichever method ran it; and the last run "
              "with one round, `ar` always just before `default`, had `default` at 0.93x [0.91, 0.95] of `ar` at "
