@@ -856,7 +856,8 @@ def head_section(figs: Path) -> list[str]:
                 "| ms | " + " | ".join(f"{1000 * v:.1f}" for v in fwd.values())
                 + f" | {1000 * tune['draft_s_per_depth']:.1f} |", "",
                 f"Per-candidate acceptance of the head's top-k tree on held-out Spec-Bench questions: "
-                f"{', '.join(f'{x:.3f}' for x in tune['conditional_acceptance'])} (depth 1, 2, ...); tuned tree "
+                f"{', '.join(f'{x:.3f}' for x in tune['conditional_acceptance'])} (the head's 1st, 2nd, ... choice among "
+                f"a node's children, each given the ones before it were rejected); tuned tree "
                 f"`{tune['best']['tree']}` (predicted {tune['best']['accepted']:.2f} tokens per step, "
                 f"{tune['best']['predicted_speedup']:.2f}x over plain decoding).", ""]
     return out
