@@ -177,6 +177,24 @@ def test_trained_head_drafts_better_than_untrained(tmp_path):
         train(target, tmp_path / "run", other, progress=False, log=lambda m: None)
 
 
+def test_a_shipped_heads_step_costs_apply_to_the_float32_target_only(tmp_path, monkeypatch):
+    """tune-tree measures the sidecar's step costs on the float32 target; in bfloat16 a forward's rows cost otherwise,
+    so there the drafter carries none and the policy goes by that target's own measured forwards."""
+    import json
+
+    import verispec.eagle.head as eagle
+    from verispec.backends.hf import CausalLM
+    from verispec.drafters import build_drafter
+
+    target = tiny_model("llama")
+    monkeypatch.setattr(eagle, "HEADS_DIR", tmp_path)
+    EagleHead(target).save(tmp_path / f"{target.name}.pt", {"target": target.name})
+    (tmp_path / f"{target.name}.json").write_text(json.dumps({"step_costs": [1.0, 1.5, 2.0]}))
+    assert build_drafter("eagle", target).step_costs == (1.0, 1.5, 2.0)
+    half = CausalLM(tiny_model("llama").hf.bfloat16(), None, name=target.name)
+    assert half.dtype == torch.bfloat16 and build_drafter("eagle", half).step_costs is None
+
+
 def test_auto_draft_picks_the_shipped_head(tmp_path, monkeypatch):
     import verispec.eagle.head as eagle
     from verispec.drafters import HybridDrafter, NgramDrafter, build_drafter

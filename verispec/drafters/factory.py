@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from ..backends import load, quantized_copy
 from ..eagle import head as heads
 from ..errors import VerispecError
@@ -127,7 +129,10 @@ def build_drafter(spec: str | DraftSpec, target, dtype: str = "float32") -> Draf
         drafter = EagleDrafter(heads.EagleHead.load(path, target), name=str(spec))
         info = sidecar(path)
         drafter.default_tree = info.get("default_tree")
-        drafter.step_costs = tuple(info["step_costs"]) if info.get("step_costs") else None
+        # tune-tree measured these on the float32 target; in another dtype rows cost otherwise (a bfloat16 forward of
+        # six rows costs about what one does here), so the policy goes by that target's own measured forwards
+        float32 = target.dtype == torch.float32
+        drafter.step_costs = tuple(info["step_costs"]) if info.get("step_costs") and float32 else None
         return drafter
     # a draft model runs on the target's engine, with as many threads
     drafter = ModelDrafter(load(arg, dtype=dtype, backend=target.backend, threads=None if hf else target.threads))
