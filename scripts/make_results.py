@@ -306,6 +306,47 @@ def by_category_table(rows, metrics=(("vs_hf_generate", "vs HF generate"), ("spe
     return markdown(["T", "category", "draft", "method", *[h for _, h in metrics], "accepted length"], body)
 
 
+def step_time_table(res: Results) -> list[str]:
+    """Where a decoding step's time goes, from the step records of ``ar`` and ``default``: per temperature, draft
+    and the source that drafted the step (the hybrid's head or lookup), the target's forward, the drafting and the
+    verification, and the milliseconds per emitted token against plain decoding's."""
+    from verispec.bench.report import markdown
+
+    groups: dict[tuple, list[dict]] = {}
+    for cell, steps in res.steps.items():
+        c = steps[0]["cell"]
+        if c["method"] in ("ar", "default"):
+            for s in steps:
+                source = s.get("source") or ("-" if c["method"] == "ar" else c["draft"])
+                groups.setdefault((c["T"], c["method"], c["draft"], source), []).append(s)
+                if c["draft"] == "auto":
+                    groups.setdefault((c["T"], c["method"], c["draft"], "all"), []).append(s)
+    if not groups:
+        return []
+    def per_token(steps: list[dict]) -> float:
+        return 1000 * sum(s["target_s"] + s["draft_s"] + s["verify_s"] for s in steps) / sum(
+            s["accepted_length"] for s in steps)
+
+    plain = {t: per_token(v) for (t, m, _, _), v in groups.items() if m == "ar"}
+    body = []
+    for (t, m, d, source), steps in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] != "ar", kv[0][2],
+                                                                        kv[0][3] == "all", kv[0][3])):
+        n = len(steps)
+        total = sum(len(v) for (t2, m2, d2, src), v in groups.items() if (t2, m2, d2) == (t, m, d) and src != "all")
+        mean = lambda key: 1000 * sum(s[key] for s in steps) / n  # noqa: E731
+        body.append([f"{t:g}", m, d, source, f"{n / total:.2f}", f"{sum(s['drafted'] for s in steps) / n:.2f}",
+                     f"{sum(s['accepted_length'] for s in steps) / n:.2f}", f"{mean('target_s'):.1f}",
+                     f"{mean('draft_s'):.1f}", f"{mean('verify_s'):.1f}", f"{per_token(steps):.1f}",
+                     f"{plain[t] / per_token(steps):.2f}x" if t in plain else "-"])
+    return ["Where a step's time goes (from the same run's step records; the loop's own bookkeeping between steps "
+            "is not in them): the steps of `default` by the source that drafted them (`auto`: the head, `eagle`, or "
+            "prompt lookup, `ngram`, as the hybrid chose), their share of the steps, the tokens drafted and emitted "
+            "per step, the mean milliseconds of the target's forward (its rows grow with the draft), of drafting "
+            "and of verifying, and the milliseconds per emitted token, against plain decoding's in the last column.",
+            "", markdown(["T", "method", "draft", "source", "share of steps", "drafted", "tokens per step",
+                          "target ms", "draft ms", "verify ms", "ms per token", "vs ar"], body), ""]
+
+
 def speed_section(res: Results, figs: Path) -> list[str]:
     rows = summarize(res)
     cats = summarize(res, by_category=True)
@@ -321,7 +362,7 @@ def speed_section(res: Results, figs: Path) -> list[str]:
             "target; shown for scale). Every ratio is paired per prompt with its 95 % interval.", "",
             table_peers(rows), "", "By Spec-Bench category:", "", by_category_table(cats), "",
             fig(categories(res, figs / "speed_by_category.png")), "", fig(latency(res, figs / "speed_latency.png", rows)),
-            ""]
+            "", *step_time_table(res)]
 
 
 BF16 = "bfloat16"

@@ -3,8 +3,8 @@ float32 target) against the same policy with the bfloat16 target's own measured 
 ``build_drafter`` gives it since the costs apply to float32 only): the method ``default`` on Spec-Bench prompts,
 the two in turn on each prompt in one process, so that a slow spell of the machine falls on both.
 
-Reports per temperature the geometric mean of the per-prompt ratios of tokens per second (own costs over the
-sidecar's), a 95 % bootstrap interval over the prompts of both temperatures, the pooled tokens per second and the
+Reports per temperature the geometric mean of the per-prompt ratios of tokens per second after the prefill (own
+costs over the sidecar's), a 95 % bootstrap interval over the prompts of both temperatures, the pooled tokens per second and the
 tokens per step. A timing: run it on a quiet machine.
 
     python scripts/experiments/step_costs_dtype.py --prompts 12 --max-new-tokens 96
@@ -56,9 +56,10 @@ def main() -> None:
             out = generate(target, d, run.verifier, p, tree=run.tree, policy=run.policy, children=run.children,
                            verifier_state=run.verifier_state, max_new_tokens=args.max_new_tokens, temperature=t,
                            seed=i)
-            rate[name] = len(out.token_ids) / out.wall_s
+            decode_s = out.wall_s - out.prefill_s  # at T > 0 the two sample texts of other lengths: the prompt's
+            rate[name] = len(out.token_ids) / decode_s  # prefill would weigh on the shorter one
             tokens[name] += len(out.token_ids)
-            wall[name] += out.wall_s
+            wall[name] += decode_s
             steps[name] += len(out.steps)
         logs[t].append(math.log(rate["own"] / rate["sidecar"]))
         print(f"T={t:g} prompt {i % len(prompts)}: own {rate['own']:.1f}, sidecar {rate['sidecar']:.1f} tokens/s",
