@@ -313,31 +313,38 @@ def step_time_table(res: Results) -> list[str]:
     from verispec.bench.report import markdown
 
     groups: dict[tuple, list[dict]] = {}
-    for cell, steps in res.steps.items():
+    for steps in res.steps.values():
         c = steps[0]["cell"]
-        if c["method"] in ("ar", "default"):
-            for s in steps:
-                source = s.get("source") or ("-" if c["method"] == "ar" else c["draft"])
-                groups.setdefault((c["T"], c["method"], c["draft"], source), []).append(s)
-                if c["draft"] == "auto":
-                    groups.setdefault((c["T"], c["method"], c["draft"], "all"), []).append(s)
+        if c["method"] not in ("ar", "default"):
+            continue
+        for s in steps:
+            source = s.get("source") or ("-" if c["method"] == "ar" else c["draft"])
+            groups.setdefault((c["T"], c["method"], c["draft"], source), []).append(s)
+            if c["draft"] == "auto":
+                groups.setdefault((c["T"], c["method"], c["draft"], "all"), []).append(s)
     if not groups:
         return []
+
+    def ms(steps: list[dict], key: str) -> float:
+        return 1000 * sum(s[key] for s in steps) / len(steps)
+
     def per_token(steps: list[dict]) -> float:
-        return 1000 * sum(s["target_s"] + s["draft_s"] + s["verify_s"] for s in steps) / sum(
+        return sum(ms(steps, k) for k in ("target_s", "draft_s", "verify_s")) * len(steps) / sum(
             s["accepted_length"] for s in steps)
 
     plain = {t: per_token(v) for (t, m, _, _), v in groups.items() if m == "ar"}
+    cell_steps = {k[:3]: 0 for k in groups}
+    for k, v in groups.items():
+        cell_steps[k[:3]] += len(v) if k[3] != "all" else 0
     body = []
-    for (t, m, d, source), steps in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] != "ar", kv[0][2],
-                                                                        kv[0][3] == "all", kv[0][3])):
+    for (t, m, d, source), steps in sorted(groups.items(),
+                                           key=lambda kv: (kv[0][0], kv[0][1] != "ar", kv[0][2], kv[0][3] == "all",
+                                                           kv[0][3])):
         n = len(steps)
-        total = sum(len(v) for (t2, m2, d2, src), v in groups.items() if (t2, m2, d2) == (t, m, d) and src != "all")
-        mean = lambda key: 1000 * sum(s[key] for s in steps) / n  # noqa: E731
-        body.append([f"{t:g}", m, d, source, f"{n / total:.2f}", f"{sum(s['drafted'] for s in steps) / n:.2f}",
-                     f"{sum(s['accepted_length'] for s in steps) / n:.2f}", f"{mean('target_s'):.1f}",
-                     f"{mean('draft_s'):.1f}", f"{mean('verify_s'):.1f}", f"{per_token(steps):.1f}",
-                     f"{plain[t] / per_token(steps):.2f}x" if t in plain else "-"])
+        body.append([f"{t:g}", m, d, source, f"{n / cell_steps[t, m, d]:.2f}",
+                     f"{sum(s['drafted'] for s in steps) / n:.2f}", f"{sum(s['accepted_length'] for s in steps) / n:.2f}",
+                     f"{ms(steps, 'target_s'):.1f}", f"{ms(steps, 'draft_s'):.1f}", f"{ms(steps, 'verify_s'):.1f}",
+                     f"{per_token(steps):.1f}", f"{plain[t] / per_token(steps):.2f}x" if t in plain else "-"])
     return ["Where a step's time goes (from the same run's step records; the loop's own bookkeeping between steps "
             "is not in them): the steps of `default` by the source that drafted them (`auto`: the head, `eagle`, or "
             "prompt lookup, `ngram`, as the hybrid chose), their share of the steps, the tokens drafted and emitted "

@@ -4,8 +4,8 @@ float32 target) against the same policy with the bfloat16 target's own measured 
 the two in turn on each prompt in one process, so that a slow spell of the machine falls on both.
 
 Reports per temperature the geometric mean of the per-prompt ratios of tokens per second after the prefill (own
-costs over the sidecar's), a 95 % bootstrap interval over the prompts of both temperatures, the pooled tokens per second and the
-tokens per step. A timing: run it on a quiet machine.
+costs over the sidecar's), a 95 % bootstrap interval over the prompts of both temperatures, the pooled tokens per
+second and the tokens per step. A timing: run it on a quiet machine.
 
     python scripts/experiments/step_costs_dtype.py --prompts 12 --max-new-tokens 96
 """
