@@ -195,6 +195,15 @@ def test_a_shipped_heads_step_costs_apply_to_the_float32_target_only(tmp_path, m
     assert half.dtype == torch.bfloat16 and build_drafter("eagle", half).step_costs is None
 
 
+def test_a_head_drafts_only_in_its_targets_dtype():
+    """The head's body shares the target's embedding table: casting it to another dtype would change the target."""
+    target = tiny_model("llama")
+    head = EagleHead(target)
+    with pytest.raises(ValueError, match="target's dtype"):
+        head._compute_in(torch.bfloat16)
+    assert target.hf.get_input_embeddings().weight.dtype == torch.float32
+
+
 def test_auto_draft_picks_the_shipped_head(tmp_path, monkeypatch):
     import verispec.eagle.head as eagle
     from verispec.drafters import HybridDrafter, NgramDrafter, build_drafter

@@ -227,7 +227,10 @@ class EagleHead(nn.Module):
 
     def _compute_in(self, dtype: torch.dtype) -> None:
         """Draft in ``dtype`` (a bfloat16 target's): the head's layers cast and, in bfloat16, on ``kernels``'
-        prepacked weights. For drafting only: a head is trained and saved in float32."""
+        prepacked weights. For drafting only: a head is trained and saved in float32. Only in the target's own dtype:
+        the body's embedding is the target's table, which a cast to another dtype would change under the target."""
+        if dtype != self.target.dtype:
+            raise ValueError(f"a head drafts in its target's dtype ({self.target.dtype}), not {dtype}")
         for part in (self.fuse, self.fc, self.body):
             if part is not None:
                 part.to(dtype)  # the body's embedding is the target's own table, already in dtype
