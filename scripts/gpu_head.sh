@@ -25,6 +25,9 @@
 # checkpoint past MINUTES minutes (default 7, so that the head is written inside the 10-minute call), starting from
 # the head file INIT if given (e.g. data/heads/smollm2-135m-eagle3-3epochs.pt). It first runs the GPU test of
 # tests/test_corpus.py (features and training on the GPU against the CPU's, on a tiny model) and stops if it fails.
+# TRAIN_ARGS adds train-draft options, e.g. the next epoch on the rounds written since the shipped head:
+#   TRAIN_ARGS="--first-round 53 --lr 3e-4 --precision bfloat16" bash scripts/gpu_head.sh train 90 1 8 \
+#       verispec/heads/smollm2-135m.pt
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CORPUS=data/corpus/smollm2-135m
@@ -141,7 +144,8 @@ print('torch', torch.__version__, torch.cuda.get_device_name(), '| transformers'
     local run=runs/gpu-r$rounds
     python3 -m verispec train-draft --device cuda --corpus "$CORPUS" --out "$run" --rounds "$rounds" \
         --gen-batch 128 --feature-layers 3,15,27 --depths 3 --epochs "$epochs" --patience 4 \
-        --checkpoint-every 150 --max-minutes "$minutes" ${init:+--init "$init"} 2>&1 | tee "$out/train.log"
+        --checkpoint-every 150 --max-minutes "$minutes" ${init:+--init "$init"} ${TRAIN_ARGS:-} 2>&1 \
+        | tee "$out/train.log"
     cp "$run/head.pt" "$run/log.jsonl" "$out/"
     ls -l "$out"
 }
