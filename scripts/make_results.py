@@ -165,7 +165,11 @@ def gate_names(res: Results) -> str:
 
 
 # need the shipped draft head
-HEAD_RUNS = {"speed": speed_run, "table2": table2_run, "shadow": shadow_run, "hybrid": hybrid_run}
+HEAD_RUNS = {"speed": speed_run, "table2": table2_run, "shadow": shadow_run, "hybrid": hybrid_run,
+             # the defaults against plain decoding and Hugging Face generate with the target in bfloat16 (every
+             # method on the same rounded weights), where a forward's extra rows cost almost nothing
+             "speed_bf16": lambda: ["--methods", "hf-generate", "ar", "default", "--drafts", "auto", "ngram", *spec_bench(),
+                                    "--dtype", "bfloat16"]}
 RUNS["gate"] = gate_run()
 
 
@@ -357,7 +361,8 @@ def step_time_table(res: Results) -> list[str]:
 def speed_section(res: Results, figs: Path) -> list[str]:
     rows = summarize(res)
     cats = summarize(res, by_category=True)
-    return ["## Speed of the defaults against plain decoding, Hugging Face and llama.cpp", "", *run_lines(res),
+    title, name = _in_dtype(res)
+    return [f"## Speed of the defaults against plain decoding, Hugging Face and llama.cpp{title}", "", *run_lines(res),
             "", res.llama_build(), "", "`default` is what `verispec generate` does with no options (draft `auto`; exact chain verification; the "
             "draft length chosen per step by the `auto` policy), here also with the prompt-lookup draft `ngram`. "
             "`auto` is `hybrid`: prompt lookup on steps where the text repeats itself, the shipped head elsewhere "
@@ -368,7 +373,8 @@ def speed_section(res: Results, figs: Path) -> list[str]:
             "`llama-cpp` llama.cpp's plain decoding of the same model's GGUF file (Q4_1: a quantised model, so a different and cheaper "
             "target; shown for scale). Every ratio is paired per prompt with its 95 % interval.", "",
             table_peers(rows), "", "By Spec-Bench category:", "", by_category_table(cats), "",
-            fig(categories(res, figs / "speed_by_category.png")), "", fig(latency(res, figs / "speed_latency.png", rows)),
+            fig(categories(res, figs / f"speed_by_category{name}.png")), "",
+            fig(latency(res, figs / f"speed_latency{name}.png", rows)),
             "", *step_time_table(res)]
 
 
@@ -1058,8 +1064,9 @@ def render() -> str:
            "the prompt counts as drafting time). Default target SmolLM2-135M-Instruct, in float32 unless a run's command says "
            "`--dtype bfloat16`.", ""]
 
-    if path("speed").exists():
-        out += speed_section(Results.load(path("speed")), figs)
+    for run_name in ("speed", "speed_bf16"):
+        if path(run_name).exists():
+            out += speed_section(Results.load(path(run_name)), figs)
     if path("concurrency").exists():
         out += concurrency_section(Results.load(path("concurrency")), figs)
     if path("serving").exists():
