@@ -168,8 +168,8 @@ def gate_names(res: Results) -> str:
 HEAD_RUNS = {"speed": speed_run, "table2": table2_run, "shadow": shadow_run, "hybrid": hybrid_run,
              # the defaults against plain decoding and Hugging Face generate with the target in bfloat16 (every
              # method on the same rounded weights), where a forward's extra rows cost almost nothing
-             "speed_bf16": lambda: ["--methods", "hf-generate", "ar", "default", "--drafts", "auto", "ngram", *spec_bench(),
-                                    "--dtype", "bfloat16"]}
+             "speed_bf16": lambda: ["--methods", "hf-generate", "ar", "default", "--drafts", "auto", "ngram",
+                                    *spec_bench(), "--dtype", "bfloat16"]}
 RUNS["gate"] = gate_run()
 
 
