@@ -362,8 +362,14 @@ def speed_section(res: Results, figs: Path) -> list[str]:
     rows = summarize(res)
     cats = summarize(res, by_category=True)
     title, name = _in_dtype(res)
-    return [f"## Speed of the defaults against plain decoding, Hugging Face and llama.cpp{title}", "", *run_lines(res),
-            "", res.llama_build(), "", "`default` is what `verispec generate` does with no options (draft `auto`; exact chain verification; the "
+    llama = "llama-cpp" in res.header["config"]["methods"]
+    dtype = [] if not title else [
+        f"Every method here runs the target in {_dtype(res)}, Hugging Face's `generate` too (the same rounded "
+        "weights, and verispec's prepacked linear layers for both); the step costs of the `auto` policy are this "
+        "target's own measured forwards (docs/design.md). Hugging Face assisted generation and llama.cpp were left "
+        "out: this run is the comparison in this dtype, the float32 run above has the peers.", ""]
+    return [f"## Speed of the defaults against plain decoding, Hugging Face{' and llama.cpp' if llama else ''}{title}",
+            "", *run_lines(res), "", *([res.llama_build(), ""] if llama else []), *dtype, "`default` is what `verispec generate` does with no options (draft `auto`; exact chain verification; the "
             "draft length chosen per step by the `auto` policy), here also with the prompt-lookup draft `ngram`. "
             "`auto` is `hybrid`: prompt lookup on steps where the text repeats itself, the shipped head elsewhere "
             "(`chain:5`, the `auto` policy per source). `ar` is plain decoding in verispec's loop, `hf-generate` "
