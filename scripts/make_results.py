@@ -317,15 +317,17 @@ def step_time_table(res: Results) -> list[str]:
     from verispec.bench.report import markdown
 
     groups: dict[tuple, list[dict]] = {}
+    cell_steps: dict[tuple, int] = {}  # (T, method, draft) -> its steps, every source
     for steps in res.steps.values():
         c = steps[0]["cell"]
         if c["method"] not in ("ar", "default"):
             continue
+        cell = (c["T"], c["method"], c["draft"])
+        cell_steps[cell] = cell_steps.get(cell, 0) + len(steps)
         for s in steps:
-            source = s.get("source") or ("-" if c["method"] == "ar" else c["draft"])
-            groups.setdefault((c["T"], c["method"], c["draft"], source), []).append(s)
-            if c["draft"] == "auto":
-                groups.setdefault((c["T"], c["method"], c["draft"], "all"), []).append(s)
+            groups.setdefault((*cell, s.get("source") or ("-" if c["method"] == "ar" else c["draft"])), []).append(s)
+        if c["draft"] == "auto":
+            groups.setdefault((*cell, "all"), []).extend(steps)
     if not groups:
         return []
 
@@ -333,13 +335,10 @@ def step_time_table(res: Results) -> list[str]:
         return 1000 * sum(s[key] for s in steps) / len(steps)
 
     def per_token(steps: list[dict]) -> float:
-        return sum(ms(steps, k) for k in ("target_s", "draft_s", "verify_s")) * len(steps) / sum(
+        return 1000 * sum(s["target_s"] + s["draft_s"] + s["verify_s"] for s in steps) / sum(
             s["accepted_length"] for s in steps)
 
     plain = {t: per_token(v) for (t, m, _, _), v in groups.items() if m == "ar"}
-    cell_steps = {k[:3]: 0 for k in groups}
-    for k, v in groups.items():
-        cell_steps[k[:3]] += len(v) if k[3] != "all" else 0
     body = []
     for (t, m, d, source), steps in sorted(groups.items(),
                                            key=lambda kv: (kv[0][0], kv[0][1] != "ar", kv[0][2], kv[0][3] == "all",
