@@ -86,7 +86,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target = load("smollm2-135m")
-    head = shipped_head(target) if args.draft == "eagle" else EagleHead.load(args.draft.split(":", 1)[1], target)
+    head = EagleHead.load(shipped_head(target.name) if args.draft == "eagle" else args.draft.split(":", 1)[1], target)
     kept = cache.path("answers", f"{target.name}-{args.per_group}x{args.max_new_tokens}.jsonl")
     answers = spec_bench_answers(target, args.per_group, args.max_new_tokens, cache=kept)
     lookup = NgramDrafter(vocab_size=target.vocab_size)
