@@ -209,6 +209,11 @@ RUNS["concurrency_bf16"] = [*concurrency_run(), "--dtype", "bfloat16"]
 RUNS["concurrency_bf16_rounds"] = ["--methods", "ar", "default", "llama-cpp", "llama-server",
                                    "--drafts", "auto", *spec_bench(), "--concurrency", "1", "2", "4", "8",
                                    "--dtype", "bfloat16", "--rounds", "2"]
+# the two goals at N = 8 the run above left out or cannot pair: Hugging Face's static batches of 8, and `default` at
+# N = 8 against its own N = 1, with the code and head of the runs after it (two rounds, the order reversed in the
+# second, as above)
+RUNS["concurrency_bf16_static"] = ["--methods", "ar", "default", "hf-generate", "--drafts", "auto", *spec_bench(),
+                                   "--concurrency", "1", "8", "--dtype", "bfloat16", "--rounds", "2"]
 RUNS["serving_n8_bf16"] = [*RUNS["serving_n8"], "--dtype", "bfloat16"]
 RUNS["serving_bf16"] = [*serving_run(), "--dtype", "bfloat16"]
 # ResiSpec Table 3 shape (a cell costs ~30 s here): one run per temperature and tree group, two at a time share the
@@ -1100,6 +1105,14 @@ def render() -> str:
              "N = 8, T = 0 (git a9e2cf3), an interval that holds the prompts' spread but not the machine's. "
              "Throughput pools both rounds; each ratio is the geometric mean of the two rounds' ratios.",),
             tag="_rounds")
+    if path("concurrency_bf16_static").exists():
+        out += concurrency_section(
+            Results.load(path("concurrency_bf16_static")), figs,
+            "Many requests at once, target in bfloat16: Hugging Face's static batches at N = 8, in two rounds",
+            ("The run above with Hugging Face `generate` on static batches in place of llama.cpp, at N = 1 and 8 "
+             "only: the goals at N = 8 against HF's static batches of 8 and against `default`'s own N = 1, paired "
+             "within one run (two rounds, the methods' order reversed in the second).",),
+            tag="_static")
     if path("serving_bf16").exists():
         out += serving_section(Results.load(path("serving_bf16")), figs)
     if path("serving_n8_bf16").exists():
