@@ -422,8 +422,9 @@ def concurrency_section(res: Results, figs: Path, heading: str = "", lead: tuple
                         + (f" (differ: {', '.join(differ)})" if differ else ""))
     title, name = _in_dtype(res)
     name += tag
+    llama = any(m.startswith("llama") for m in res.header["config"]["methods"])
     return [f"## {heading or 'Many requests at once: closed loops of concurrent requests' + title}", "",
-            *run_lines(res), "", res.llama_build(), "", *[x for p in lead for x in (p, "")],
+            *run_lines(res), "", *([res.llama_build(), ""] if llama else []), *[x for p in lead for x in (p, "")],
             "Every Spec-Bench prompt of the run is a request of a closed loop that keeps N in flight (a new one starts "
             "as one finishes). `ar` and `default` run through verispec's batched engine (`verispec/engine.py`): every "
             "running request's tree in one target forward, each request verified on its own; `default` chooses the "
