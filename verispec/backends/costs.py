@@ -9,6 +9,7 @@ by them (``verispec.methods.step_costs``).
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import os
 import platform
@@ -72,7 +73,7 @@ def interpolate(xs: tuple[int, ...], ys: tuple[float, ...], x: int) -> float:
         return ys[0]
     if x >= xs[-1]:
         return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (x - xs[-1]) if len(xs) > 1 else ys[-1]
-    hi = next(i for i, v in enumerate(xs) if v >= x)
+    hi = bisect.bisect_left(xs, x)  # the first point at or beyond x (the planner asks this dozens of times a step)
     lo = hi - 1
     return ys[lo] + (ys[hi] - ys[lo]) * (x - xs[lo]) / (xs[hi] - xs[lo])
 

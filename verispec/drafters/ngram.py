@@ -25,12 +25,14 @@ class NgramDrafter(Drafter):
         self._context: list[int] = []
         self._match: dict[int, tuple[int, float, float]] = {}  # node -> (match length, top count, total count)
         self._found = None  # (sequence, what _find found): the last lookup, kept for the same sequence asked again
+        self._indexed: list[int] = []  # the context whose n-grams ``_seen`` holds (``match_length``)
+        self._seen: set[tuple[int, ...]] = set()
 
     def _find(self, seq: list[int]) -> tuple[int, torch.Tensor, torch.Tensor] | None:
         """The longest suffix of ``seq`` (``max_n`` down to ``min_n`` tokens) that occurred earlier with a token after
         it: (its length n, ``seq`` as a tensor, where the earlier occurrences start), or None."""
         key = tuple(seq)
-        if self._found is not None and self._found[0] == key:  # a switching draft asked first (``match_length``)
+        if self._found is not None and self._found[0] == key:  # the same sequence again (a node and its children)
             return self._found[1]
         s, found = torch.tensor(seq, dtype=torch.long), None
         for n in range(min(self.max_n, len(seq) - 1), self.min_n - 1, -1):
@@ -43,9 +45,21 @@ class NgramDrafter(Drafter):
         return found
 
     def match_length(self, context: list[int]) -> int:
-        """How long a match drafting after ``context`` would use (0: none, so no draft)."""
-        found = self._find(context)
-        return found[0] if found else 0
+        """How long a match drafting after ``context`` would use (0: none, so no draft): ``_find``'s n, from a set of
+        the context's n-grams that have a token after them, extended by the tokens committed since the last call
+        (a switching draft asks this of every sequence at every step: a few set lookups instead of a search of the
+        whole context)."""
+        n_old = len(self._indexed)
+        if len(context) < n_old or context[:n_old] != self._indexed:  # another context: index it from the start
+            self._seen, n_old = set(), 0
+        for end in range(max(n_old - 1, 0), len(context) - 1):  # n-grams ending at ``end`` now have a token after
+            for n in range(self.min_n, min(self.max_n, end + 1) + 1):
+                self._seen.add(tuple(context[end - n + 1:end + 1]))
+        self._indexed = list(context)
+        for n in range(min(self.max_n, len(context) - 1), self.min_n - 1, -1):
+            if tuple(context[-n:]) in self._seen:
+                return n
+        return 0
 
     def _lookup(self, seq: list[int], node: int) -> torch.Tensor | None:
         """Log-counts ``[V]`` of the tokens that followed the longest earlier match of a suffix, or None; the
@@ -62,6 +76,7 @@ class NgramDrafter(Drafter):
 
     def reset(self, prompt: list[int]) -> None:
         self._context, self._match, self._found = [], {}, None
+        self._indexed, self._seen = [], set()
 
     def _root_logits(self, context):
         self._context = list(context)
