@@ -214,6 +214,9 @@ RUNS["concurrency_bf16_rounds"] = ["--methods", "ar", "default", "llama-cpp", "l
 # second, as above)
 RUNS["concurrency_bf16_static"] = ["--methods", "ar", "default", "hf-generate", "--drafts", "auto", *spec_bench(),
                                    "--concurrency", "1", "8", "--dtype", "bfloat16", "--rounds", "2"]
+# `default` against `ar` at N = 8 alone, after the drafting overhead of a plain step was halved (ff186b9): four rounds
+RUNS["concurrency_bf16_n8"] = ["--methods", "ar", "default", "--drafts", "auto", *spec_bench(), "--concurrency", "8",
+                               "--dtype", "bfloat16", "--rounds", "4"]
 RUNS["serving_n8_bf16"] = [*RUNS["serving_n8"], "--dtype", "bfloat16"]
 RUNS["serving_bf16"] = [*serving_run(), "--dtype", "bfloat16"]
 # ResiSpec Table 3 shape (a cell costs ~30 s here): one run per temperature and tree group, two at a time share the
@@ -1114,6 +1117,15 @@ def render() -> str:
              "only: the goals at N = 8 against HF's static batches of 8 and against `default`'s own N = 1, paired "
              "within one run (two rounds, the methods' order reversed in the second).",),
             tag="_static")
+    if path("concurrency_bf16_n8").exists():
+        out += concurrency_section(
+            Results.load(path("concurrency_bf16_n8")), figs,
+            "Many requests at once, target in bfloat16: `default` against `ar` at N = 8, in four rounds",
+            ("`default` and `ar` alone at N = 8, after a switching draft's lookup match came from n-grams indexed as "
+             "the context grows and the plan's cost tables were read by bisection (ff186b9): a step that drafts "
+             "nothing had cost `default` about 1.15 ms more than `ar` (docs/design.md, Load-aware speculation). Four "
+             "rounds, the order reversed every other round.",),
+            tag="_n8")
     if path("serving_bf16").exists():
         out += serving_section(Results.load(path("serving_bf16")), figs)
     if path("serving_n8_bf16").exists():
