@@ -417,7 +417,7 @@ def concurrency_section(res: Results, figs: Path, heading: str = "", lead: tuple
     for method in dict.fromkeys(r.method for r in rows if r.method in ("ar", "default")):
         alone = {r["cell"]["prompt"]: r["token_ids"] for r in res.prompts
                  if r["cell"]["method"] == method and r["cell"]["T"] == 0 and r["cell"]["concurrency"] == 1}
-        for n in sorted({r.concurrency for r in rows if r.concurrency > 1}):
+        for n in sorted({r.concurrency for r in rows if r.concurrency > 1} if alone else ()):
             mine = [r for r in res.prompts if r["cell"]["method"] == method and r["cell"]["T"] == 0
                     and r["cell"]["concurrency"] == n]
             differ = [r["cell"]["prompt"] for r in mine if r["token_ids"] != alone.get(r["cell"]["prompt"])]
@@ -443,8 +443,8 @@ def concurrency_section(res: Results, figs: Path, heading: str = "", lead: tuple
                 "; machine noise between runs is not in it") + "). TPOT: "
             "time per output token after the first; TTFT: time to the first token from submission, queueing "
             "included.", "", table_loops(rows), "",
-            "Greedy text against the same method's loop of one request at a time (T = 0): " + "; ".join(same) + ".",
-            "", *_loop_work(res), *_server_load_note(res), fig(throughput(res, figs / f"throughput{name}.png")), ""]
+            *(["Greedy text against the same method's loop of one request at a time (T = 0): " + "; ".join(same) + ".",
+               ""] if same else []), *_loop_work(res), *_server_load_note(res), fig(throughput(res, figs / f"throughput{name}.png")), ""]
 
 
 def dtype_section(runs: list[Results]) -> list[str]:
