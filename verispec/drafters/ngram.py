@@ -24,25 +24,19 @@ class NgramDrafter(Drafter):
         self.max_n, self.min_n = max_n, min_n
         self._context: list[int] = []
         self._match: dict[int, tuple[int, float, float]] = {}  # node -> (match length, top count, total count)
-        self._found = None  # (sequence, what _find found): the last lookup, kept for the same sequence asked again
         self._indexed: list[int] = []  # the context whose n-grams ``_seen`` holds (``match_length``)
         self._seen: set[tuple[int, ...]] = set()
 
     def _find(self, seq: list[int]) -> tuple[int, torch.Tensor, torch.Tensor] | None:
         """The longest suffix of ``seq`` (``max_n`` down to ``min_n`` tokens) that occurred earlier with a token after
         it: (its length n, ``seq`` as a tensor, where the earlier occurrences start), or None."""
-        key = tuple(seq)
-        if self._found is not None and self._found[0] == key:  # the same sequence again (a node and its children)
-            return self._found[1]
-        s, found = torch.tensor(seq, dtype=torch.long), None
+        s = torch.tensor(seq, dtype=torch.long)
         for n in range(min(self.max_n, len(seq) - 1), self.min_n - 1, -1):
             windows = s.unfold(0, n, 1)[:-1]  # every n-gram that has a following token
             hits = (windows == s[-n:]).all(dim=1).nonzero().squeeze(1)
             if hits.numel():
-                found = n, s, hits
-                break
-        self._found = (key, found)
-        return found
+                return n, s, hits
+        return None
 
     def match_length(self, context: list[int]) -> int:
         """How long a match drafting after ``context`` would use (0: none, so no draft): ``_find``'s n, from a set of
@@ -75,7 +69,7 @@ class NgramDrafter(Drafter):
         return row
 
     def reset(self, prompt: list[int]) -> None:
-        self._context, self._match, self._found = [], {}, None
+        self._context, self._match = [], {}
         self._indexed, self._seen = [], set()
 
     def _root_logits(self, context):
