@@ -112,3 +112,19 @@ def test_a_bfloat16_model_runs_lean_and_matches_its_transformers_forward():
     texts = [generate(m, NgramDrafter(lean.vocab_size), get_verifier("specinfer"), prompt, tree=Tree.parse("2x2"),
                       max_new_tokens=24, temperature=0.0).token_ids for m in (lean, stock)]
     assert texts[0] == texts[1]
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path, capsys):
+    """torch's ``cpp_extension`` waits forever, silently, on a lock file that a process killed mid-build left."""
+    import os
+
+    from verispec.backends.native import STALE_LOCK_S, clear_stale_lock
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    now = lock.stat().st_mtime
+    assert not clear_stale_lock(tmp_path, now + 10) and lock.exists()  # a build may be running: wait for it
+    os.utime(lock, (now - STALE_LOCK_S - 1, now - STALE_LOCK_S - 1))
+    assert clear_stale_lock(tmp_path, now) and not lock.exists()
+    assert "stale build lock" in capsys.readouterr().err
+    assert not clear_stale_lock(tmp_path, now)  # no lock: nothing to do

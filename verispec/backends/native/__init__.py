@@ -14,12 +14,28 @@ import functools
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from ..kernels import cpu_flags
 
 DISABLE = "VERISPEC_NO_NATIVE"  # set (to anything) to run the pure-torch paths
 NAME = "verispec_attention_v2"  # raised with attention.cpp's interface, so that an older build is never loaded
+STALE_LOCK_S = 300  # a build takes about 30 s here: a lock file older than this was left by a build that was killed
+
+
+def clear_stale_lock(build_dir: Path, now: float) -> bool:
+    """Remove torch's build lock in ``build_dir`` if it is older than ``STALE_LOCK_S`` (a process killed while it
+    built leaves it, and the next one would wait on it forever, silently); True if it did."""
+    lock = build_dir / "lock"
+    try:
+        if now - lock.stat().st_mtime <= STALE_LOCK_S:
+            return False
+        lock.unlink()
+    except OSError:  # no lock, or another process removed it first
+        return False
+    print(f"verispec: removed a stale build lock ({lock}) left by a killed build", file=sys.stderr, flush=True)
+    return True
 
 
 @functools.lru_cache(maxsize=None)
@@ -31,7 +47,9 @@ def attention():
     try:
         from torch.utils.cpp_extension import _get_build_directory, load  # noqa: PLC0415 - only where it is built
 
-        if not list(Path(_get_build_directory(NAME, False)).glob(f"{NAME}*.so")):
+        build_dir = Path(_get_build_directory(NAME, False))
+        clear_stale_lock(build_dir, time.time())
+        if not list(build_dir.glob(f"{NAME}*.so")):
             print("verispec: building the native attention kernels (once, about 30 s)", file=sys.stderr, flush=True)
         return load(NAME, [str(Path(__file__).with_name("attention.cpp"))],
                     extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mfma"], verbose=False)
