@@ -1090,42 +1090,39 @@ def render() -> str:
     if path("concurrency_bf16").exists():
         out += dtype_section([Results.load(path(n)) for n in ("concurrency", "concurrency_bf16")])
         out += concurrency_section(Results.load(path("concurrency_bf16")), figs)
-    if path("concurrency_bf16_rounds").exists():
-        out += concurrency_section(
-            Results.load(path("concurrency_bf16_rounds")), figs,
-            "Many requests at once, target in bfloat16: the plan's group moves and measured costs, in two rounds",
-            ("The same closed loops after these changes to `default` (the run above predates them): the load-aware "
-             "plan moves groups of sequences, not one at a time, and its cost model holds the draft's measured cost "
-             "by batch size, the drafted rows' padding at the batch's longest context, the slope of rows beside "
-             "a joining prompt and the rows a draft catches up on after steps it sat out, and a move must raise the "
-             "batch's rate by 10 % (see docs/design.md, Load-aware speculation); in both verispec loops a joining "
-             "prompt's rows skip the output layer; the draft head is the one trained six epochs, shipped now (see "
-             "The draft head below). Beside them llama.cpp ran, one request at a time (`llama-cpp`) and as "
-             "`llama-server`; Hugging Face's static batches and transformers' continuous batching were left out to "
-             "fit the run in one session (they are in the runs above; the static batches trailed `ar` at every N). Every loop ran twice, the methods' order reversed in the second round (`--rounds 2`). The reason: "
-             "in four runs of two loops each (`ar` and `default`, N = 8, T = 0, one process per run, git 4bbab27), "
-             "the first loop was the faster one every time, by 3-27 %, whichever method ran it; and the last run "
-             "with one round, `ar` always just before `default`, had `default` at 0.93x [0.91, 0.95] of `ar` at "
-             "N = 8, T = 0 (git a9e2cf3), an interval that holds the prompts' spread but not the machine's. "
-             "Throughput pools both rounds; each ratio is the geometric mean of the two rounds' ratios.",),
-            tag="_rounds")
-    if path("concurrency_bf16_static").exists():
-        out += concurrency_section(
-            Results.load(path("concurrency_bf16_static")), figs,
-            "Many requests at once, target in bfloat16: Hugging Face's static batches at N = 8, in two rounds",
-            ("The run above with Hugging Face `generate` on static batches in place of llama.cpp, at N = 1 and 8 "
-             "only: the goals at N = 8 against HF's static batches of 8 and against `default`'s own N = 1, paired "
-             "within one run (two rounds, the methods' order reversed in the second).",),
-            tag="_static")
-    if path("concurrency_bf16_n8").exists():
-        out += concurrency_section(
-            Results.load(path("concurrency_bf16_n8")), figs,
-            "Many requests at once, target in bfloat16: `default` against `ar` at N = 8, in four rounds",
-            ("`default` and `ar` alone at N = 8, after a switching draft's lookup match came from n-grams indexed as "
-             "the context grows and the plan's cost tables were read by bisection (ff186b9): a step that drafts "
-             "nothing had cost `default` about 1.15 ms more than `ar` (docs/design.md, Load-aware speculation). Four "
-             "rounds, the order reversed every other round.",),
-            tag="_n8")
+    # later closed-loop runs in bfloat16, each with its own heading and lead paragraph
+    for run_name, tag, heading, lead in (
+            ("concurrency_bf16_rounds", "_rounds",
+             "Many requests at once, target in bfloat16: the plan's group moves and measured costs, in two rounds",
+             ("The same closed loops after these changes to `default` (the run above predates them): the load-aware "
+              "plan moves groups of sequences, not one at a time, and its cost model holds the draft's measured cost "
+              "by batch size, the drafted rows' padding at the batch's longest context, the slope of rows beside "
+              "a joining prompt and the rows a draft catches up on after steps it sat out, and a move must raise the "
+              "batch's rate by 10 % (see docs/design.md, Load-aware speculation); in both verispec loops a joining "
+              "prompt's rows skip the output layer; the draft head is the one trained six epochs, shipped now (see "
+              "The draft head below). Beside them llama.cpp ran, one request at a time (`llama-cpp`) and as "
+              "`llama-server`; Hugging Face's static batches and transformers' continuous batching were left out to "
+              "fit the run in one session (they are in the runs above; the static batches trailed `ar` at every N). "
+              "Every loop ran twice, the methods' order reversed in the second round (`--rounds 2`). The reason: "
+              "in four runs of two loops each (`ar` and `default`, N = 8, T = 0, one process per run, git 4bbab27), "
+              "the first loop was the faster one every time, by 3-27 %, whichever method ran it; and the last run "
+              "with one round, `ar` always just before `default`, had `default` at 0.93x [0.91, 0.95] of `ar` at "
+              "N = 8, T = 0 (git a9e2cf3), an interval that holds the prompts' spread but not the machine's. "
+              "Throughput pools both rounds; each ratio is the geometric mean of the two rounds' ratios.",)),
+            ("concurrency_bf16_static", "_static",
+             "Many requests at once, target in bfloat16: Hugging Face's static batches at N = 8, in two rounds",
+             ("The run above with Hugging Face `generate` on static batches in place of llama.cpp, at N = 1 and 8 "
+              "only: the goals at N = 8 against HF's static batches of 8 and against `default`'s own N = 1, paired "
+              "within one run (two rounds, the methods' order reversed in the second).",)),
+            ("concurrency_bf16_n8", "_n8",
+             "Many requests at once, target in bfloat16: `default` against `ar` at N = 8, in four rounds",
+             ("`default` and `ar` alone at N = 8, after a switching draft's lookup match came from n-grams indexed as "
+              "the context grows and the plan's cost tables were read by bisection (ff186b9): a step that drafts "
+              "nothing had cost `default` about 1.15 ms more than `ar` (docs/design.md, Load-aware speculation). Four "
+              "rounds, the order reversed every other round.",)),
+    ):
+        if path(run_name).exists():
+            out += concurrency_section(Results.load(path(run_name)), figs, heading, lead, tag=tag)
     if path("serving_bf16").exists():
         out += serving_section(Results.load(path("serving_bf16")), figs)
     if path("serving_n8_bf16").exists():
