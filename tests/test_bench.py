@@ -475,6 +475,16 @@ def test_closed_loops_of_concurrent_requests(tmp_path, tiny_target):
     assert len(again.cells) == 8 and len(again.prompts) == 24
 
 
+def test_continuous_batching_peer_sizes_its_cache_from_the_requests():
+    """transformers' continuous batching gets a cache for the N longest requests whole, not 90 % of the machine."""
+    from verispec.bench.peers import CB_PAGE, continuous_sizes
+
+    blocks, tokens = continuous_sizes([40, 300, 90, 600], 128, 2)
+    assert blocks == -(-(600 + 128) // CB_PAGE) + -(-(300 + 128) // CB_PAGE) + 1 == 6
+    assert tokens == 602 and continuous_sizes([10], 8, 1) == (2, 256)
+    assert continuous_sizes([10, 10], 8, 8)[0] == 3  # never more than the requests there are
+
+
 def test_rounds_alternate_the_order_of_closed_loops_and_their_ratios_pair_round_by_round(tmp_path, tiny_target):
     """--rounds K: each (temperature, N) runs its methods K times, in reverse order every other round; the report
     pools a method's rounds and pairs its ratios round by round, so a slot that is slow whichever method holds it
