@@ -217,6 +217,11 @@ RUNS["concurrency_bf16_static"] = ["--methods", "ar", "default", "hf-generate", 
 # `default` against `ar` at N = 8 alone, after the drafting overhead of a plain step was halved (ff186b9): four rounds
 RUNS["concurrency_bf16_n8"] = ["--methods", "ar", "default", "--drafts", "auto", *spec_bench(), "--concurrency", "8",
                                "--dtype", "bfloat16", "--rounds", "4"]
+# the closed loops on a second kind of CPU (AVX2 only, no AVX-512: the native bfloat16 kernels do not run there, so
+# float32, the default): verispec's loops beside Hugging Face's static batches and transformers' continuous batching
+# (its cache now sized from the requests), two rounds, the order reversed in the second
+RUNS["concurrency_avx2"] = ["--methods", "ar", "default", "hf-generate", "hf-continuous", "--drafts", "auto",
+                            *spec_bench(), "--concurrency", "1", "2", "4", "8", "--rounds", "2"]
 RUNS["serving_n8_bf16"] = [*RUNS["serving_n8"], "--dtype", "bfloat16"]
 RUNS["serving_bf16"] = [*serving_run(), "--dtype", "bfloat16"]
 # ResiSpec Table 3 shape (a cell costs ~30 s here): one run per temperature and tree group, two at a time share the
