@@ -596,8 +596,7 @@ BATCH_MARGIN = 0.10
 def batch_depths(expected: list[list[float] | None], trees: list[Tree], proposers: list[Drafter],
                  costs: BatchCosts, own: list[int | None], margin: float = BATCH_MARGIN,
                  drafting: dict | None = None, context: float = BATCH_CONTEXT,
-                 span: float | None = None, prompt_rows: int = 0, lag: list[int] | None = None,
-                 marginal: bool = False) -> list[int]:
+                 span: float | None = None, prompt_rows: int = 0, lag: list[int] | None = None) -> list[int]:
     """The depths with the most expected tokens per second for the batch. Each sequence starts at 0 (those whose
     policy plans its own depth, ``own``, keep it); then, move after move, one more depth goes to a group of
     sequences: of the moves that raise the batch's rate (expected tokens over ``_StepCost`` seconds) by more than
@@ -628,8 +627,7 @@ def batch_depths(expected: list[list[float] | None], trees: list[Tree], proposer
             nonlocal best, cheapest
             added = plan.seconds() - seconds
             per_second = float("inf") if added <= 0 else (plan.tokens - tokens) / added
-            ok = per_second > tokens / seconds * (1 + margin) if marginal else plan.rate() > enough
-            if ok and (best is None or per_second > cheapest
+            if plan.rate() > enough and (best is None or per_second > cheapest
                                          or larger and per_second >= cheapest * (1 - 1e-9)):
                 best, cheapest = move, per_second
 

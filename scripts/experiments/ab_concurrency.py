@@ -7,20 +7,17 @@ bench left unresolved, not the benchmark (``verispec bench --concurrency``).
 
 A method named ``M:plain`` is M whose batched steps never draft (``Engine._nothing_pays`` says so whenever two or more
 sequences decode; its drafter still receives the target's features): what M costs beside ``ar`` besides its drafts.
-``M:marginal`` is M whose batch plan takes a move where its added tokens come at a rate above the batch's by
-``--margin`` (``batch_depths(marginal=True)``), rather than where the move raises the batch's whole rate by 10 %.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import statistics
 
 import torch
 
-from verispec import engine, load
+from verispec import load
 from verispec.bench.concurrency import verispec_loop
 from verispec.datasets import spec_bench_problems
 from verispec.drafters import build_drafter
@@ -39,31 +36,17 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=3, help="rounds of each method (in the order A B B A A B ...)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--margin", type=float, default=0.25, help="M:marginal's margin on the batch's rate")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target = load("smollm2-135m", dtype=args.dtype)
     drafter = build_drafter(args.draft, target, dtype=args.dtype)
     problems = spec_bench_problems(args.limit)
     ids = [target.encode_prompt(p.prompt, chat=p.chat) for p in problems]
-    pays, depths = Engine._nothing_pays, engine.batch_depths
-    plans = {m: resolve(m.split(":")[0], temperature=args.temperature) for m in args.methods}
-
-    def nothing_pays_marginal(self, seqs, prompt_rows=0):  # _nothing_pays by M:marginal's rule
-        if not pays(self, seqs, prompt_rows):  # one alone, or a group clears the whole-rate rule (so this one too)
-            return False
-        cheapest = min((d for s in seqs for d in (s.drafter.sources or {"": s.drafter}).values()),
-                       key=lambda d: d.depth_cost)
-        plan = engine._StepCost([None] * len(seqs), [s.tree for s in seqs], [cheapest] * len(seqs), self.costs,
-                                [0] * len(seqs), self.drafting([cheapest]), *engine._contexts(seqs), prompt_rows)
-        plan.expected = [[1.0, 1.0 + engine.GOOD_DRAFT]] * len(seqs)
-        return not any(engine._pays(plan, i, args.margin) for i in range(len(seqs)))
+    plans = {m: resolve(m.removesuffix(":plain"), temperature=args.temperature) for m in args.methods}
+    pays = Engine._nothing_pays
 
     def loop(m: str, n: int | None = None) -> float:
-        Engine._nothing_pays = (lambda self, seqs, *rest: len(seqs) >= 2) if m.endswith(":plain") else \
-            nothing_pays_marginal if m.endswith(":marginal") else pays
-        engine.batch_depths = functools.partial(depths, marginal=True, margin=args.margin) \
-            if m.endswith(":marginal") else depths
+        Engine._nothing_pays = (lambda self, seqs, *rest: len(seqs) >= 2) if m.endswith(":plain") else pays
         reqs = verispec_loop(target, plans[m], drafter, problems[:n] if n else problems, ids[:n] if n else ids,
                              args.concurrency, args.temperature, 0, args.max_new_tokens if n is None else 8)
         wall = max(r.finished for r in reqs) - min(r.submitted for r in reqs)
