@@ -1125,6 +1125,16 @@ def render() -> str:
               "the context grows and the plan's cost tables were read by bisection (ff186b9): a step that drafts "
               "nothing had cost `default` about 1.15 ms more than `ar` (docs/design.md, Load-aware speculation). Four "
               "rounds, the order reversed every other round.",)),
+            ("concurrency_avx2", "_avx2",
+             "Many requests at once on an AVX2 CPU (float32): every N, with transformers' continuous batching",
+             ("The whole closed-loop run of issue 25 on another kind of CPU: an AMD EPYC with AVX2 but no AVX-512, "
+              "so the native bfloat16 attention kernels do not run and the target computes in float32 (a plain "
+              "step of 8 sequences at 400 entries took 169 ms in bfloat16 against 84 in float32 there: "
+              "`scripts/experiments/drafted_rows.py --context 400 --dtype D`). Every cost the "
+              "load-aware plan weighs was measured again on this machine (`verispec.backends.costs`, "
+              "`verispec.drafters.costs`); nothing else changed. transformers' continuous batching ran with its "
+              "cache sized from the requests (it had sized it from 90 % of the machine's memory and was left out "
+              "of the later runs). Two rounds, the methods' order reversed in the second.",)),
     ):
         if path(run_name).exists():
             out += concurrency_section(Results.load(path(run_name)), figs, heading, lead, tag=tag)
