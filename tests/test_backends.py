@@ -219,3 +219,10 @@ def test_auto_dtype_is_bfloat16_only_where_the_cpu_has_bfloat16_arithmetic(monke
     assert loading.resolve_dtype("auto") == "float32" and loading.resolve_dtype("bfloat16") == "bfloat16"
     with pytest.raises(VerispecError, match="unknown dtype 'int3'"):
         loading.resolve_dtype("int3")
+    # an explicit bfloat16 there runs, with one line saying float32 is faster
+    cpu = torch.device("cpu")
+    assert "no bfloat16 arithmetic" in loading.slow_dtype_notice("bfloat16", cpu)
+    assert loading.slow_dtype_notice("float32", cpu) is None
+    assert loading.slow_dtype_notice("bfloat16", torch.device("cuda")) is None
+    monkeypatch.setattr(loading, "native_bfloat16", lambda: True)
+    assert loading.slow_dtype_notice("bfloat16", cpu) is None
