@@ -226,3 +226,17 @@ def test_auto_dtype_is_bfloat16_only_where_the_cpu_has_bfloat16_arithmetic(monke
     assert loading.slow_dtype_notice("bfloat16", torch.device("cuda")) is None
     monkeypatch.setattr(loading, "native_bfloat16", lambda: True)
     assert loading.slow_dtype_notice("bfloat16", cpu) is None
+
+
+@pytest.mark.slow
+def test_a_target_loaded_from_its_gguf_file_makes_an_int8_draft(monkeypatch):
+    """Straight from the GGUF file (no de-quantised copy cached: a machine's first run), the target carries no
+    quantizer marks, so its int8 draft can be made (``.float()`` refused it before)."""
+    from verispec import load
+    from verispec.backends.hf import quantized_copy
+
+    monkeypatch.setenv("VERISPEC_NO_CACHE", "1")
+    target = load()
+    assert not getattr(target.hf, "is_quantized", False) and getattr(target.hf, "hf_quantizer", None) is None
+    draft = quantized_copy(target)
+    assert draft.name.endswith("[int8]") and draft.vocab_size == target.vocab_size

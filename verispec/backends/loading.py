@@ -134,6 +134,8 @@ def load(spec: str = DEFAULT_TARGET, dtype: str = "float32", kernel: bool = True
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **kwargs)
+        if "gguf_file" in kwargs:
+            _forget_quantizer(model)
         if converted is not None and kwargs:
             _save_converted(model, tokenizer, converted)
     except Exception as exc:  # noqa: BLE001 - a broken file raises many kinds; the user gets one line
@@ -225,12 +227,20 @@ def _converted_dir(folder: str, name: str, dtype: str) -> Path | None:
     return cache.path("converted", f"{path.stem}-{cache.key(path, st.st_size, st.st_mtime_ns, dtype)}")
 
 
+def _forget_quantizer(model) -> None:
+    """Drop what a GGUF load leaves of its quantizer: the weights are de-quantised into plain layers, but the marks
+    stay, and with them ``.float()`` refuses the model and saving is blocked (so an int8 draft of a target loaded
+    from its GGUF file, rather than from the de-quantised copy, failed: the first run on a machine, or with
+    ``VERISPEC_NO_CACHE=1``)."""
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+
+
 def _save_converted(model, tokenizer, target: Path) -> None:
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     try:
-        model.hf_quantizer = None  # the weights are already de-quantised; this only blocks saving
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "done").touch()
