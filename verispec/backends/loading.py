@@ -232,10 +232,8 @@ def _forget_quantizer(model) -> None:
     stay, and with them ``.float()`` refuses the model and saving is blocked (so an int8 draft of a target loaded
     from its GGUF file, rather than from the de-quantised copy, failed: the first run on a machine, or with
     ``VERISPEC_NO_CACHE=1``)."""
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.is_quantized = False
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)  # transformers' own undoing of its marks
 
 
 def _save_converted(model, tokenizer, target: Path) -> None:
