@@ -169,21 +169,65 @@ def test_a_parsed_gguf_tokenizer_is_kept_for_the_next_load(tmp_path, monkeypatch
 
 
 def test_the_kernel_plan_computes_what_a_linear_layer_does():
-    """``kernels``' planned ``W @ x^T`` (with padding) equals ``x @ W^T + b`` for every planned row count and beyond."""
-    from verispec.backends.kernels import DEFAULT_PLAN, MAX_ROWS, use_fast_linear
+    """``kernels``' plan (the native kernel where it builds, else ``W @ x^T`` with padding) equals ``x @ W^T + b``
+    for every planned row count and beyond; so does every plan that does not use the native kernel."""
+    from verispec.backends.kernels import DEFAULT_PLAN, MAX_ROWS, default_plan, use_fast_linear
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(24, 40)
     with torch.no_grad():
         layer.bias.normal_()
-        undo = use_fast_linear(layer)
-        for rows in range(1, MAX_ROWS + 3):
-            x = torch.randn(rows, 24)
-            y = layer(x)
-            assert y.is_contiguous() and torch.allclose(y, x @ layer.weight.T + layer.bias, atol=1e-5), rows
-        assert layer._verispec_plan == DEFAULT_PLAN
-        undo()
-    assert "forward" not in layer.__dict__
+        for plan in {default_plan(), DEFAULT_PLAN}:
+            undo = use_fast_linear(layer, plan)
+            for rows in [*range(1, MAX_ROWS + 3), 40]:
+                x = torch.randn(rows, 24)
+                y = layer(x)
+                assert y.is_contiguous() and torch.allclose(y, x @ layer.weight.T + layer.bias, atol=1e-5), rows
+            assert layer._verispec_plan == plan
+            undo()
+            assert "forward" not in layer.__dict__
+
+
+def test_a_plan_is_checked_and_its_native_entries_fall_back_where_the_kernel_does_not_build(monkeypatch):
+    from verispec.backends import kernels
+
+    layer = torch.nn.Linear(8, 16)
+    with pytest.raises(ValueError, match="a plan gives"):
+        kernels.use_fast_linear(layer, (0, 2) * 8 + (2,))  # one entry short
+    with pytest.raises(ValueError, match="a plan gives"):
+        kernels.use_fast_linear(layer, kernels.DEFAULT_PLAN[:-1] + (4,))  # more rows: NATIVE or 0 only
+    monkeypatch.setattr(kernels.native, "linear", lambda: None)
+    assert kernels.default_plan() == kernels.DEFAULT_PLAN
+    undo = kernels.use_fast_linear(layer, (0,) + (kernels.NATIVE,) * (kernels.MAX_ROWS + 1))
+    assert set(layer._verispec_plan) == {0}
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert torch.allclose(layer(x), x @ layer.weight.T + layer.bias, atol=1e-6)
+    undo()
+
+
+def test_the_native_linear_kernel_is_a_linear_layer_whose_rows_never_depend_on_their_batch():
+    """``native.linear``: ``x @ W^T + b`` for any rows, widths that are not a multiple of its 16-column panels and odd
+    inner sizes; each row's result bit for bit the same alone and in any batch; a weight changed in place is packed
+    again."""
+    from verispec.backends import native
+    from verispec.backends.kernels import native_rows
+
+    if native.linear() is None:
+        pytest.skip("the native linear kernel cannot be built here (a C++ compiler, ninja, AVX2 and FMA)")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for n_in, n_out, bias in ((33, 50, True), (64, 48, False), (576, 1536, False)):
+            layer = torch.nn.Linear(n_in, n_out, bias=bias)
+            x = torch.randn(131, n_in)
+            y = native_rows(x, layer)
+            ref = torch.nn.functional.linear(x, layer.weight, layer.bias)
+            assert y.shape == ref.shape and torch.allclose(y, ref, atol=1e-4, rtol=1e-4), (n_in, n_out)
+            for rows in (1, 2, 5, 6, 7, 13, 17):
+                for start in (0, 3, 131 - rows):
+                    assert torch.equal(native_rows(x[start:start + rows], layer), y[start:start + rows]), rows
+        layer.weight.mul_(2)
+        assert torch.allclose(native_rows(x, layer), 2 * y, atol=1e-4, rtol=1e-4)
 
 
 def test_bfloat16_layers_run_on_prepacked_weights_bitwise_as_a_linear_layer_and_whatever_the_row_count():

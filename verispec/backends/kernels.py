@@ -3,8 +3,12 @@
 A decoding step multiplies a handful of rows (one token, or a small draft tree) by every weight matrix. On the CPUs
 measured here, MKL's ``x @ W^T`` takes a slow path for some of these shapes, and ``W @ x^T`` -- the rows as
 columns, possibly padded with zero columns to a friendlier width -- can be much faster; which is faster depends on
-the CPU and the row count. A *plan* says, for each row count 1..``MAX_ROWS``, how many columns to run ``W @ x^T``
-with (0: the stock kernel).
+the CPU and the row count. Where it builds (an AVX2 + FMA CPU with a C++ compiler), verispec's own kernel
+(``native.linear``, ``NATIVE`` in a plan) streams a packed copy of the weight once for any number of rows, and each
+row's result never depends on the rows beside it. A *plan* says, for each row count 1..``MAX_ROWS`` and for more rows
+(its last entry), which kernel runs: ``NATIVE``, a number of columns to run ``W @ x^T`` with, or 0 (the stock
+kernel). ``default_plan()`` is ``NATIVE`` throughout where the native kernel builds (measured faster at every row
+count, 1 to 256, on an AVX2 EPYC: ``scripts/experiments/native_linear.py``), else ``DEFAULT_PLAN``.
 
 * ``use_fast_linear(module, plan)`` switches the float32 ``nn.Linear`` layers of ``module`` to the plan and returns
   a function that switches them back; ``fast_linear(module)`` is the same as a context manager. Nothing changes a
@@ -12,8 +16,9 @@ with (0: the stock kernel).
 * ``calibrate(model)`` measures whole forwards of a ``CausalLM`` with each candidate at each row count and keeps
   the fastest; the plan is saved per CPU, torch version and weight shapes (``plan_for``), so it is measured once.
 
-Results differ from ``x @ W^T`` by float rounding only. The plan never applies with autograd on (training), on
-other devices or dtypes, or when ``VERISPEC_STOCK_LINEAR=1``.
+Results differ from ``x @ W^T`` by float rounding only. The native kernel packs a copy of each weight on first use
+(the weights' size again in memory, as bfloat16's prepacked copies below). The plan never applies with autograd on
+(training), on other devices or dtypes, or when ``VERISPEC_STOCK_LINEAR=1``.
 
 bfloat16 layers have no plan: ``use_fast_linear`` runs them with oneDNN's linear on a copy of the weight prepacked
 once into its blocked layout (``packed_rows``). Measured here (Zen 4, 2 threads, weights streamed from memory as in a
@@ -37,10 +42,19 @@ from torch import nn
 
 from .. import cache
 from ..tree import Tree
+from . import native
+from .cpu import cpu_name
 
 MAX_ROWS = 16
-# Before calibration: one row as two equal columns, 2-8 rows as they are, 9-16 rows padded to 16 columns.
-DEFAULT_PLAN = (0, 2, 2, 3, 4, 5, 6, 7, 8, 16, 16, 16, 16, 16, 16, 16, 16)
+NATIVE = -1  # a plan entry: verispec's own kernel (``native.linear``)
+# Where the native kernel does not build, before calibration: one row as two equal columns, 2-8 rows as they are,
+# 9-16 rows padded to 16 columns, more rows the stock kernel.
+DEFAULT_PLAN = (0, 2, 2, 3, 4, 5, 6, 7, 8, 16, 16, 16, 16, 16, 16, 16, 16, 0)
+
+
+def default_plan() -> tuple[int, ...]:
+    """``NATIVE`` for every row count where the native kernel builds, else ``DEFAULT_PLAN``."""
+    return (0,) + (NATIVE,) * (MAX_ROWS + 1) if native.linear() is not None else DEFAULT_PLAN
 
 
 def planned_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int) -> torch.Tensor:
@@ -54,13 +68,36 @@ def planned_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return (y if bias is None else y + bias).contiguous()
 
 
+def native_rows(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
+    """``x [n, K] @ weight^T + bias`` in the native kernel, on a copy of the weight packed into its panels (made on
+    first use and again whenever the weight is replaced or changed in place)."""
+    w = module.weight
+    stamp = (w.data_ptr(), w._version)
+    if module.__dict__.get("_verispec_stamp") != stamp:
+        module._verispec_packed = native.linear().pack(w.detach())
+        module._verispec_stamp = stamp
+    return native.linear().linear(x.contiguous(), module._verispec_packed, w.shape[0], module.bias)
+
+
+def rows_forward(x: torch.Tensor, module: nn.Linear, plan: tuple[int, ...]) -> torch.Tensor:
+    """A layer on rows ``x [n, K]`` under ``plan`` (inference only: the caller checks; a layer cast to another
+    dtype after its plan was set runs the stock kernel where the plan says ``NATIVE``)."""
+    rows = x.shape[0]
+    width = plan[rows] if rows <= MAX_ROWS else plan[-1]
+    if width == NATIVE:
+        if module.weight.dtype == torch.float32:
+            return native_rows(x, module)
+        width = 0
+    if width:
+        return planned_rows(x, module.weight, module.bias, width)
+    return nn.functional.linear(x, module.weight, module.bias)
+
+
 def _planned_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if 0 < rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype == self.weight.dtype and not torch.is_grad_enabled():
-        width = self._verispec_plan[rows]
-        if width:
-            y = planned_rows(x.reshape(rows, x.shape[-1]), self.weight, self.bias, width)
-            return y.view(*x.shape[:-1], y.shape[-1])
+    if rows and x.device.type == "cpu" and x.dtype == self.weight.dtype and not torch.is_grad_enabled():
+        y = rows_forward(x.reshape(rows, x.shape[-1]), self, self._verispec_plan)
+        return y.view(*x.shape[:-1], y.shape[-1])
     return nn.functional.linear(x, self.weight, self.bias)
 
 
@@ -96,13 +133,18 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def use_fast_linear(module: nn.Module, plan: tuple[int, ...] | None = None):
-    """Run the float32 ``nn.Linear`` layers of ``module`` with ``plan`` (default ``DEFAULT_PLAN``) and its bfloat16
-    ones on oneDNN's prepacked weights (``packed_rows``, where ``packing_available``); returns undo()."""
+    """Run the float32 ``nn.Linear`` layers of ``module`` with ``plan`` (default ``default_plan()``) and its bfloat16
+    ones on oneDNN's prepacked weights (``packed_rows``, where ``packing_available``); returns undo(). A plan's
+    ``NATIVE`` entries run the stock kernel where the native one does not build."""
     if os.environ.get("VERISPEC_STOCK_LINEAR") == "1":
         return lambda: None
-    plan = tuple(plan or DEFAULT_PLAN)
-    if len(plan) != MAX_ROWS + 1 or any(w and w < r for r, w in enumerate(plan)):
-        raise ValueError(f"a plan gives, for rows 0..{MAX_ROWS}, 0 or a width >= the row count; got {plan}")
+    plan = tuple(plan or default_plan())
+    if len(plan) != MAX_ROWS + 2 or any(w != NATIVE and w and w < r for r, w in enumerate(plan[:-1])) \
+            or plan[-1] not in (0, NATIVE):
+        raise ValueError(f"a plan gives, for rows 0..{MAX_ROWS}, NATIVE ({NATIVE}), 0 or a width >= the row count, "
+                         f"then NATIVE or 0 for more rows; got {plan}")
+    if native.linear() is None:
+        plan = tuple(0 if w == NATIVE else w for w in plan)
     pack = packing_available()
     changed = []
     for m in module.modules():
@@ -155,55 +197,46 @@ def fast_linear(module: nn.Module, plan: tuple[int, ...] | None = None):
 
 def _plan_key(model) -> str:
     shapes = sorted({tuple(m.weight.shape) for m in model.hf.modules() if type(m) is nn.Linear})
+    kernel = native.LINEAR_NAME if native.linear() is not None else None
     return cache.key(platform.processor() or platform.machine(), cpu_name(), os.cpu_count(), torch.get_num_threads(),
-                     torch.__version__, shapes)
-
-
-def _cpuinfo(field: str) -> str:
-    """The first ``field`` line's value in Linux's /proc/cpuinfo ("" elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(field)), "")
-    except OSError:
-        return ""
-
-
-def cpu_name() -> str:
-    return _cpuinfo("model name")
-
-
-def cpu_flags() -> frozenset[str]:
-    """The instruction sets Linux reports for this CPU (empty elsewhere)."""
-    return frozenset(_cpuinfo("flags").split())
+                     torch.__version__, shapes, kernel)
 
 
 def plan_for(model) -> tuple[int, ...] | None:
     """The plan ``calibrate`` saved for this CPU and these weight shapes, or None."""
     try:
         plan = tuple((cache.read("kernels", _plan_key(model)) or {})["plan"])
-        return plan if len(plan) == MAX_ROWS + 1 else None
+        return plan if len(plan) == MAX_ROWS + 2 else None
     except (KeyError, TypeError):
         return None
 
 
+CALIBRATE_MORE = 128  # rows of the forward that decides the plan's last entry (a prompt chunk's size)
+
+
 @torch.inference_mode()
 def calibrate(model, repeats: int = 5, save: bool = True) -> dict:
-    """Time whole forwards of ``model`` (a ``CausalLM``) over 1..``MAX_ROWS`` tree tokens with the stock kernel and
-    with ``W @ x^T`` at each allowed width; returns ``{"plan", "ms": {rows: {width: ms}}}`` and saves the plan."""
+    """Time whole forwards of ``model`` (a ``CausalLM``) over 1..``MAX_ROWS`` tree tokens with the stock kernel, with
+    ``W @ x^T`` at each allowed width and with the native kernel where it builds, and over ``CALIBRATE_MORE`` rows
+    with the stock and the native kernel; returns ``{"plan", "ms": {rows: {entry: ms}}}`` and saves the plan."""
     state = model.new_state()
     model.prefill(state, list(range(1, 65)))
+    has_native = native.linear() is not None
     widths = sorted({0, *range(1, 9), 12, 16})
     ms: dict[int, dict[int, float]] = {}
     plan = [0]
-    for rows in range(1, MAX_ROWS + 1):
+    for rows in [*range(1, MAX_ROWS + 1), CALIBRATE_MORE]:
         tree = Tree.complete(rows - 1, 1) if rows > 1 else Tree.root_only()
+        if rows > MAX_ROWS:  # a prompt chunk: each row sees the ones before it
+            tree = Tree.chain(rows - 1)
         tokens = torch.full((rows,), 5)
         pos = state.committed + torch.tensor(tree.depths)
         mask = tree.ancestors_mask()
         ms[rows] = {}
-        for w in [w for w in widths if w == 0 or w >= max(rows, 2)]:
-            trial = [0] * (MAX_ROWS + 1)
-            trial[rows] = w
+        entries = [w for w in widths if w == 0 or max(rows, 2) <= w] if rows <= MAX_ROWS else [0]
+        for w in entries + [NATIVE] * has_native:
+            trial = [0] * (MAX_ROWS + 2)
+            trial[rows if rows <= MAX_ROWS else -1] = w
             with fast_linear(model.hf, tuple(trial)):
                 times = []
                 for _ in range(repeats):

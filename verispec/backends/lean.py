@@ -9,7 +9,7 @@ flat loop over the decoder layers:
 * grouped-query attention without copying keys and values (``enable_gqa``), masked by the tree's boolean mask;
 * the key/value buffers of ``new_cache``'s layers (``KVBuffer``), without the ``DynamicCache`` around them;
 * the linear layers through ``kernels``' plan for the row count (as ``verispec.backends.load`` sets it), straight
-  to ``kernels.planned_rows`` without the module call and its checks (measured: 2-3 ms of a 40 ms forward); the
+  to ``kernels.rows_forward`` without the module call and its checks (measured: 2-3 ms of a 40 ms forward); the
   model's parameters stay where they are and nothing is copied. A bfloat16 model's layers run on ``kernels``'
   prepacked weights instead;
 * in bfloat16, transformers' own arithmetic where it differs: norms with float32 statistics, rotary tables computed
@@ -106,11 +106,10 @@ class SlotPool:
 
 def _linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """``module(x)`` for rows ``x [n, K]`` (inside the lean forward: inference mode, on the CPU): a float32 linear
-    layer with a plan for n rows goes to ``kernels.planned_rows``, anything else (no plan, more rows, a bfloat16
-    layer on its prepacked weight, a draft head's restricted output head) to the module's own ``forward``."""
+    layer with a plan goes to ``kernels.rows_forward``, anything else (no plan, a bfloat16 layer on its prepacked
+    weight, a draft head's restricted output head) to the module's own ``forward``."""
     plan = getattr(module, "_verispec_plan", None)
-    width = plan[x.shape[0]] if plan is not None and x.shape[0] <= kernels.MAX_ROWS else 0
-    return kernels.planned_rows(x, module.weight, module.bias, width) if width else module.forward(x)
+    return kernels.rows_forward(x, module, plan) if plan is not None else module.forward(x)
 
 
 class LeanLlama:

@@ -40,7 +40,7 @@ import torch
 from .. import cache
 from ..errors import VerispecError
 from .base import ForwardOutput, decode, encode_prompt
-from .kernels import cpu_flags
+from .cpu import cpu_flags
 from .loading import gguf_file, tokenizer_for
 
 MAX_PATHS = 64  # sequence ids available to one tree (llama.cpp's n_seq_max)

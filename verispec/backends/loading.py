@@ -13,8 +13,9 @@ import torch
 
 from .. import cache
 from ..errors import VerispecError
+from .cpu import cpu_flags
 from .hf import CausalLM
-from .kernels import cpu_flags, packing_available, plan_for, use_fast_linear
+from .kernels import packing_available, plan_for, use_fast_linear
 
 DEFAULT_TARGET = "smollm2-135m"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from ..backends.kernels import cpu_name
+from ..backends.cpu import cpu_name
 from ..decode import StepRecord
 from ..errors import VerispecError
 

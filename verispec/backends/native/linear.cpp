@@ -1,0 +1,110 @@
+// Float32 linear layers for the lean forward on an AVX2 + FMA CPU (verispec/backends/native/__init__.py builds this
+// file): y [M, N] = x [M, K] @ W^T (+ bias), with W packed once into panels of 16 output columns, k-major, so that a
+// pass over a panel streams it from memory once and keeps 6 rows x 16 columns of sums in 12 registers.
+//
+// Every output element is one chain of fused multiply-adds over k = 0 .. K-1 in order, whatever M is and wherever
+// its row falls in a tile, then the bias: a row's result never depends on the rows beside it (batch-invariant by
+// construction, like native/attention.cpp).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace {
+
+constexpr int NB = 16;  // output columns per panel (two 8-float registers)
+constexpr int MR = 6;   // rows per pass over a panel (12 accumulators of the 16 registers)
+
+#define VS_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+
+// R rows (1..MR) of x against one panel: ``cols`` (<= 16) output columns written to y (row stride N).
+template <int R>
+inline void tile(const float* x, int64_t K, const float* wp, float* y, int64_t N, int cols, const float* bias) {
+  // named accumulators, not an array: GCC kept an array of them in memory under -fopenmp (3x slower)
+#define VS_DECL(r) __m256 c##r##0 = _mm256_setzero_ps(), c##r##1 = _mm256_setzero_ps();
+  VS_ROWS(VS_DECL)
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(wp + k * NB), w1 = _mm256_loadu_ps(wp + k * NB + 8);
+#define VS_FMA(r)                                                       \
+  if constexpr (R > r) {                                                \
+    const __m256 b = _mm256_broadcast_ss(x + r * K + k);                \
+    c##r##0 = _mm256_fmadd_ps(w0, b, c##r##0);                          \
+    c##r##1 = _mm256_fmadd_ps(w1, b, c##r##1);                          \
+  }
+    VS_ROWS(VS_FMA)
+  }
+  float bias16[NB] = {0};
+  if (bias) std::memcpy(bias16, bias, sizeof(float) * cols);
+  const __m256 b0 = _mm256_loadu_ps(bias16), b1 = _mm256_loadu_ps(bias16 + 8);
+  float out[NB];
+#define VS_STORE(r)                                                            \
+  if constexpr (R > r) {                                                       \
+    if (cols == NB) {                                                          \
+      _mm256_storeu_ps(y + r * N, _mm256_add_ps(c##r##0, b0));                 \
+      _mm256_storeu_ps(y + r * N + 8, _mm256_add_ps(c##r##1, b1));             \
+    } else {                                                                   \
+      _mm256_storeu_ps(out, _mm256_add_ps(c##r##0, b0));                       \
+      _mm256_storeu_ps(out + 8, _mm256_add_ps(c##r##1, b1));                   \
+      std::memcpy(y + r * N, out, sizeof(float) * cols);                       \
+    }                                                                          \
+  }
+  VS_ROWS(VS_STORE)
+}
+
+void run_tile(int rows, const float* x, int64_t K, const float* wp, float* y, int64_t N, int cols, const float* bias) {
+  switch (rows) {
+    case 1: tile<1>(x, K, wp, y, N, cols, bias); break;
+    case 2: tile<2>(x, K, wp, y, N, cols, bias); break;
+    case 3: tile<3>(x, K, wp, y, N, cols, bias); break;
+    case 4: tile<4>(x, K, wp, y, N, cols, bias); break;
+    case 5: tile<5>(x, K, wp, y, N, cols, bias); break;
+    default: tile<6>(x, K, wp, y, N, cols, bias); break;
+  }
+}
+
+}  // namespace
+
+// w [N, K] float32 -> panels [ceil(N / 16), K, 16] (the last panel's missing columns are zeros)
+torch::Tensor pack(const torch::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat, "weight: float32 [N, K]");
+  const int64_t N = w.size(0), K = w.size(1), P = (N + NB - 1) / NB;
+  auto padded = torch::zeros({P * NB, K}, w.options());
+  padded.narrow(0, 0, N).copy_(w);
+  return padded.view({P, NB, K}).transpose(1, 2).contiguous();
+}
+
+// x [M, K] float32 (contiguous), panels from ``pack``, N the weight's rows, bias [N] or None -> [M, N]
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
+                     const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == torch::kFloat && panels.is_contiguous() &&
+              panels.size(1) == x.size(1) && panels.size(2) == NB && N > (panels.size(0) - 1) * NB &&
+              N <= panels.size(0) * NB, "panels: float32 [ceil(N / 16), K, 16] from pack()");
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == torch::kFloat && b.numel() == N, "bias: float32 [N]");
+  }
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const float* xd = x.data_ptr<float>();
+  const float* wd = panels.data_ptr<float>();
+  const float* bd = b.defined() ? b.data_ptr<float>() : nullptr;
+  float* yd = y.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int cols = static_cast<int>(std::min<int64_t>(NB, N - p * NB));
+      for (int64_t m0 = 0; m0 < M; m0 += MR)
+        run_tile(static_cast<int>(std::min<int64_t>(MR, M - m0)), xd + m0 * K, K, wd + p * K * NB, yd + m0 * N + p * NB,
+                 N, cols, bd ? bd + p * NB : nullptr);
+    }
+  });
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack", &pack, "w [N, K] float32 -> panels [ceil(N/16), K, 16]");
+  m.def("linear", &linear, "x [M, K] @ w^T + bias from pack()'s panels");
+}
