@@ -11,8 +11,8 @@ memory): 8 sequences at 600 entries of context, one decoding row each, 15 agains
 output columns, each pass over a panel keeping 6 rows' sums in registers, the panels split over torch's threads. A
 row's result never depends on its batch (one chain of fused multiply-adds per output, in order). Measured here (AMD
 EPYC Zen 3, 2 threads, SmolLM2-135M's 210 decoder matrices streamed from memory, ``scripts/experiments/
-native_linear.py``): 1 row 15 ms against MKL's 23-31, 8 rows 23 against 36, 16 rows 30 against 46, 136 rows (a prompt
-chunk beside 8 decoding rows) 173 against 249.
+native_linear.py``): 1 row 20.7 ms against MKL's 33.2, 8 rows 24.9 against 50.8, 16 rows 39.8 against 60.9, 136 rows
+(a prompt chunk beside 8 decoding rows) 178 against 210.
 """
 
 from __future__ import annotations
