@@ -206,6 +206,24 @@ def test_a_plan_is_checked_and_its_native_entries_fall_back_where_the_kernel_doe
     undo()
 
 
+def test_calibration_returns_a_plan_the_model_runs_with_and_the_same_logits():
+    """``kernels.calibrate`` times every candidate (the native kernel among them where it builds) for 1..16 rows and
+    for a prompt chunk, and its plan is one ``use_fast_linear`` accepts; the model's logits stay what they were."""
+    from verispec.backends import kernels
+
+    model = tiny_model("llama")
+    state = model.new_state()
+    before = model.prefill(state, list(range(1, 20)))
+    out = kernels.calibrate(model, repeats=1, save=False)
+    plan = tuple(out["plan"])
+    assert len(plan) == kernels.MAX_ROWS + 2 and set(out["ms"]) == {*range(1, kernels.MAX_ROWS + 1),
+                                                                     kernels.CALIBRATE_MORE}
+    assert (kernels.NATIVE in out["ms"][1]) == (kernels.native.linear() is not None)
+    with kernels.fast_linear(model.hf, plan):
+        after = model.prefill(model.new_state(), list(range(1, 20)))
+    assert torch.allclose(before, after, atol=1e-4)
+
+
 def test_the_native_linear_kernel_is_a_linear_layer_whose_rows_never_depend_on_their_batch():
     """``native.linear``: ``x @ W^T + b`` for any rows, widths that are not a multiple of its 16-column panels and odd
     inner sizes; each row's result bit for bit the same alone and in any batch; a weight changed in place is packed
