@@ -71,12 +71,8 @@ def planned_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def native_rows(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
     """``x [n, K] @ weight^T + bias`` in the native kernel, on a copy of the weight packed into its panels (made on
     first use and again whenever the weight is replaced or changed in place)."""
-    w = module.weight
-    stamp = (w.data_ptr(), w._version)
-    if module.__dict__.get("_verispec_stamp") != stamp:
-        module._verispec_packed = native.linear().pack(w.detach())
-        module._verispec_stamp = stamp
-    return native.linear().linear(x.contiguous(), module._verispec_packed, w.shape[0], module.bias)
+    kernel = native.linear()
+    return kernel.linear(x.contiguous(), _prepacked(module, kernel.pack), module.weight.shape[0], module.bias)
 
 
 def rows_forward(x: torch.Tensor, module: nn.Linear, plan: tuple[int, ...]) -> torch.Tensor:
@@ -108,21 +104,27 @@ def packing_available() -> bool:
             and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
+def _prepacked(module: nn.Module, pack) -> torch.Tensor:
+    """``pack(weight)`` kept on ``module``: made on first use and again whenever the weight is replaced or changed in
+    place (its storage or version differ)."""
+    w = module.weight
+    stamp = (w.data_ptr(), w._version)
+    if module.__dict__.get("_verispec_stamp") != stamp:
+        module._verispec_packed = pack(w.detach())
+        module._verispec_stamp = stamp
+    return module._verispec_packed
+
+
 def packed_rows(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
     """``x [n, K] @ weight^T + bias`` for a bfloat16 layer, with oneDNN's copy of the weight in its own blocked layout
     (made on first use and again whenever the weight is replaced or changed in place). One row runs as two equal
     rows: for one row oneDNN takes a kernel that sums in another order on some layers (here: SmolLM2's 1536-wide down
     projection, on real activations though not on random ones), and a row's result would then depend on how many
     rows came with it. Measured here: this costs a one-sequence decoding step about 4 ms of 33."""
-    w = module.weight
-    stamp = (w.data_ptr(), w._version)
-    if module.__dict__.get("_verispec_stamp") != stamp:
-        module._verispec_packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 2)
-        module._verispec_stamp = stamp
+    packed = _prepacked(module, lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 2))
     if x.shape[0] == 1:
-        return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), module._verispec_packed, module.bias, "none", [],
-                                                  "")[:1]
-    return torch.ops.mkldnn._linear_pointwise(x, module._verispec_packed, module.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), packed, module.bias, "none", [], "")[:1]
+    return torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], "")
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
