@@ -40,17 +40,24 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, vocab: int =
     return CausalLM(hf, tokenizer=None, name=f"tiny-{kind}-{seed}")
 
 
-FORWARDS = ["lean", "stock", "lean-bf16", "lean-bf16-native"]  # the forwards a batch can run on
+FORWARDS = ["lean", "stock", "lean-native", "lean-bf16", "lean-bf16-native"]  # the forwards a batch can run on
 
 
 def tiny_target(forward: str, head_dim: int = 8) -> CausalLM:
     """The tiny Llama on one of ``FORWARDS``: the lean forward, the transformers forward (batches run as one packed
     sequence), or the lean forward in bfloat16 on prepacked weights, as ``verispec.load(dtype=...)`` gives; or
-    "lean-bf16-native", the last with the default model's head dimension (64), whose attention runs in the native
-    kernels (``verispec.backends.native``; skipped where they cannot be built)."""
+    "lean-native" and "lean-bf16-native", the float32 and bfloat16 lean forwards with the default model's head
+    dimension (64), whose attention and (in float32) linear layers run in the native kernels
+    (``verispec.backends.native``; skipped where they cannot be built)."""
     from verispec.backends import native
     from verispec.backends.kernels import packing_available, use_fast_linear
 
+    if forward == "lean-native":
+        if native.attention_f32() is None or native.linear() is None:
+            pytest.skip("the native float32 kernels cannot be built here (a C++ compiler, ninja, AVX2 and FMA)")
+        t = tiny_model("llama", head_dim=64)
+        use_fast_linear(t.hf)
+        return CausalLM(t.hf, None, name=t.name)
     if forward == "lean-bf16-native":
         if native.attention() is None:
             pytest.skip("the native attention kernels cannot be built here (a C++ compiler, ninja, AVX-512)")

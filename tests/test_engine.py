@@ -95,16 +95,20 @@ def test_a_pooled_batch_attends_in_one_call_and_equals_each_sequence_alone():
                         [torch.ones(60, 60, dtype=torch.bool).tril(), torch.ones(1, 1, dtype=torch.bool)])
 
 
-@pytest.mark.parametrize("forward", ["lean-bf16", "lean-bf16-native"])
-def test_in_bfloat16_a_pooled_batch_over_several_blocks_of_keys_equals_each_sequence_alone_bit_for_bit(forward):
-    """The invariant attention (torch's products over whole blocks of keys summed in order, or the native kernels):
-    a sequence's logits, bit for bit, whatever the longest sequence of its batch (which sets the span every slot
-    reads) and its own tree's rows; and transformers' bfloat16 forward to its rounding."""
+@pytest.mark.parametrize("forward", ["lean-bf16", "lean-bf16-native", "lean-native"])
+def test_an_invariant_forwards_pooled_batch_over_several_blocks_of_keys_equals_each_sequence_alone_bit_for_bit(forward):
+    """The invariant attention (in bfloat16 torch's products over whole blocks of keys summed in order, or the native
+    kernels; in float32 the native kernels, attention and linear layers): a sequence's logits, bit for bit, whatever
+    the longest sequence of its batch (which sets the span every slot reads) and its own tree's rows; and
+    transformers' forward to its rounding."""
     from verispec.backends import CausalLM
 
     t = tiny_target(forward)
-    assert (t._lean.native is not None) == forward.endswith("native")
-    stock = CausalLM(t.hf, None, name="stock", lean=False)  # transformers' bfloat16 forward, to its rounding
+    if forward == "lean-native":
+        assert t._lean.fused is not None and t._lean.native is None
+    else:
+        assert (t._lean.native is not None) == forward.endswith("native")
+    stock = CausalLM(t.hf, None, name="stock", lean=False)  # transformers' forward, to its rounding
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (190, 7, 70, 129)]
     pool = t.state_pool(4, 256)

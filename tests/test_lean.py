@@ -128,3 +128,35 @@ def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp
     assert clear_stale_lock(tmp_path, now) and not lock.exists()
     assert "stale build lock" in capsys.readouterr().err
     assert not clear_stale_lock(tmp_path, now)  # no lock: nothing to do
+
+
+def test_the_float32_attention_kernel_is_softmax_attention_and_a_rows_result_ignores_its_company():
+    """``native.attention_f32``: tree masks with holes, rows ending at different keys, a span that is no multiple of
+    the kernel's fours; equal to torch's masked softmax attention to float rounding, and a sequence's rows give the
+    same bits alone, beside other sequences and over a longer span of masked padding."""
+    from verispec.backends import native
+
+    kernel = native.attention_f32()
+    if kernel is None:
+        pytest.skip("the native float32 attention cannot be built here (a C++ compiler, ninja, AVX2 and FMA)")
+    g = torch.Generator().manual_seed(0)
+    slots, kv, group, n, span = 4, 2, 3, 5, 203
+    keys, values = torch.randn(2, slots, kv, 256, 64, generator=g)
+    visible = torch.zeros(slots, n, span, dtype=torch.bool)
+    for s, length in enumerate((1, 60, 150, span - n)):
+        visible[s, :, :length] = torch.rand(n, length, generator=g) > 0.2
+        visible[s, :, 0] = True
+        visible[s, :, length:length + n] = torch.ones(n, n, dtype=torch.bool).tril()
+    limits = (visible * torch.arange(1, span + 1, dtype=torch.int32)).amax(-1).to(torch.int32)
+    q = 3 * torch.randn(slots, kv, group * n, 64, generator=g)
+    k, v = keys[:, :, :span], values[:, :, :span]
+    out = kernel.attend(q, k, v, visible, limits, 0.125)
+    rows = visible[:, None, None].expand(slots, kv, group, n, span).reshape(slots, kv, group * n, span)
+    scores = (q @ k.transpose(-1, -2) * 0.125).masked_fill(~rows, float("-inf"))
+    assert torch.allclose(out, torch.softmax(scores, -1) @ v, atol=1e-5), (out - torch.softmax(scores, -1) @ v).abs().max()
+    for s in range(slots):  # alone, and over the whole buffer (53 masked entries more)
+        wide = torch.nn.functional.pad(visible[s:s + 1], (0, 256 - span)).contiguous()
+        assert torch.equal(kernel.attend(q[s:s + 1].contiguous(), k[s:s + 1], v[s:s + 1], visible[s:s + 1].contiguous(),
+                                         limits[s:s + 1].contiguous(), 0.125), out[s:s + 1])
+        assert torch.equal(kernel.attend(q[s:s + 1].contiguous(), keys[s:s + 1], values[s:s + 1], wide,
+                                         limits[s:s + 1].contiguous(), 0.125), out[s:s + 1])

@@ -16,8 +16,12 @@ flat loop over the decoder layers:
   in float32 and then cast. Attention runs in float32 (the keys, values and queries are bfloat16 values, so the
   upcast is exact): torch's fused CPU attention is several times slower in bfloat16 here. Where the native kernels
   build (``native.attention``) they read a bfloat16 cache directly; elsewhere the cache is float32;
-* the attention of a pooled batch whose trees have several rows as two batched products (``_grouped_attention``)
-  instead of the fused kernel, which costs about the rows times one row's there.
+* in float32, where the native kernel builds (``native.attention_f32``, AVX2), the attention of every sequence of
+  at most ``POOLED_ROWS`` rows in one call that reads each sequence's keys and values once for all its rows and each
+  row only up to its last visible key, with a row's result independent of its batch; elsewhere, and for prompt
+  chunks, torch's fused kernel;
+* the attention of a pooled batch whose trees have several rows, where no native kernel runs, as two batched
+  products (``_grouped_attention``) instead of torch's fused kernel, which costs about the rows times one row's there.
 
 It reads the model's own modules, so it serves only models whose modules it understands (``supports``); any other
 model keeps the ``transformers`` forward. Results differ from that forward by float rounding at most (measured on
@@ -115,7 +119,7 @@ def _linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
 class LeanLlama:
     """The forward of a Llama-architecture ``transformers`` model (see ``supports``) over explicit KV buffers."""
 
-    REVISION = 4  # raised when its arithmetic or its costs change: measured step costs are cached under it
+    REVISION = 5  # raised when its arithmetic or its costs change: measured step costs are cached under it
 
     TABLE = 8192  # rotary rows computed up front; positions beyond are computed per call
 
@@ -134,6 +138,8 @@ class LeanLlama:
         # bfloat16 attention over a bfloat16 cache in native kernels where they build (``native.attention``)
         self.native = native.attention() if self.invariant and self.head_dim == 64 else None
         self.cache_dtype = torch.bfloat16 if self.native is not None else torch.float32
+        # float32 attention of short sequences in one native kernel where it builds (``native.attention_f32``)
+        self.fused = native.attention_f32() if self.dtype == torch.float32 and self.head_dim == 64 else None
         self.cos, self.sin = self._rotary(torch.arange(min(self.TABLE, int(cfg.max_position_embeddings or self.TABLE))))
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,6 +216,10 @@ class LeanLlama:
         s, e = span
         layer = cache.layers[i]
         keys, values = layer.append(k[s:e].transpose(0, 1), v[s:e].transpose(0, 1))
+        if limits is not None and not self.invariant:  # the float32 kernel (``fused``), on the buffer's view
+            o = self._fused_attention(q[s:e].transpose(0, 1)[None], layer._kbuf[None], layer._vbuf[None],
+                                      visible[None], limits, keys.shape[-2])
+            return o[0].transpose(0, 1).reshape(e - s, self.heads * self.head_dim)
         qb = q[s:e].transpose(0, 1).contiguous()  # a strided query: a slow kernel
         if not self.invariant:
             o = F.scaled_dot_product_attention(qb[None], keys[None], values[None], attn_mask=visible, enable_gqa=True)
@@ -240,11 +250,23 @@ class LeanLlama:
         qp[slot, :, row] = q
         used, span = plan["used"], plan["span"]
         k, v, mask = keys[:used, :, :span], values[:used, :, :span], plan["mask"]
-        if plan["n_max"] == 1 and not self.invariant:
+        if self.fused is not None:
+            o = self._fused_attention(qp, keys[:used], values[:used], plan["visible"], plan["limits"], span)
+        elif plan["n_max"] == 1 and not self.invariant:
             o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, enable_gqa=True)
         else:
             o = self._grouped_attention(qp, k, v, mask, plan["limits"])
         return o[slot, :, row].reshape(q.shape[0], self.heads * self.head_dim)
+
+    def _fused_attention(self, q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, visible: torch.Tensor,
+                         limits: torch.Tensor, span: int) -> torch.Tensor:
+        """Attention of ``q [slots, heads, n, head dim]`` over the first ``span`` entries of the buffers ``[slots, kv
+        heads, capacity, head dim]`` in the float32 kernel, with ``visible [slots, n, span]``."""
+        slots, heads, n, hd = q.shape
+        kv = kbuf.shape[1]
+        qg = q.reshape(slots, kv, heads // kv * n, hd)  # query heads of key/value head h stacked as its rows
+        o = self.fused.attend(qg.contiguous(), kbuf[:, :, :span], vbuf[:, :, :span], visible, limits, hd ** -0.5)
+        return o.view(slots, heads, n, hd)
 
     @staticmethod
     def _limits(mask: torch.Tensor) -> torch.Tensor:
@@ -310,9 +332,15 @@ class LeanLlama:
         pooled = self._pool_plan(caches, sizes, visible)
         alone = range(len(caches)) if pooled is None else pooled["alone"]
         masks = {b: self._invariant_mask(visible[b]) if self.invariant else visible[b] for b in alone}
-        limits = {b: self._limits(masks[b][None, None]) if self.native is not None else None for b in alone}
+        # the native kernels' row ends; the float32 one runs for a sequence of at most ``POOLED_ROWS`` rows
+        kernel = {b: self.native is not None or (self.fused is not None and sizes[b] <= self.POOLED_ROWS)
+                  for b in alone}
+        limits = {b: self._limits(masks[b][None, None]) if kernel[b] else None for b in alone}
+        masks = {b: m.contiguous() if kernel[b] else m for b, m in masks.items()}
         if pooled is not None:
-            pooled["limits"] = self._limits(pooled["mask"]) if self.native is not None else None
+            kernel = self.native is not None or self.fused is not None
+            pooled["limits"] = self._limits(pooled["mask"]) if kernel else None
+            pooled["visible"] = pooled["mask"][:, 0].contiguous() if self.fused is not None else None
         for i, layer in enumerate(self.base.layers):
             a, m = layer.self_attn, layer.mlp
             h = self._rms(x, layer.input_layernorm)

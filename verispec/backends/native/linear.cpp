@@ -16,16 +16,20 @@ namespace {
 
 constexpr int NB = 16;  // output columns per panel (two 8-float registers)
 constexpr int MR = 6;   // rows per pass over a panel (12 accumulators of the 16 registers)
+constexpr int PREFETCH_ROWS = 6;  // a later pass of at least these rows fetches the next panel (below)
 
 #define VS_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 
-// R rows (1..MR) of x against one panel: ``cols`` (<= 16) output columns written to y (row stride N).
+// R rows (1..MR) of x against one panel: ``cols`` (<= 16) output columns written to y (row stride N). ``next``, where
+// given, is the panel to be read next, fetched into the cache meanwhile (one line per k).
 template <int R>
-inline void tile(const float* x, int64_t K, const float* wp, float* y, int64_t N, int cols, const float* bias) {
+inline void tile(const float* x, int64_t K, const float* wp, float* y, int64_t N, int cols, const float* bias,
+                 const float* next) {
   // named accumulators, not an array: GCC kept an array of them in memory under -fopenmp (3x slower)
 #define VS_DECL(r) __m256 c##r##0 = _mm256_setzero_ps(), c##r##1 = _mm256_setzero_ps();
   VS_ROWS(VS_DECL)
   for (int64_t k = 0; k < K; ++k) {
+    if (next) _mm_prefetch(reinterpret_cast<const char*>(next + k * NB), _MM_HINT_T0);
     const __m256 w0 = _mm256_loadu_ps(wp + k * NB), w1 = _mm256_loadu_ps(wp + k * NB + 8);
 #define VS_FMA(r)                                                       \
   if constexpr (R > r) {                                                \
@@ -53,14 +57,15 @@ inline void tile(const float* x, int64_t K, const float* wp, float* y, int64_t N
   VS_ROWS(VS_STORE)
 }
 
-void run_tile(int rows, const float* x, int64_t K, const float* wp, float* y, int64_t N, int cols, const float* bias) {
+void run_tile(int rows, const float* x, int64_t K, const float* wp, float* y, int64_t N, int cols, const float* bias,
+              const float* next) {
   switch (rows) {
-    case 1: tile<1>(x, K, wp, y, N, cols, bias); break;
-    case 2: tile<2>(x, K, wp, y, N, cols, bias); break;
-    case 3: tile<3>(x, K, wp, y, N, cols, bias); break;
-    case 4: tile<4>(x, K, wp, y, N, cols, bias); break;
-    case 5: tile<5>(x, K, wp, y, N, cols, bias); break;
-    default: tile<6>(x, K, wp, y, N, cols, bias); break;
+    case 1: tile<1>(x, K, wp, y, N, cols, bias, next); break;
+    case 2: tile<2>(x, K, wp, y, N, cols, bias, next); break;
+    case 3: tile<3>(x, K, wp, y, N, cols, bias, next); break;
+    case 4: tile<4>(x, K, wp, y, N, cols, bias, next); break;
+    case 5: tile<5>(x, K, wp, y, N, cols, bias, next); break;
+    default: tile<6>(x, K, wp, y, N, cols, bias, next); break;
   }
 }
 
@@ -96,9 +101,15 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, int64_
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int cols = static_cast<int>(std::min<int64_t>(NB, N - p * NB));
-      for (int64_t m0 = 0; m0 < M; m0 += MR)
-        run_tile(static_cast<int>(std::min<int64_t>(MR, M - m0)), xd + m0 * K, K, wd + p * K * NB, yd + m0 * N + p * NB,
-                 N, cols, bd ? bd + p * NB : nullptr);
+      // more rows than one pass holds: the passes after the first read the panel from the cache and leave the
+      // memory idle, so those of several rows fetch the thread's next panel meanwhile (its first pass then reads the
+      // cache; a pass of one or two rows is over before the memory could deliver it, and fetching stalls it)
+      const float* next = p + 1 < end ? wd + (p + 1) * K * NB : nullptr;
+      for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int rows = static_cast<int>(std::min<int64_t>(MR, M - m0));
+        run_tile(rows, xd + m0 * K, K, wd + p * K * NB, yd + m0 * N + p * NB, N, cols, bd ? bd + p * NB : nullptr,
+                 m0 > 0 && rows >= PREFETCH_ROWS ? next : nullptr);
+      }
     }
   });
   return y;
