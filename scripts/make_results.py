@@ -225,6 +225,7 @@ RUNS["concurrency_avx2"] = ["--methods", "ar", "default", "hf-generate", "hf-con
 # the same closed loops after verispec's float32 linear kernel (backends/native/linear.cpp) became the plan
 RUNS["concurrency_native"] = ["--methods", "ar", "default", "hf-generate", "--drafts", "auto", *spec_bench(),
                               "--concurrency", "1", "2", "4", "8", "--rounds", "2"]
+RUNS["concurrency_native_attention"] = RUNS["concurrency_native"]  # the same loops after the float32 attention kernel
 RUNS["serving_n8_bf16"] = [*RUNS["serving_n8"], "--dtype", "bfloat16"]
 RUNS["serving_bf16"] = [*serving_run(), "--dtype", "bfloat16"]
 # ResiSpec Table 3 shape (a cell costs ~30 s here): one run per temperature and tree group, two at a time share the
