@@ -248,6 +248,32 @@ def test_the_native_linear_kernel_is_a_linear_layer_whose_rows_never_depend_on_t
         assert torch.allclose(native_rows(x, layer), 2 * y, atol=1e-4, rtol=1e-4)
 
 
+def test_float16_panels_give_the_float32_kernels_results_for_float16_weights_and_round_others_once():
+    """``use_fast_linear(half=True)`` (a draft head's layers): the native kernel reads float16 panels; for weights
+    that are float16 values the results are bit for bit those of float32 panels, any other weight is rounded to
+    float16 once; undo takes the mark away."""
+    from verispec.backends import native
+    from verispec.backends.kernels import native_rows, use_fast_linear
+
+    if native.linear() is None:
+        pytest.skip("the native linear kernel cannot be built here (a C++ compiler, ninja, AVX2, FMA and F16C)")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        layer = torch.nn.Linear(576, 100)
+        layer.weight.copy_(layer.weight.half().float())
+        x = torch.randn(9, 576)
+        full = native_rows(x, layer)
+        undo = use_fast_linear(torch.nn.Sequential(layer), half=True)
+        assert torch.equal(layer(x), full) and layer._verispec_packed.dtype == torch.float16  # packed again
+        layer.weight.add_(1e-5)  # no longer float16 values: rounded once when packed again
+        y = layer(x)
+        panels = layer._verispec_packed
+        assert torch.equal(panels.transpose(1, 2).reshape(-1, 576)[:100], layer.weight.half())
+        assert torch.allclose(y, torch.nn.functional.linear(x, layer.weight.half().float(), layer.bias), atol=1e-4)
+        undo()
+        assert "_verispec_half" not in layer.__dict__
+
+
 def test_bfloat16_layers_run_on_prepacked_weights_bitwise_as_a_linear_layer_and_whatever_the_row_count():
     """A bfloat16 layer under ``use_fast_linear``: oneDNN on a prepacked copy of the weight gives ``F.linear``'s
     products bit for bit, each row the same whatever rows it comes with, and a changed weight is packed again."""

@@ -68,11 +68,15 @@ def planned_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return (y if bias is None else y + bias).contiguous()
 
 
-def native_rows(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
+def native_rows(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """``x [n, K] @ weight^T + bias`` in the native kernel, on a copy of the weight packed into its panels (made on
-    first use and again whenever the weight is replaced or changed in place)."""
+    first use and again whenever the weight is replaced or changed in place); in float16 panels where the module is
+    marked ``_verispec_half`` (``use_fast_linear(half=True)``: half the bytes to read, the same results for a weight
+    of float16 values)."""
     kernel = native.linear()
-    return kernel.linear(x.contiguous(), _prepacked(module, kernel.pack), module.weight.shape[0], module.bias)
+    half = bool(module.__dict__.get("_verispec_half"))
+    panels = _prepacked(module, kernel.pack_half if half else kernel.pack, "native-half" if half else "native")
+    return kernel.linear(x.contiguous(), panels, module.weight.shape[0], module.bias)
 
 
 def rows_forward(x: torch.Tensor, module: nn.Linear, plan: tuple[int, ...]) -> torch.Tensor:
@@ -104,11 +108,11 @@ def packing_available() -> bool:
             and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
-def _prepacked(module: nn.Module, pack) -> torch.Tensor:
+def _prepacked(module: nn.Module, pack, kind: str) -> torch.Tensor:
     """``pack(weight)`` kept on ``module``: made on first use and again whenever the weight is replaced or changed in
-    place (its storage or version differ)."""
+    place (its storage or version differ) or another ``kind`` of packing is asked for."""
     w = module.weight
-    stamp = (w.data_ptr(), w._version)
+    stamp = (w.data_ptr(), w._version, kind)
     if module.__dict__.get("_verispec_stamp") != stamp:
         module._verispec_packed = pack(w.detach())
         module._verispec_stamp = stamp
@@ -121,7 +125,7 @@ def packed_rows(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
     rows: for one row oneDNN takes a kernel that sums in another order on some layers (here: SmolLM2's 1536-wide down
     projection, on real activations though not on random ones), and a row's result would then depend on how many
     rows came with it. Measured here: this costs a one-sequence decoding step about 4 ms of 33."""
-    packed = _prepacked(module, lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 2))
+    packed = _prepacked(module, lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 2), "onednn")
     if x.shape[0] == 1:
         return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), packed, module.bias, "none", [], "")[:1]
     return torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], "")
@@ -134,10 +138,12 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return nn.functional.linear(x, self.weight, self.bias)
 
 
-def use_fast_linear(module: nn.Module, plan: tuple[int, ...] | None = None):
+def use_fast_linear(module: nn.Module, plan: tuple[int, ...] | None = None, half: bool = False):
     """Run the float32 ``nn.Linear`` layers of ``module`` with ``plan`` (default ``default_plan()``) and its bfloat16
     ones on oneDNN's prepacked weights (``packed_rows``, where ``packing_available``); returns undo(). A plan's
-    ``NATIVE`` entries run the stock kernel where the native one does not build."""
+    ``NATIVE`` entries run the stock kernel where the native one does not build. ``half``: the native kernel reads
+    the weights from float16 panels (``native_rows``): for a draft head saved in float16, whose weights are float16
+    values, the same results in half the bytes; any other weight rounded once."""
     if os.environ.get("VERISPEC_STOCK_LINEAR") == "1":
         return lambda: None
     plan = tuple(plan or default_plan())
@@ -156,13 +162,15 @@ def use_fast_linear(module: nn.Module, plan: tuple[int, ...] | None = None):
             changed.append((m, m.__dict__.get("forward"), m.__dict__.get("_verispec_plan")))
             m._verispec_plan = plan
             m.forward = _planned_forward.__get__(m)
+            if half:
+                m._verispec_half = True
         elif m.weight.dtype == torch.bfloat16 and pack:
             changed.append((m, m.__dict__.get("forward"), None))
             m.forward = _packed_forward.__get__(m)
 
     def undo() -> None:
         for m, forward, old_plan in reversed(changed):
-            for name in ("_verispec_packed", "_verispec_stamp"):
+            for name in ("_verispec_packed", "_verispec_stamp", "_verispec_half"):
                 m.__dict__.pop(name, None)
             for name, value in (("forward", forward), ("_verispec_plan", old_plan)):
                 if value is None:
@@ -173,7 +181,7 @@ def use_fast_linear(module: nn.Module, plan: tuple[int, ...] | None = None):
     return undo
 
 
-KERNEL_STATE = ("forward", "_verispec_plan", "_verispec_packed", "_verispec_stamp")
+KERNEL_STATE = ("forward", "_verispec_plan", "_verispec_packed", "_verispec_stamp", "_verispec_half")
 
 
 def plain_copy(module: nn.Module) -> nn.Module:

@@ -44,9 +44,10 @@ def shipped_head(target_name: str) -> Path:
 class _SubsetHead(nn.Module):
     """The target's output head restricted to the rows ``vocab``: a copy of those rows (not a parameter), in
     ``dtype`` (float32 for training; for drafting by default bfloat16 where oneDNN multiplies it on prepacked weights,
-    else float32 on the native kernel where it builds: without bfloat16 arithmetic a bfloat16 product ran 9.7 ms for
-    8 rows on an AVX2 EPYC, a third of a whole step). Drafting one level reads this matrix once, so halving its
-    bytes halves that cost; the draft's law only has to be a law, so rounding costs acceptance, never exactness."""
+    else float32 on the native kernel where it builds, from float16 panels: without bfloat16 arithmetic a bfloat16
+    product ran 9.7 ms for 8 rows on an AVX2 EPYC, a third of a whole step). Drafting one level reads this matrix
+    once, so halving its bytes halves that cost (16,384 rows, one row: 0.45 against 0.89 ms in float32 panels); the
+    draft's law only has to be a law, so rounding costs acceptance, never exactness."""
 
     def __init__(self, full: nn.Module, vocab: torch.Tensor, dtype: torch.dtype | None = None):
         super().__init__()
@@ -58,6 +59,7 @@ class _SubsetHead(nn.Module):
                                 "linear layer")
         self.register_buffer("weight", weight.detach()[vocab].to(dtype), persistent=False)
         self.bias = None
+        self._verispec_half = True  # read by ``kernels.native_rows``: float16 panels (a draft's rounding)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == torch.bfloat16 and not torch.is_grad_enabled() and kernels.packing_available():
@@ -230,8 +232,9 @@ class EagleHead(nn.Module):
         head.meta = meta
         if target.dtype != torch.float32:
             head._compute_in(target.dtype)
-        else:  # the target's kernel plan for the head's own layers (drafting only: never with autograd on)
-            kernels.use_fast_linear(head)
+        else:  # the target's kernel plan for the head's own layers (drafting only: never with autograd on), reading
+            # float16 panels: the file's weights are float16 values, so the results are those of float32 panels
+            kernels.use_fast_linear(head, half=True)
         return head.eval()
 
     def _compute_in(self, dtype: torch.dtype) -> None:
