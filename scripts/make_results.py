@@ -1149,6 +1149,26 @@ def render() -> str:
               "were measured again (they are keyed by the kernel plan). transformers' continuous batching was left "
               "out of this run for time (its figures with the stock kernel are in the section above). Two rounds, "
               "the methods' order reversed in the second.",)),
+            ("concurrency_native_attention", "_native_attention",
+             "Many requests at once on an AVX2 CPU (float32), with verispec's own attention kernel too",
+             ("The closed loops of the section above again, on the same kind of CPU, after three changes "
+              "(design.md, \"Native float32 attention\"): the lean forward's float32 attention runs in a kernel of "
+              "verispec's own (`verispec/backends/native/attention_f32.cpp`) that reads each sequence's keys and "
+              "values once for all its rows, where torch's products had read them again for every drafted row and "
+              "padded every sequence to the widest tree; the linear kernel's later passes over a weight fetch the "
+              "next one; and the EAGLE head's layers read float16 copies of its weights (half the bytes, the same "
+              "results: its saved weights are float16 values). `hf-generate` shares the linear kernel, not the "
+              "attention (it runs on its own cache). The cost tables were measured again. Two rounds, the methods' "
+              "order reversed in the second.",
+              "How to read it. At N = 8, T = 0 `default` drafted 296 tokens in 3,672 request steps (1.08 tokens a "
+              "step), so most of its 1.20x over `ar` there is the machine's drift between cells: `ar` ran at 71.2 "
+              "tokens/s in that cell and at 77.6 in its T = 0.6 cell, with the same rows a step. At N = 4 and 8 the "
+              "plan drafts little because rows are no longer nearly free on two cores once both kernels run "
+              "(design.md, \"What bounds a float32 batch of 8 on two cores now is arithmetic\"): a drafted token for "
+              "each of 8 sequences pays only where the head's depth-1 acceptance exceeds about 0.7. Against the "
+              "section above (9dbece9; another run, so with the drift between runs in it): `ar` at N = 8 71.2 / 77.6 "
+              "tokens/s against 49.6 / 60.1, `default` at N = 1 39.0 / 33.8 against 35.9 / 26.3; `hf-generate`, "
+              "which gained only the linear kernel's prefetch, 30.3 / 30.5 against 26.9 / 26.1 at N = 8.")),
     ):
         if path(run_name).exists():
             out += concurrency_section(Results.load(path(run_name)), figs, heading, lead, tag=tag)

@@ -338,8 +338,8 @@ class LeanLlama:
         limits = {b: self._limits(masks[b][None, None]) if kernel[b] else None for b in alone}
         masks = {b: m.contiguous() if kernel[b] else m for b, m in masks.items()}
         if pooled is not None:
-            kernel = self.native is not None or self.fused is not None
-            pooled["limits"] = self._limits(pooled["mask"]) if kernel else None
+            native_any = self.native is not None or self.fused is not None
+            pooled["limits"] = self._limits(pooled["mask"]) if native_any else None
             pooled["visible"] = pooled["mask"][:, 0].contiguous() if self.fused is not None else None
         for i, layer in enumerate(self.base.layers):
             a, m = layer.self_attn, layer.mlp
