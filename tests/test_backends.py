@@ -130,7 +130,7 @@ def test_sliding_window_layers_match_hugging_face_beyond_the_window():
 def test_cropping_a_prefix_equals_reselecting_it(tiny):
     """Committing a prefix of the pending entries crops the cache; re-selecting the same entries gives the same
     next logits."""
-    from verispec.backends.hf import _select_entries
+    from verispec.backends.hf import _keep_after
 
     shape = Tree.chain(4)
     outs = []
@@ -143,7 +143,7 @@ def test_cropping_a_prefix_equals_reselecting_it(tiny):
             tiny.commit(state, [0, 1, 2])
         else:
             c = state.committed
-            _select_entries(state, torch.arange(c + 3))
+            _keep_after(state, 0, torch.arange(c + 3))  # every entry copied to where it is
             state.committed, state.pending_positions = c + 3, []
         one = tiny.forward(state, torch.tensor([9]), torch.tensor([state.committed]), torch.ones(1, 1, dtype=torch.bool))
         outs.append(one.logits[0])
@@ -328,3 +328,17 @@ def test_a_target_loaded_from_its_gguf_file_makes_an_int8_draft(monkeypatch):
     assert not getattr(target.hf, "is_quantized", False) and getattr(target.hf, "hf_quantizer", None) is None
     draft = quantized_copy(target)
     assert draft.name.endswith("[int8]") and draft.vocab_size == target.vocab_size
+
+
+def test_keeping_cache_entries_keeps_those_asked_for_in_order():
+    """``KVBuffer.keep``: the entries asked for, in order, whatever they are: a kept prefix then a moved tail (a
+    verdict's path off the first branch), a prefix alone, a reordering, a single entry."""
+    from verispec.backends.kv import KVBuffer
+
+    g = torch.Generator().manual_seed(0)
+    for idx in ([0, 1, 2, 3, 6, 8], [0, 1, 2, 3], [2, 0, 1], [0, 1, 5, 2], [4]):
+        k, v = torch.randn(2, 3, 9, 4, generator=g)
+        buf = KVBuffer()
+        buf.append(k, v)
+        buf.keep(torch.tensor(idx))
+        assert torch.equal(buf.keys, k[:, idx]) and torch.equal(buf.values, v[:, idx]), idx

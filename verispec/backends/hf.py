@@ -231,8 +231,9 @@ class CausalLM:
             raise ValueError(f"commit indices {keep} out of range for {p} pending entries")
         if keep == list(range(len(keep))):  # a prefix of the pending entries: drop the tail, copy nothing
             _keep_prefix(state, c + len(keep))
-        else:
-            _select_entries(state, torch.tensor(list(range(c)) + [c + k for k in keep], dtype=torch.long))
+        else:  # the committed text and the path's leading prefix stay where they are; the rest moves up
+            same = next(i for i, k in enumerate(keep) if k != i)
+            _keep_after(state, c + same, torch.tensor([c + k for k in keep[same:]], dtype=torch.long))
         state.committed = c + len(keep)
         state.pending_positions = []
 
@@ -321,10 +322,11 @@ def _keep_prefix(state: KVState, n: int) -> None:
         layer.keep(n)
 
 
-def _select_entries(state: KVState, idx: torch.Tensor) -> None:
-    """Keep only the cache entries ``idx`` (positions along the sequence axis) in every cache layer."""
+def _keep_after(state: KVState, first: int, moved: torch.Tensor) -> None:
+    """Keep the first ``first`` cache entries and then the entries ``moved`` (positions along the sequence axis) in
+    every cache layer."""
     for layer in state.cache.layers:
-        layer.keep(idx)
+        layer.keep_after(first, moved)
 
 
 def _shallow_module_copy(module: nn.Module) -> nn.Module:

@@ -93,11 +93,22 @@ class KVBuffer:
         if isinstance(idx, int):
             self._set_length(min(idx, self._len))
             return
-        with torch.inference_mode(self._kbuf.is_inference()):  # buffers made by a forward under inference mode
-            k, v = self.keys.index_select(-2, idx), self.values.index_select(-2, idx)
-            self._kbuf[..., : len(idx), :] = k
-            self._vbuf[..., : len(idx), :] = v
-            self._set_length(len(idx))
+        n = len(idx)
+        same = int((idx == torch.arange(n)).cumprod(0).sum()) if n else 0  # the leading entries left where they are
+        self.keep_after(same, idx[same:])
+
+    def keep_after(self, first: int, moved: torch.Tensor) -> None:
+        """Keep the first ``first`` entries where they are and the entries ``moved`` after them, in this order: a
+        verdict's path after the committed text copies its own entries only, not the text's."""
+        if self._kbuf is None:
+            return
+        n = first + len(moved)
+        if len(moved):
+            with torch.inference_mode(self._kbuf.is_inference()):  # buffers made by a forward under inference mode
+                k, v = self._kbuf.index_select(-2, moved), self._vbuf.index_select(-2, moved)
+                self._kbuf[..., first:n, :] = k
+                self._vbuf[..., first:n, :] = v
+        self._set_length(n)
 
 
 class _BufferLayer(KVBuffer):
