@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import VerispecError
-from . import kernels
+from . import kernels, native
 from . import lean as lean_forward
 from .base import ForwardOutput, decode, encode_prompt
 from .kv import KVState, new_cache
@@ -69,14 +69,17 @@ class CausalLM:
 
     @property
     def forward_id(self) -> str:
-        """What a forward computes with: the model, its dtype, its kernel plan, the forward implementation and
-        torch's threads."""
+        """What a forward computes with: the model, its dtype, its kernel plan, the native kernels it runs (by
+        their build names, raised when a kernel changes), the forward implementation and torch's threads."""
         plan = next((getattr(m, "_verispec_plan", None) for m in self.hf.modules() if type(m) is nn.Linear), None)
         dtype = "" if self._dtype == torch.float32 else f"|{str(self._dtype).removeprefix('torch.')}"
         place = "" if self.device.type == "cpu" else f"|{self.device.type}"
-        return f"hf|{self.name}|{torch.get_num_threads()}|{plan}|{torch.__version__}" + \
-            (f"|lean{self._lean.REVISION}" + ("+native" if self._lean.native is not None else "")
-             if self._lean is not None else "") + dtype + place
+        linear = f"|{native.LINEAR_NAME}" if plan and kernels.NATIVE in plan and native.linear() is not None else ""
+        lean = ""
+        if self._lean is not None:
+            lean = f"|lean{self._lean.REVISION}" + ("+native" if self._lean.native is not None else "") + \
+                (f"+{native.ATTENTION_F32_NAME}" if self._lean.fused is not None else "")
+        return f"hf|{self.name}|{torch.get_num_threads()}|{plan}|{torch.__version__}" + linear + lean + dtype + place
 
     @property
     def dtype(self) -> torch.dtype:
