@@ -54,7 +54,7 @@ def tiny_target(forward: str, head_dim: int = 8) -> CausalLM:
 
     if forward == "lean-native":
         if native.attention_f32() is None or native.linear() is None:
-            pytest.skip("the native float32 kernels cannot be built here (a C++ compiler, ninja, AVX2 and FMA)")
+            pytest.skip("the native float32 kernels cannot be built here (a C++ compiler, ninja, AVX2, FMA and F16C)")
         t = tiny_model("llama", head_dim=64)
         use_fast_linear(t.hf)
         return CausalLM(t.hf, None, name=t.name)

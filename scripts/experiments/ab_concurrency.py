@@ -19,11 +19,11 @@ import statistics
 
 import torch
 
+from verispec import engine as engine_module
 from verispec import load
 from verispec.bench.concurrency import verispec_loop
 from verispec.datasets import spec_bench_problems
 from verispec.drafters import build_drafter
-from verispec import engine as engine_module
 from verispec.engine import Engine
 from verispec.methods import resolve
 

@@ -1,6 +1,6 @@
 """Native kernels, built on first use with torch's ``cpp_extension`` where this machine can (a C++ compiler, ninja and
-the instructions each needs: AVX-512 for ``attention()``, AVX2 and FMA for the others); everything has a pure-torch
-path for machines that cannot (each returns None there).
+the instructions each needs: AVX-512 for ``attention()``, AVX2 and FMA for the others, and F16C for ``linear()``);
+everything has a pure-torch path for machines that cannot (each returns None there).
 
 ``attention()``: the lean forward's bfloat16 attention over a bfloat16 cache (``attention.cpp``): two products
 reading the cache in half the bytes, with float32 arithmetic in a fixed order, so that a row's result never depends
@@ -84,14 +84,15 @@ def attention():
 
 @functools.lru_cache(maxsize=None)
 def linear():
-    """The built float32 linear kernel (``pack``, ``linear``), or None where it cannot be built or run here."""
+    """The built float32 linear kernel (``pack``, ``pack_half``, ``linear``), or None where it cannot be built or run
+    here."""
     return _build(LINEAR_NAME, "linear.cpp", {"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c", "-fopenmp"],
                   "linear kernel")
 
 
 @functools.lru_cache(maxsize=None)
 def attention_f32():
-    """The built float32 attention kernels (``scores``, ``weighted``, as ``attention()``'s over a float32 cache), or
-    None where they cannot be built or run here."""
+    """The built float32 attention kernel (``attend``: scores, softmax and weighted sum over a float32 cache), or None
+    where it cannot be built or run here."""
     return _build(ATTENTION_F32_NAME, "attention_f32.cpp", {"avx2", "fma"}, ["-mavx2", "-mfma", "-fopenmp"],
-                  "float32 attention kernels")
+                  "float32 attention kernel")
