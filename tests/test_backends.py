@@ -331,14 +331,15 @@ def test_a_target_loaded_from_its_gguf_file_makes_an_int8_draft(monkeypatch):
 
 
 def test_keeping_cache_entries_keeps_those_asked_for_in_order():
-    """``KVBuffer.keep``: the entries asked for, in order, whatever they are: a kept prefix then a moved tail (a
-    verdict's path off the first branch), a prefix alone, a reordering, a single entry."""
+    """``KVBuffer.keep_after``: a kept prefix, then the entries asked for in order, whatever they are (a verdict's
+    path off the first branch, entries moving down past others, a reordering from the start, nothing moved)."""
     from verispec.backends.kv import KVBuffer
 
     g = torch.Generator().manual_seed(0)
-    for idx in ([0, 1, 2, 3, 6, 8], [0, 1, 2, 3], [2, 0, 1], [0, 1, 5, 2], [4]):
+    for first, moved in ((4, [6, 8]), (4, []), (0, [2, 0, 1]), (2, [5, 2]), (0, [4])):
         k, v = torch.randn(2, 3, 9, 4, generator=g)
         buf = KVBuffer()
         buf.append(k, v)
-        buf.keep(torch.tensor(idx))
-        assert torch.equal(buf.keys, k[:, idx]) and torch.equal(buf.values, v[:, idx]), idx
+        buf.keep_after(first, torch.tensor(moved, dtype=torch.long))
+        idx = list(range(first)) + moved
+        assert torch.equal(buf.keys, k[:, idx]) and torch.equal(buf.values, v[:, idx]), (first, moved)

@@ -86,16 +86,10 @@ class KVBuffer:
     def _set_length(self, n: int) -> None:
         self._len = n
 
-    def keep(self, idx: torch.Tensor | int) -> None:
-        """Keep the entries ``idx`` (an int n: the first n) in this order."""
-        if self._kbuf is None:
-            return
-        if isinstance(idx, int):
-            self._set_length(min(idx, self._len))
-            return
-        n = len(idx)
-        same = int((idx == torch.arange(n)).cumprod(0).sum()) if n else 0  # the leading entries left where they are
-        self.keep_after(same, idx[same:])
+    def keep(self, n: int) -> None:
+        """Keep the first ``n`` entries (copies nothing)."""
+        if self._kbuf is not None:
+            self._set_length(min(n, self._len))
 
     def keep_after(self, first: int, moved: torch.Tensor) -> None:
         """Keep the first ``first`` entries where they are and the entries ``moved`` after them, in this order: a

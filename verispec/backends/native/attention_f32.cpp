@@ -47,14 +47,14 @@ inline __m256 dot_lanes(const float* kj, __m256 q0, __m256 q1, __m256 q2, __m256
   return _mm256_fmadd_ps(q7, _mm256_loadu_ps(kj + 56), a);
 }
 
-// One row's scores for keys j0 .. end-1 (written in fours; a four reaching past the span reads its last key again
-// and writes only the keys inside it).
-inline void score_row(const float* qr, const float* kp, int64_t span, int64_t j0, int64_t end, float s, float* out) {
+// One row's scores for keys 0 .. stop-1, written in fours to ``out`` (room for up to three more: a four reaching past
+// the span reads its last key again).
+inline void score_row(const float* qr, const float* kp, int64_t span, int64_t stop, float s, float* out) {
   const __m256 q0 = _mm256_loadu_ps(qr), q1 = _mm256_loadu_ps(qr + 8), q2 = _mm256_loadu_ps(qr + 16),
                q3 = _mm256_loadu_ps(qr + 24), q4 = _mm256_loadu_ps(qr + 32), q5 = _mm256_loadu_ps(qr + 40),
                q6 = _mm256_loadu_ps(qr + 48), q7 = _mm256_loadu_ps(qr + 56);
   const __m128 scale = _mm_set1_ps(s);
-  for (int64_t j = j0; j < end; j += 4) {
+  for (int64_t j = 0; j < stop; j += 4) {
     const float* k0 = kp + j * HD;
     const float* k1 = kp + std::min(j + 1, span - 1) * HD;
     const float* k2 = kp + std::min(j + 2, span - 1) * HD;
@@ -63,13 +63,7 @@ inline void score_row(const float* qr, const float* kp, int64_t span, int64_t j0
                                         dot_lanes(k1, q0, q1, q2, q3, q4, q5, q6, q7),
                                         dot_lanes(k2, q0, q1, q2, q3, q4, q5, q6, q7),
                                         dot_lanes(k3, q0, q1, q2, q3, q4, q5, q6, q7)), scale);
-    if (j + 4 <= span) {
-      _mm_storeu_ps(out + j, r);
-    } else {
-      float tmp[4];
-      _mm_storeu_ps(tmp, r);
-      for (int64_t t = 0; j + t < span; ++t) out[j + t] = tmp[t];
-    }
+    _mm_storeu_ps(out + j, r);
   }
 }
 
@@ -95,10 +89,10 @@ inline __m256 exp_nonpositive(__m256 x) {
 
 // One query row's attention: scores for its keys 0 .. stop-1 (a masked key: -inf), their softmax, and the weighted
 // sum of the values, keys added in order (a masked key is skipped: its weight is 0), divided by the weights' sum.
-// ``buf`` holds stop rounded up to 8 floats.
+// ``buf`` holds stop rounded up to 8 floats and 4 more.
 void attend_row(const float* qr, const float* kp, const float* vp, const bool* seen, int64_t span, int64_t stop,
                 float scale, float* buf, float* out) {
-  score_row(qr, kp, span, 0, stop, scale, buf);
+  score_row(qr, kp, span, stop, scale, buf);
   const int64_t padded = (stop + 7) / 8 * 8;
   for (int64_t j = 0; j < stop; ++j)
     if (!seen[j]) buf[j] = -INFINITY;

@@ -2,7 +2,7 @@
 // file): y [M, N] = x [M, K] @ W^T (+ bias), with W packed once into panels of 16 output columns, k-major, so that a
 // pass over a panel streams it from memory once and keeps 6 rows x 16 columns of sums in 12 registers.
 //
-// ``pack_half`` / ``linear_half``: the same with the panels in float16 (half the bytes to stream), each weight
+// ``pack_half``: the same panels in float16 (half the bytes to stream; ``linear`` takes either), each weight
 // converted to float32 exactly as it is loaded: for a weight whose values are float16 values (a draft head saved in
 // float16) the results are bit for bit those of the float32 kernel; any other weight is rounded to float16 once, when
 // packed.
@@ -125,7 +125,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, int64_
         const int cols = static_cast<int>(std::min<int64_t>(NB, N - p * NB));
         // more rows than one pass holds: the passes after the first read the panel from the cache and leave the
         // memory idle, so those of several rows fetch the thread's next panel meanwhile (its first pass then reads
-        // the cache; a pass of one or two rows is over before the memory could deliver it, and fetching stalls it)
+        // the cache; a shorter pass is over before the memory could deliver it, and fetching stalls it)
         const auto* next = p + 1 < end ? wd + (p + 1) * K * NB : nullptr;
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
           const int rows = static_cast<int>(std::min<int64_t>(MR, M - m0));
