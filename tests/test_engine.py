@@ -508,6 +508,62 @@ def test_a_draft_that_sat_steps_out_is_charged_the_rows_it_catches_up_on():
     assert _lag(SimpleNamespace(context=list(range(60)), token_ids=list(range(55))), Lagging()) == 49
 
 
+def test_each_drafting_sequence_is_charged_its_verification():
+    """A sequence that drafts turns each of its rows into a law over the vocabulary and runs its verifier; a plain one
+    draws from one row. The plan charges each drafting sequence its ``VerifyCosts`` for its rows (none to a plain
+    one, none where not measured), undone with the depths it came with; dear verification leaves a batch undrafted
+    where free verification drafts it all."""
+    from verispec.engine import _StepCost
+    from verispec.verifiers.costs import VerifyCosts
+
+    costs = BatchCosts(rows=(1, 64), seconds_by_rows=(1.0, 1.3), per_sequence=0.0)
+    check = VerifyCosts(first=0.02, further=0.005)
+    assert check.seconds(1) == 0.0 and check.seconds(2) == 0.02 and check.seconds(4) == pytest.approx(0.03)
+    trees, proposers = [Tree.chain(3)] * 8, [NgramDrafter(100)] * 8
+    fair = AutoDepth(prior=0.5, prior_weight=50.0).expected_tokens(3)
+    verify = [check] * 7 + [None]
+    depths = [2, 1, 0, 0, 0, 0, 0, 3]
+    plan = _StepCost([fair] * 8, trees, proposers, costs, depths, verify=verify)
+    free = _StepCost([fair] * 8, trees, proposers, costs, depths)
+    assert plan.seconds() - free.seconds() == pytest.approx(check.seconds(3) + check.seconds(2))
+    mark = plan.mark()
+    plan.add(2)
+    plan.add(0)
+    assert plan.checked == pytest.approx(check.seconds(4) + check.seconds(2) * 2)
+    plan.reset(mark)
+    assert plan.checked == pytest.approx(check.seconds(3) + check.seconds(2)) and plan.depths == depths
+    cheap = batch_depths([fair] * 8, trees, proposers, costs, [None] * 8, verify=[VerifyCosts(0.0, 0.0)] * 8)
+    dear = batch_depths([fair] * 8, trees, proposers, costs, [None] * 8, verify=[VerifyCosts(0.3, 0.0)] * 8)
+    assert all(d > 0 for d in cheap) and dear == [0] * 8
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_verify_costs_are_measured_once_per_verifier_and_cached(tmp_path, monkeypatch, temperature):
+    """``verify_costs`` times ``step_verdict`` on chains of random laws for every verifier that verifies a chain of
+    independent draws: never negative, kept in the cache by verifier and kind of sampling and read back without
+    timing again; a greedy-only verifier under sampling and a verifier needing other children have none."""
+    from verispec.verifiers import VERIFIERS
+    from verispec.verifiers import costs as verify_mod
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    sampling = Sampling(temperature)
+    measured = {}
+    for name, spec in sorted(VERIFIERS.items()):
+        if spec.greedy_only and not sampling.greedy:
+            continue
+        got = verify_mod.verify_costs(spec, sampling, 300, repeats=2)
+        if spec.children not in (None, "iid"):
+            assert got is None
+            continue
+        assert got.first >= 0 and got.further >= 0, name
+        measured[name] = got
+    assert "chain" in measured and len(measured) > 5
+    monkeypatch.setattr(verify_mod, "_timed", lambda *a: pytest.fail("measured again"))
+    for name, got in measured.items():
+        assert verify_mod.verify_costs(VERIFIERS[name], sampling, 300, measure=False) == got
+    assert verify_mod.verify_costs(VERIFIERS["chain"], sampling, 301, measure=False) is None  # another vocabulary
+
+
 def test_draft_costs_are_measured_once_per_draft_and_cached(tmp_path, monkeypatch):
     """``draft_costs`` times a tiny draft model drafting for 1..16 sequences at once: positive, kept in the cache and
     read back without timing again; a draft with nothing to measure (prompt lookup) has none."""

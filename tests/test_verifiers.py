@@ -57,7 +57,7 @@ def test_unknown_method_is_a_clear_error():
 
 @pytest.mark.parametrize("name", sorted(VERIFIERS))
 def test_with_nothing_drafted_every_verifier_draws_from_the_target(name):
-    # the decoding loop relies on this to skip the verifier on steps with nothing drafted (decode._draw_root):
+    # the decoding loop relies on this to skip the verifier on steps with nothing drafted (verifiers.base.draw_root):
     # the same token from the same random calls, nothing tested, nothing learned
     spec = VERIFIERS[name]
     root = Draft(Tree.root_only(), torch.tensor([2]), torch.zeros(1, 7, dtype=torch.float64),

@@ -38,11 +38,12 @@ from .drafters.base import Draft, DraftControl, Drafter, propose_batch
 from .drafters.costs import DraftCosts, draft_costs
 from .errors import VerispecError
 from .policies import Feedback, Fixed, Policy
-from .probs import Sampling, greedy_index, logits_to_probs
+from .probs import Sampling
 from .rng import Randomness, TorchRandomness
 from .tree import DynamicTree, Tree
 from .verifiers import check
-from .verifiers.base import Verdict, VerifierSpec
+from .verifiers.base import VerifierSpec, step_verdict
+from .verifiers.costs import VerifyCosts, verify_costs
 
 
 @dataclass(frozen=True)
@@ -94,14 +95,6 @@ class Sequence:
         return self.stop_reason is not None
 
 
-def _draw_root(logits: torch.Tensor, sampling: Sampling, rng: Randomness) -> int:
-    """The token of a step with nothing drafted: ``rng.categorical`` of the target's law, or at temperature 0 the
-    argmax of the logits itself (the greedy law's point mass without building it, and without a draw)."""
-    if sampling.greedy:
-        return int(greedy_index(logits)[0])
-    return int(rng.categorical(logits_to_probs(logits, sampling)[0]))
-
-
 class Engine:
     """Sequences in, tokens out, one batched step at a time (see the module docstring).
 
@@ -118,7 +111,9 @@ class Engine:
     reads (default: measured on first use and cached, ``backends.costs.batch_costs``); ``draft_costs``: the drafts'
     measured batch costs by ``Drafter.cost_id`` (default: measured on first use and cached,
     ``drafters.costs.draft_costs``, where ``costs`` is too; none where ``costs`` is given, since the two must share
-    one clock: then each draft's ``depth_cost`` of a plain step stands for its cost)."""
+    one clock: then each draft's ``depth_cost`` of a plain step stands for its cost). Each drafting sequence's
+    verification is charged too (``verifiers.costs.verify_costs``, measured and cached likewise, by verifier and kind
+    of sampling; not charged where ``costs`` or ``draft_costs`` is given)."""
 
     def __init__(self, target: Target, *, max_batch: int = 8, row_budget: int | None = None,
                  costs: BatchCosts | None = None, draft_costs: dict[str, DraftCosts] | None = None,
@@ -141,6 +136,7 @@ class Engine:
         self._costs = costs
         self._measure_drafts = costs is None and draft_costs is None
         self._draft_costs: dict[str, DraftCosts | None] = dict(draft_costs or {})
+        self._verify_costs: dict[tuple, VerifyCosts | None] = {}
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.steps = 0
@@ -359,13 +355,7 @@ class Engine:
     def _advance(self, s: Sequence, draft: Draft, out, source, draft_s: float, target_s: float, batch: int) -> None:
         """Verify one sequence's draft against its share of the forward, commit, and update its policy."""
         t2 = time.perf_counter()
-        if draft.num_drafted:
-            p = logits_to_probs(out.logits, s.sampling)  # [N, V]
-            verdict = s.verifier(draft, p, s.rng, s.verifier_state)
-            if s.verifier_state is not None:
-                s.verifier_state.update(verdict.feedback)
-        else:  # nothing to verify: a draw from the target, as every verifier returns for a root alone (tested)
-            verdict = Verdict((), _draw_root(out.logits[:1], s.sampling, s.rng), ())
+        verdict = step_verdict(s.verifier, draft, out.logits, s.sampling, s.rng, s.verifier_state)
         t3 = time.perf_counter()
         self.target.commit(s.state, [0, *verdict.path])
         t4 = time.perf_counter()
@@ -432,12 +422,14 @@ class Engine:
         drafting = self.drafting(proposers)
         context, span = _contexts(seqs)
         lag = [_lag(s, p) for s, p in zip(seqs, proposers)]
+        verify = self.verifying(seqs)
         best = batch_depths(expected, trees, proposers, self.costs,
                             [s.policy.planned_depth(s.tree.max_depth) if e is None else None
                              for s, e in zip(seqs, expected)], drafting=drafting, context=context, span=span,
-                            prompt_rows=prompt_rows, lag=lag)
+                            prompt_rows=prompt_rows, lag=lag, verify=verify)
         # a policy probes a depth it stopped drafting only where a good draft of it could pay in this batch
-        planned = _StepCost(expected, trees, proposers, self.costs, best, drafting, context, span, prompt_rows, lag)
+        planned = _StepCost(expected, trees, proposers, self.costs, best, drafting, context, span, prompt_rows, lag,
+                            verify)
         probe = [e is not None and _pays(planned, i) for i, e in enumerate(expected)]
         return [s.policy.planned_depth(s.tree.max_depth, best=b, probe=p) if e is not None else b
                 for s, b, e, p in zip(seqs, best, expected, probe)]
@@ -453,7 +445,8 @@ class Engine:
         cheapest = min((d for s in seqs for d in (s.drafter.sources or {"": s.drafter}).values()),
                        key=lambda d: d.depth_cost)
         plan = _StepCost([None] * len(seqs), [s.tree for s in seqs], [cheapest] * len(seqs), self.costs,
-                         [0] * len(seqs), self.drafting([cheapest]), *_contexts(seqs), prompt_rows)
+                         [0] * len(seqs), self.drafting([cheapest]), *_contexts(seqs), prompt_rows,
+                         verify=self.verifying(seqs))
         enough = plan.rate() * (1 + BATCH_MARGIN)
         for i in range(len(seqs)):
             plan.add(i, GOOD_DRAFT)
@@ -473,6 +466,18 @@ class Engine:
                 self._draft_costs[cid] = draft_costs(self.target, p)
             if self._draft_costs.get(cid) is not None:
                 out[p.batch_key] = self._draft_costs[cid]
+        return out
+
+    def verifying(self, seqs: list[Sequence]) -> list[VerifyCosts | None]:
+        """Each sequence's ``VerifyCosts`` (its verifier and kind of sampling, measured once per machine when a batch
+        first needs them, where the engine measures; None elsewhere: not charged)."""
+        out = []
+        for s in seqs:
+            entry = (s.verifier.name, s.verifier.param, s.sampling.greedy, s.sampling.top_k, s.sampling.top_p)
+            if entry not in self._verify_costs:
+                self._verify_costs[entry] = verify_costs(s.verifier, s.sampling, self.target.vocab_size) \
+                    if self._measure_drafts else None
+            out.append(self._verify_costs[entry])
         return out
 
     @property
@@ -508,18 +513,22 @@ class _StepCost:
     plus each draft model's drafting: where it was measured (``drafting``, by batch key:
     ``DraftCosts``), by the number of sequences drafting each depth, and for each drafting sequence the rows its
     draft has yet to catch up on (``lag``: ``DraftCosts.per_row`` each); elsewhere its deepest sequence's depths (one
-    batched draft forward per depth; ``Drafter.depth_cost`` of a plain step each). A sequence whose ``expected`` is
+    batched draft forward per depth; ``Drafter.depth_cost`` of a plain step each),
+    plus each drafting sequence's verification beyond a plain step's draw (``verify``, by sequence: the
+    ``VerifyCosts`` of its verifier and sampling for its rows; None: not charged). A sequence whose ``expected`` is
     None yields one token a step."""
 
     def __init__(self, expected: list[list[float] | None], trees: list[Tree], proposers: list[Drafter],
                  costs: BatchCosts, depths: list[int], drafting: dict | None = None,
                  context: float = BATCH_CONTEXT, span: float | None = None, prompt_rows: int = 0,
-                 lag: list[int] | None = None):
+                 lag: list[int] | None = None, verify: list[VerifyCosts | None] | None = None):
         self.expected, self.sizes, self.proposers, self.costs = expected, [t.sizes for t in trees], proposers, costs
         self.context, self.span, self.prompt_rows = context, span, prompt_rows
         self.drafting = drafting or {}
         self.lag = lag or [0] * len(depths)
         self.caught = 0.0  # seconds of the drafting sequences' catching up
+        self.verify = verify or [None] * len(depths)
+        self.checked = 0.0  # seconds of the drafting sequences' verification
         self.depths = list(depths)
         self._undo: list[tuple[int, int]] = []  # (sequence, its depth before) of each addition, for ``reset``
         self.tokens = sum(e[d] if e is not None else 1.0 for e, d in zip(expected, depths))
@@ -534,6 +543,9 @@ class _StepCost:
 
     def _deepen(self, i: int, d: int) -> None:
         """Sequence i's draft drafts depth d + 1."""
+        if self.verify[i] is not None:
+            rows = self.sizes[i]
+            self.checked += self.verify[i].seconds(rows[d + 1]) - self.verify[i].seconds(rows[d])
         p = self.proposers[i]
         if p.batch_key in self.drafting:
             counts = self.counts.setdefault(p.batch_key, [])
@@ -548,7 +560,7 @@ class _StepCost:
         return self.costs.seconds(self.rows, len(self.depths), self.widest, self.context, self.span) + \
             self._beside_prompt() + \
             sum(d * c for d, c in self.draft.values()) * self.unit + \
-            sum(self.drafting[key].seconds(counts) for key, counts in self.counts.items()) + self.caught
+            sum(self.drafting[key].seconds(counts) for key, counts in self.counts.items()) + self.caught + self.checked
 
     def rate(self) -> float:
         return self.tokens / self.seconds()
@@ -578,11 +590,11 @@ class _StepCost:
     def mark(self) -> tuple:
         """The state now, for ``reset`` to return to after trying moves."""
         return (self.tokens, self.rows, self.widest, dict(self.draft), {k: list(v) for k, v in self.counts.items()},
-                len(self._undo), self.caught)
+                len(self._undo), self.caught, self.checked)
 
     def reset(self, mark: tuple) -> None:
         self.tokens, self.rows, self.widest, self.draft = mark[0], mark[1], mark[2], dict(mark[3])
-        self.counts, self.caught = {k: list(v) for k, v in mark[4].items()}, mark[6]
+        self.counts, self.caught, self.checked = {k: list(v) for k, v in mark[4].items()}, mark[6], mark[7]
         while len(self._undo) > mark[5]:
             i, d = self._undo.pop()
             self.depths[i] = d
@@ -596,7 +608,8 @@ BATCH_MARGIN = 0.10
 def batch_depths(expected: list[list[float] | None], trees: list[Tree], proposers: list[Drafter],
                  costs: BatchCosts, own: list[int | None], margin: float = BATCH_MARGIN,
                  drafting: dict | None = None, context: float = BATCH_CONTEXT,
-                 span: float | None = None, prompt_rows: int = 0, lag: list[int] | None = None) -> list[int]:
+                 span: float | None = None, prompt_rows: int = 0, lag: list[int] | None = None,
+                 verify: list[VerifyCosts | None] | None = None) -> list[int]:
     """The depths with the most expected tokens per second for the batch. Each sequence starts at 0 (those whose
     policy plans its own depth, ``own``, keep it); then, move after move, one more depth goes to a group of
     sequences: of the moves that raise the batch's rate (expected tokens over ``_StepCost`` seconds) by more than
@@ -613,7 +626,7 @@ def batch_depths(expected: list[list[float] | None], trees: list[Tree], proposer
     to clear the margin however well it pays. Choosing the cheapest tokens rather than the largest rise keeps a
     large move from taking the rows that better drafts would have used a step later."""
     plan = _StepCost(expected, trees, proposers, costs, [o if o is not None else 0 for o in own], drafting, context,
-                     span, prompt_rows, lag)
+                     span, prompt_rows, lag, verify)
     while True:
         open_ = [i for i, e in enumerate(expected) if e is not None and plan.depths[i] + 1 < len(e)]
         if not open_:

@@ -8,7 +8,8 @@ bench left unresolved, not the benchmark (``verispec bench --concurrency``).
 A method named ``M:plain`` is M whose batched steps never draft (``Engine._nothing_pays`` says so whenever two or more
 sequences decode; its drafter still receives the target's features): what M costs beside ``ar`` besides its drafts.
 A method named ``M:margin=X`` is M whose load-aware plan asks a move to raise the batch's rate by more than X
-(``engine.BATCH_MARGIN``, 0.10) before it drafts.
+(``engine.BATCH_MARGIN``) before it drafts; ``M:unverified`` is M whose plan does not charge drafting sequences their
+verification (``Engine.verifying``); the two combine (``default:margin=0.1:unverified``).
 """
 
 from __future__ import annotations
@@ -46,11 +47,11 @@ def main() -> None:
     problems = spec_bench_problems(args.limit)
     ids = [target.encode_prompt(p.prompt, chat=p.chat) for p in problems]
     plans = {m: resolve(m.split(":")[0], temperature=args.temperature) for m in args.methods}
-    pays = Engine._nothing_pays
+    pays, verifying = Engine._nothing_pays, Engine.verifying
     default_margin, batch_depths, one_pays = engine_module.BATCH_MARGIN, engine_module.batch_depths, engine_module._pays
 
     def set_margin(m: str) -> None:
-        margin = float(m.split(":margin=")[1]) if ":margin=" in m else default_margin
+        margin = float(m.split(":margin=")[1].split(":")[0]) if ":margin=" in m else default_margin
         engine_module.BATCH_MARGIN = margin  # read by ``Engine._nothing_pays``; the two below take it as an argument
         engine_module.batch_depths = lambda *a, **k: batch_depths(*a, **{**k, "margin": margin})
         engine_module._pays = lambda plan, i: one_pays(plan, i, margin)
@@ -58,6 +59,7 @@ def main() -> None:
     def loop(m: str, n: int | None = None) -> float:
         set_margin(m)
         Engine._nothing_pays = (lambda self, seqs, *rest: len(seqs) >= 2) if m.endswith(":plain") else pays
+        Engine.verifying = (lambda self, seqs: [None] * len(seqs)) if ":unverified" in m else verifying
         reqs = verispec_loop(target, plans[m], drafter, problems[:n] if n else problems, ids[:n] if n else ids,
                              args.concurrency, args.temperature, 0, args.max_new_tokens if n is None else 8)
         wall = max(r.finished for r in reqs) - min(r.submitted for r in reqs)

@@ -26,6 +26,7 @@ import torch
 
 from ..drafters.base import Draft
 from ..errors import VerispecError
+from ..probs import Sampling, greedy_index, logits_to_probs
 from ..rng import Randomness
 from ..tree import DynamicTree, Tree
 
@@ -39,6 +40,28 @@ class Verdict:
 
 
 VerifyFn = Callable[[Draft, torch.Tensor, Randomness], Verdict]
+
+
+def draw_root(logits: torch.Tensor, sampling: Sampling, rng: Randomness) -> int:
+    """The token of a step with nothing drafted, from the target's ``logits [1+, V]`` (row 0 read): what every verifier
+    returns for a root alone, ``rng.categorical`` of the target's law, or at temperature 0 the argmax of the logits
+    itself (the greedy law's point mass without building it, and without a draw)."""
+    if sampling.greedy:
+        return int(greedy_index(logits[:1])[0])
+    return int(rng.categorical(logits_to_probs(logits[:1], sampling)[0]))
+
+
+def step_verdict(spec: "VerifierSpec", draft: Draft, logits: torch.Tensor, sampling: Sampling, rng: Randomness,
+                 state=None) -> Verdict:
+    """A decoding step's verdict from the target's ``logits [N, V]`` after the draft's nodes: ``spec``'s on their laws
+    under ``sampling`` (a learning verifier's ``state`` then learns its feedback), or with nothing drafted
+    ``draw_root``'s token."""
+    if not draft.num_drafted:
+        return Verdict((), draw_root(logits, sampling, rng), ())
+    verdict = spec(draft, logits_to_probs(logits, sampling), rng, state)
+    if state is not None:
+        state.update(verdict.feedback)
+    return verdict
 
 
 @dataclass(frozen=True)
