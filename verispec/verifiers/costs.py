@@ -79,7 +79,8 @@ def verify_costs(spec: VerifierSpec, sampling: Sampling, vocab: int, repeats: in
                  measure: bool = True) -> VerifyCosts | None:
     """``spec``'s ``VerifyCosts`` under ``sampling`` (its kind: greedy or not, top-k, top-p; not its temperature) over
     a vocabulary of ``vocab`` tokens (means of ``repeats``), measured once and cached; None when not cached and
-    ``measure`` is False, or when ``spec`` cannot verify a chain (its cost then goes uncharged)."""
+    ``measure`` is False, or for a verifier whose children must be drawn otherwise than independently (it is timed
+    on independent chains only; its verification then goes uncharged)."""
     kind = ("greedy",) if sampling.greedy else ("sampled", sampling.top_k, sampling.top_p)
     entry = cache.key("verify", REVISION, spec.name, spec.param, *kind, vocab, platform.machine(), os.cpu_count())
     got = cache.read("costs", entry)
