@@ -536,6 +536,16 @@ def test_each_drafting_sequence_is_charged_its_verification():
     dear = batch_depths([fair] * 8, trees, proposers, costs, [None] * 8, verify=[VerifyCosts(0.3, 0.0)] * 8)
     assert all(d > 0 for d in cheap) and dear == [0] * 8
 
+    # an engine given its costs charges the verifications it is given (the bench measures them before its clock
+    # starts), and none it would have to measure on another clock
+    from types import SimpleNamespace
+
+    from verispec.verifiers.costs import cost_key
+
+    greedy, sampled = (SimpleNamespace(verifier=get_verifier("chain"), sampling=Sampling(t)) for t in (0.0, 0.7))
+    given = Engine(tiny_target("lean"), costs=costs, verify_costs={cost_key(greedy.verifier, greedy.sampling): check})
+    assert given.verifying([greedy, sampled]) == [check, None]
+
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_verify_costs_are_measured_once_per_verifier_and_cached(tmp_path, monkeypatch, temperature):

@@ -43,7 +43,7 @@ from .rng import Randomness, TorchRandomness
 from .tree import DynamicTree, Tree
 from .verifiers import check
 from .verifiers.base import VerifierSpec, step_verdict
-from .verifiers.costs import VerifyCosts, verify_costs
+from .verifiers.costs import VerifyCosts, cost_key, verify_costs
 
 
 @dataclass(frozen=True)
@@ -111,14 +111,15 @@ class Engine:
     reads (default: measured on first use and cached, ``backends.costs.batch_costs``); ``draft_costs``: the drafts'
     measured batch costs by ``Drafter.cost_id`` (default: measured on first use and cached,
     ``drafters.costs.draft_costs``, where ``costs`` is too; none where ``costs`` is given, since the two must share
-    one clock: then each draft's ``depth_cost`` of a plain step stands for its cost). Each drafting sequence's
-    verification is charged too (``verifiers.costs.verify_costs``, measured and cached likewise, by verifier and kind
-    of sampling; not charged where ``costs`` or ``draft_costs`` is given)."""
+    one clock: then each draft's ``depth_cost`` of a plain step stands for its cost); ``verify_costs``: each drafting
+    sequence's verification by ``verifiers.costs.cost_key`` (default: measured on first use and cached,
+    ``verifiers.costs.verify_costs``, where ``costs`` and ``draft_costs`` are too; elsewhere only those given are
+    charged)."""
 
     def __init__(self, target: Target, *, max_batch: int = 8, row_budget: int | None = None,
                  costs: BatchCosts | None = None, draft_costs: dict[str, DraftCosts] | None = None,
                  load_aware: bool = True, isolate: bool = False, max_context: int | None = None,
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, verify_costs: dict[tuple, VerifyCosts] | None = None):
         if max_batch < 1:
             raise VerispecError(f"max_batch must be >= 1, got {max_batch}")
         if row_budget is not None and row_budget < max_batch:
@@ -136,7 +137,7 @@ class Engine:
         self._costs = costs
         self._measure_drafts = costs is None and draft_costs is None
         self._draft_costs: dict[str, DraftCosts | None] = dict(draft_costs or {})
-        self._verify_costs: dict[tuple, VerifyCosts | None] = {}
+        self._verify_costs: dict[tuple, VerifyCosts | None] = dict(verify_costs or {})
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.steps = 0
@@ -473,7 +474,7 @@ class Engine:
         first needs them, where the engine measures; None elsewhere: not charged)."""
         out = []
         for s in seqs:
-            entry = (s.verifier.name, s.verifier.param, s.sampling.greedy, s.sampling.top_k, s.sampling.top_p)
+            entry = cost_key(s.verifier, s.sampling)
             if entry not in self._verify_costs:
                 self._verify_costs[entry] = verify_costs(s.verifier, s.sampling, self.target.vocab_size) \
                     if self._measure_drafts else None

@@ -21,6 +21,7 @@ from ..drafters.costs import measured_draft_costs
 from ..engine import Engine, StepRecord
 from ..errors import VerispecError
 from ..probs import Sampling
+from ..verifiers.costs import cost_key, verify_costs
 
 PREFILL_CHUNK = 128  # prompt tokens a joining request puts in each step's forward (engine.Engine.prefill_chunk)
 
@@ -62,8 +63,12 @@ def verispec_loop(target, plan, drafter, problems: list[Problem], prompt_ids: li
     # the target's and the drafts' costs: measured once per machine, before the clock starts
     costs = batch_costs(target) if concurrency > 1 else None
     drafts = measured_draft_costs(target, drafter) if concurrency > 1 else None
+    verifier = plan.build(target, drafter.fork()).verifier
+    checks = {cost_key(verifier, Sampling(temperature)): verify_costs(verifier, Sampling(temperature),
+                                                                      target.vocab_size)} if concurrency > 1 else None
     engine = Engine(target, max_batch=concurrency, isolate=True, max_context=min(longest, target.max_context),
-                    costs=costs, draft_costs=drafts, prefill_chunk=PREFILL_CHUNK if concurrency > 1 else None)
+                    costs=costs, draft_costs=drafts, prefill_chunk=PREFILL_CHUNK if concurrency > 1 else None,
+                    verify_costs=checks)
     t0 = time.perf_counter()
     queue = list(range(len(problems)))
     out: dict[int, Request] = {}

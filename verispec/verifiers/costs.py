@@ -75,14 +75,21 @@ def _timed(spec: VerifierSpec, sampling: Sampling, vocab: int, sizes: tuple[int,
     return [statistics.fmean(ts) for ts in times]
 
 
+def cost_key(spec: VerifierSpec, sampling: Sampling) -> tuple:
+    """What a verification's cost depends on: the verifier (with its parameter) and the kind of sampling (greedy or
+    not, top-k, top-p; not the temperature)."""
+    kind = ("greedy",) if sampling.greedy else ("sampled", sampling.top_k, sampling.top_p)
+    return (spec.name, spec.param, *kind)
+
+
 def verify_costs(spec: VerifierSpec, sampling: Sampling, vocab: int, repeats: int = 80,
                  measure: bool = True) -> VerifyCosts | None:
     """``spec``'s ``VerifyCosts`` under ``sampling`` (its kind: greedy or not, top-k, top-p; not its temperature) over
     a vocabulary of ``vocab`` tokens (means of ``repeats``), measured once and cached; None when not cached and
     ``measure`` is False, or for a verifier whose children must be drawn otherwise than independently (it is timed
     on independent chains only; its verification then goes uncharged)."""
-    kind = ("greedy",) if sampling.greedy else ("sampled", sampling.top_k, sampling.top_p)
-    entry = cache.key("verify", REVISION, spec.name, spec.param, *kind, vocab, platform.machine(), os.cpu_count())
+    key = cost_key(spec, sampling)
+    entry = cache.key("verify", REVISION, *key, vocab, platform.machine(), os.cpu_count())
     got = cache.read("costs", entry)
     if got and "first" in got:
         return VerifyCosts(got["first"], got["further"])
@@ -91,5 +98,5 @@ def verify_costs(spec: VerifierSpec, sampling: Sampling, vocab: int, repeats: in
     plain, one, deep = _timed(spec, sampling, vocab, (1, 2, DEEPEST + 1), repeats)
     out = VerifyCosts(max(one - plain, 0.0), max(deep - one, 0.0) / (DEEPEST - 1))
     cache.write("costs", entry, {"first": out.first, "further": out.further, "verifier": spec.name,
-                                 "sampling": list(kind), "vocab": vocab})
+                                 "sampling": list(key[2:]), "vocab": vocab})
     return out
