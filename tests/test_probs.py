@@ -55,6 +55,33 @@ def test_residual():
     assert residual(p, p).tolist() == pytest.approx(p.tolist())  # no mass: fall back to p
 
 
+def _residual_by_formula(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    r = (p - q).clamp_min(0)
+    total = r.sum(-1, keepdim=True)
+    return torch.where(total > 0, r / total.clamp_min(torch.finfo(r.dtype).tiny), p)
+
+
+def test_residual_of_a_point_mass_is_itself_and_equals_the_formula_bit_for_bit():
+    """A greedy target's law is read off ``p`` without the passes over the vocabulary; the result must be the
+    formula's, bit for bit, whatever the draft's law (elsewhere, at the token, all of it, or the same point mass), and
+    a row with one positive entry that is not 1 (not a law) must still go through the formula."""
+    gen = torch.Generator().manual_seed(0)
+    p = torch.zeros(3, 50, dtype=torch.float64)
+    p[0, 7] = p[1, 0] = p[2, 49] = 1.0
+    soft = torch.softmax(torch.randn(3, 50, generator=gen, dtype=torch.float64), -1)
+    at_token = soft.clone()
+    at_token[0, 7] = 1.0
+    for q in (soft, at_token, p.clone(), torch.zeros_like(p)):
+        assert torch.equal(residual(p, q), _residual_by_formula(p, q))
+        assert torch.equal(residual(p[0], q[0]), _residual_by_formula(p[0], q[0]))
+    half = p * 0.5
+    assert torch.equal(residual(half, soft), _residual_by_formula(half, soft))
+    assert residual(half, soft)[0, 7] == 1.0
+    mixed = torch.stack([p[0], soft[1], p[2]])  # one row sampled: the formula for all of them
+    assert torch.equal(residual(mixed, soft), _residual_by_formula(mixed, soft))
+    assert residual(p.float(), soft).dtype == torch.float64  # the promoted type, as the formula gives
+
+
 def test_argmax_and_point_mass_match_torch_including_ties():
     from verispec.probs import argmax, point_mass
 

@@ -18,7 +18,7 @@ from typing import Callable, Protocol, TypeVar
 import numpy as np
 import torch
 
-from .probs import as_numpy
+from .probs import as_numpy, point_mass_index
 
 T = TypeVar("T")
 
@@ -52,26 +52,6 @@ class TorchRandomness:
         cdf = torch.cumsum(probs, dim=-1)
         idx = torch.searchsorted(cdf, u * cdf[..., -1:], right=True).squeeze(-1)
         return idx.clamp_max(probs.shape[-1] - 1)
-
-
-def point_mass_index(probs: torch.Tensor) -> torch.Tensor | None:
-    """Each row's index if every row of ``probs [..., V]`` is a point mass (exactly one positive entry), else None.
-
-    Inverse-CDF sampling returns that index whatever the uniform number is, so a greedy row is drawn by an argmax
-    and one more pass instead of a float64 cumulative sum over the vocabulary (rows from a sampled law fail the test
-    at their first row and pay one argmax)."""
-    a = as_numpy(probs)
-    if a is None or a.size == 0:
-        return None
-    flat = a.reshape(-1, a.shape[-1])
-    idx = flat.argmax(-1)
-    if len(idx) <= 8:  # few rows (a step's root, a chain): two slices per row, no temporary array
-        for row, i in zip(flat, idx.tolist()):
-            if not (row[i] > 0 and row[:i].max(initial=0.0) <= 0 and row[i + 1:].max(initial=0.0) <= 0):
-                return None
-    elif not ((flat[np.arange(len(idx)), idx] > 0).all() and (np.count_nonzero(flat > 0, axis=-1) == 1).all()):
-        return None
-    return torch.from_numpy(idx.reshape(a.shape[:-1]))
 
 
 class ScriptedRandomness:

@@ -27,7 +27,7 @@ from ..rng import TorchRandomness
 from ..tree import Tree
 from .base import VerifierSpec, step_verdict
 
-REVISION = 1  # of the verification code the cached costs were measured with
+REVISION = 2  # of the verification code the cached costs were measured with
 DEEPEST = 3  # drafted rows timed: 1 and this; each further row costs a share of the difference
 WARM_UP = 3  # untimed rounds first (the first calls of a process run several times slower)
 
