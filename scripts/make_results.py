@@ -232,6 +232,10 @@ RUNS["concurrency_native_attention"] = RUNS["concurrency_native"]  # the same lo
 # Face's static batches left out for time (the run above measured them, and their code has not changed)
 RUNS["concurrency_verified"] = ["--methods", "ar", "default", "llama-cpp", "llama-server", "--drafts", "auto",
                                 *spec_bench(), "--concurrency", "1", "2", "4", "8", "--rounds", "2"]
+# the same with each drafting sequence charged its verification (b5c7e0b), a greedy target's residual read off its
+# point mass (08bf4c5) and a prompt's prefill attending causally without a mask, and Hugging Face's static batches
+RUNS["concurrency_charged"] = ["--methods", "ar", "default", "hf-generate", "llama-cpp", "llama-server", "--drafts",
+                               "auto", *spec_bench(), "--concurrency", "1", "2", "4", "8", "--rounds", "2"]
 RUNS["serving_n8_bf16"] = [*RUNS["serving_n8"], "--dtype", "bfloat16"]
 RUNS["serving_bf16"] = [*serving_run(), "--dtype", "bfloat16"]
 # ResiSpec Table 3 shape (a cell costs ~30 s here): one run per temperature and tree group, two at a time share the
