@@ -187,7 +187,7 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     if p.shape == q.shape:
         token = point_mass_index(p)
         if token is not None and bool((p.gather(-1, token.unsqueeze(-1)) == 1).all()):
-            return p.to(dtype)
+            return p.to(dtype, copy=True)  # a new tensor, as the formula gives
     r = (p - q).clamp_min_(0)
     total = r.sum(-1, keepdim=True)
     tiny = torch.finfo(dtype).tiny
