@@ -81,7 +81,6 @@ def test_positions_beyond_the_rotary_table_are_computed(monkeypatch):
     assert torch.allclose(logits[0], logits[1], atol=1e-4, rtol=1e-4)
 
 
-
 def test_a_prompts_prefill_attends_causally_without_a_mask_and_gets_the_masked_result_bit_for_bit(monkeypatch):
     """A whole prompt under the causal mask attends with ``is_causal`` (torch skips the masked blocks); anything else
     keeps its mask. The logits and features equal the masked call's exactly."""
@@ -102,6 +101,7 @@ def test_a_prompts_prefill_attends_causally_without_a_mask_and_gets_the_masked_r
     monkeypatch.setattr(LeanLlama, "_plain_causal", staticmethod(lambda v: False))
     masked = lean.prefill_output(lean.new_state(), prompt, features=FEATURES)
     assert torch.equal(fast.logits, masked.logits) and torch.equal(fast.hidden, masked.hidden)
+
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_greedy_generation_equals_the_transformers_forward_token_for_token(kind):
