@@ -63,9 +63,9 @@ def verispec_loop(target, plan, drafter, problems: list[Problem], prompt_ids: li
     # the target's and the drafts' costs: measured once per machine, before the clock starts
     costs = batch_costs(target) if concurrency > 1 else None
     drafts = measured_draft_costs(target, drafter) if concurrency > 1 else None
-    verifier = plan.build(target, drafter.fork()).verifier
-    checks = {cost_key(verifier, Sampling(temperature)): verify_costs(verifier, Sampling(temperature),
-                                                                      target.vocab_size)} if concurrency > 1 else None
+    sampling = Sampling(temperature)
+    checks = {cost_key(plan.verifier, sampling): verify_costs(plan.verifier, sampling, target.vocab_size)} \
+        if concurrency > 1 else None
     engine = Engine(target, max_batch=concurrency, isolate=True, max_context=min(longest, target.max_context),
                     costs=costs, draft_costs=drafts, prefill_chunk=PREFILL_CHUNK if concurrency > 1 else None,
                     verify_costs=checks)
@@ -77,7 +77,7 @@ def verispec_loop(target, plan, drafter, problems: list[Problem], prompt_ids: li
         mine = drafter.fork()
         run = plan.build(target, mine)
         engine.submit(prompt_ids[i], drafter=mine, verifier=run.verifier, tree=run.tree,
-                      sampling=Sampling(temperature), max_new_tokens=max_new_tokens, children=run.children,
+                      sampling=sampling, max_new_tokens=max_new_tokens, children=run.children,
                       policy=run.policy, verifier_state=run.verifier_state, seed=seed, id=i)
 
     for _ in range(min(concurrency, len(queue))):
