@@ -9,7 +9,8 @@ A method named ``M:plain`` is M whose batched steps never draft (``Engine._nothi
 sequences decode; its drafter still receives the target's features): what M costs beside ``ar`` besides its drafts.
 A method named ``M:margin=X`` is M whose load-aware plan asks a move to raise the batch's rate by more than X
 (``engine.BATCH_MARGIN``) before it drafts; ``M:unverified`` is M whose plan does not charge drafting sequences their
-verification (``Engine.verifying``); the two combine (``default:margin=0.1:unverified``).
+verification (``Engine.verifying``); the two combine (``default:margin=0.1:unverified``). ``M:own`` is M whose
+sequences each draft what their own policy plans alone (``Engine.depths`` as at one in flight), whatever the batch.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from verispec.datasets import spec_bench_problems
 from verispec.drafters import build_drafter
 from verispec.engine import Engine
 from verispec.methods import resolve
+from verispec.tree import Tree
 
 
 def main() -> None:
@@ -47,7 +49,10 @@ def main() -> None:
     problems = spec_bench_problems(args.limit)
     ids = [target.encode_prompt(p.prompt, chat=p.chat) for p in problems]
     plans = {m: resolve(m.split(":")[0], temperature=args.temperature) for m in args.methods}
-    pays, verifying = Engine._nothing_pays, Engine.verifying
+    pays, verifying, depths = Engine._nothing_pays, Engine.verifying, Engine.depths
+
+    def own(self, seqs, prompt_rows=0):
+        return [s.policy.planned_depth(s.tree.max_depth) if isinstance(s.tree, Tree) else None for s in seqs]
     default_margin, batch_depths, one_pays = engine_module.BATCH_MARGIN, engine_module.batch_depths, engine_module._pays
 
     def set_margin(m: str) -> None:
@@ -60,6 +65,9 @@ def main() -> None:
         set_margin(m)
         Engine._nothing_pays = (lambda self, seqs, *rest: len(seqs) >= 2) if m.endswith(":plain") else pays
         Engine.verifying = (lambda self, seqs: [None] * len(seqs)) if ":unverified" in m else verifying
+        Engine.depths = own if ":own" in m else depths
+        if ":own" in m:
+            Engine._nothing_pays = lambda self, seqs, *rest: False
         reqs = verispec_loop(target, plans[m], drafter, problems[:n] if n else problems, ids[:n] if n else ids,
                              args.concurrency, args.temperature, 0, args.max_new_tokens if n is None else 8)
         wall = max(r.finished for r in reqs) - min(r.submitted for r in reqs)
