@@ -423,10 +423,11 @@ def _in_dtype(res: Results) -> tuple[str, str]:
 
 
 def concurrency_section(res: Results, figs: Path, heading: str = "", lead: tuple[str, ...] = (),
-                        tag: str = "") -> list[str]:
+                        tag: str = "", explain: bool = True) -> list[str]:
     """Many requests at once (issue 25): the closed loops' table, the plot, and whether each request's greedy text
     depends on its batch. ``heading`` replaces the section's title, ``lead`` paragraphs go before the table, ``tag``
-    ends the plot's file name."""
+    ends the plot's file name; without ``explain``, the methods and columns are those of the latest run's section
+    (``LATEST_LOOPS``), said there once."""
     from verispec.bench.plots import throughput
     from verispec.bench.report import loop_summary, table_loops
 
@@ -447,6 +448,12 @@ def concurrency_section(res: Results, figs: Path, heading: str = "", lead: tuple
     llama = any(m.startswith("llama") for m in res.header["config"]["methods"])
     return [f"## {heading or 'Many requests at once: closed loops of concurrent requests' + title}", "",
             *run_lines(res), "", *([res.llama_build(), ""] if llama else []), *[x for p in lead for x in (p, "")],
+            *([] if explain else [
+                "Methods, columns and intervals as in the latest run's section (\"" + LATEST_LOOPS[2] + "\"), but "
+                "here each interval" + (" draws rounds too, so the spread between rounds is in it." if rounds > 1
+                                        else " holds the prompts' spread only: machine noise between runs is not in "
+                                             "it."), ""]),
+            *([] if not explain else [
             "Every Spec-Bench prompt of the run is a request of a closed loop that keeps N in flight (a new one starts "
             "as one finishes). `ar` and `default` run through verispec's batched engine (`verispec/engine.py`): every "
             "running request's tree in one target forward, each request verified on its own; `default` chooses the "
@@ -461,7 +468,7 @@ def concurrency_section(res: Results, figs: Path, heading: str = "", lead: tuple
                 "; rounds are drawn too, so the spread between rounds is in it" if rounds > 1 else
                 "; machine noise between runs is not in it") + "). TPOT: "
             "time per output token after the first; TTFT: time to the first token from submission, queueing "
-            "included.", "", table_loops(rows), "",
+            "included.", ""]), table_loops(rows), "",
             *(["Greedy text against the same method's loop of one request at a time (T = 0): " + "; ".join(same) + ".",
                ""] if same else []), *_loop_work(res), *_server_load_note(res), fig(throughput(res, figs / f"throughput{name}.png")), ""]
 
@@ -1084,6 +1091,138 @@ def llama_costs_section() -> list[str]:
     return out
 
 
+EARLIER_LOOPS = (  # closed-loop runs after the first two, oldest first: (run, plot tag, heading, lead)
+    ("concurrency_bf16_rounds", "_rounds",
+     "Many requests at once, target in bfloat16: the plan's group moves and measured costs, in two rounds",
+     ("The same closed loops after these changes to `default` (the run above predates them): the load-aware "
+      "plan moves groups of sequences, not one at a time, and its cost model holds the draft's measured cost "
+      "by batch size, the drafted rows' padding at the batch's longest context, the slope of rows beside "
+      "a joining prompt and the rows a draft catches up on after steps it sat out, and a move must raise the "
+      "batch's rate by 10 % (see docs/design.md, Load-aware speculation); in both verispec loops a joining "
+      "prompt's rows skip the output layer; the draft head is the one trained six epochs, shipped now (see "
+      "The draft head below). Beside them llama.cpp ran, one request at a time (`llama-cpp`) and as "
+      "`llama-server`; Hugging Face's static batches and transformers' continuous batching were left out to "
+      "fit the run in one session (they are in the runs above; the static batches trailed `ar` at every N). "
+      "Every loop ran twice, the methods' order reversed in the second round (`--rounds 2`). The reason: "
+      "in four runs of two loops each (`ar` and `default`, N = 8, T = 0, one process per run, git 4bbab27), "
+      "the first loop was the faster one every time, by 3-27 %, whichever method ran it; and the last run "
+      "with one round, `ar` always just before `default`, had `default` at 0.93x [0.91, 0.95] of `ar` at "
+      "N = 8, T = 0 (git a9e2cf3), an interval that holds the prompts' spread but not the machine's. "
+      "Throughput pools both rounds; each ratio is the geometric mean of the two rounds' ratios.",)),
+    ("concurrency_bf16_static", "_static",
+     "Many requests at once, target in bfloat16: Hugging Face's static batches at N = 8, in two rounds",
+     ("The run above with Hugging Face `generate` on static batches in place of llama.cpp, at N = 1 and 8 "
+      "only: the goals at N = 8 against HF's static batches of 8 and against `default`'s own N = 1, paired "
+      "within one run (two rounds, the methods' order reversed in the second).",)),
+    ("concurrency_bf16_n8", "_n8",
+     "Many requests at once, target in bfloat16: `default` against `ar` at N = 8, in four rounds",
+     ("`default` and `ar` alone at N = 8, after a switching draft's lookup match came from n-grams indexed as "
+      "the context grows and the plan's cost tables were read by bisection (ff186b9): a step that drafts "
+      "nothing had cost `default` about 1.15 ms more than `ar` (docs/design.md, Load-aware speculation). Four "
+      "rounds, the order reversed every other round.",)),
+    ("concurrency_avx2", "_avx2",
+     "Many requests at once on an AVX2 CPU (float32): every N, with transformers' continuous batching",
+     ("The whole closed-loop run of issue 25 on another kind of CPU: an AMD EPYC with AVX2 but no AVX-512, "
+      "so the native bfloat16 attention kernels do not run and the target computes in float32 (a plain "
+      "step of 8 sequences at 400 entries took 169 ms in bfloat16 against 84 in float32 there: "
+      "`scripts/experiments/drafted_rows.py --context 400 --dtype D`). Every cost the "
+      "load-aware plan weighs was measured again on this machine (`verispec.backends.costs`, "
+      "`verispec.drafters.costs`); nothing else changed. transformers' continuous batching ran with its "
+      "cache sized from the requests (it had sized it from 90 % of the machine's memory and was left out "
+      "of the later runs). Two rounds, the methods' order reversed in the second.",)),
+    ("concurrency_native", "_native",
+     "Many requests at once on an AVX2 CPU (float32), with verispec's own linear kernel",
+     ("The closed loops of the section above, on the same kind of CPU (AMD EPYC, AVX2, float32), after "
+      "verispec's float32 linear kernel (`verispec/backends/native/linear.cpp`, design.md) became the "
+      "plan for every row count: MKL's products for a few rows had cost steps with the row count (a "
+      "forward of 6-8 rows 1.7x one of 1-2), which made drafted rows dear under load. Every method runs on "
+      "the same model object, so Hugging Face `generate` computes with the same kernel. The cost tables "
+      "were measured again (they are keyed by the kernel plan). transformers' continuous batching was left "
+      "out of this run for time (its figures with the stock kernel are in the section above). Two rounds, "
+      "the methods' order reversed in the second.",)),
+    ("concurrency_native_attention", "_native_attention",
+     "Many requests at once on an AVX2 CPU (float32), with verispec's own attention kernel too",
+     ("The closed loops of the section above again, on the same kind of CPU, after three changes "
+      "(design.md, \"Native float32 attention\"): the lean forward's float32 attention runs in a kernel of "
+      "verispec's own (`verispec/backends/native/attention_f32.cpp`) that reads each sequence's keys and "
+      "values once for all its rows, where torch's products had read them again for every drafted row and "
+      "padded every sequence to the widest tree; the linear kernel's later passes over a weight fetch the "
+      "next one; and the EAGLE head's layers read float16 copies of its weights (half the bytes, the same "
+      "results: its saved weights are float16 values). `hf-generate` shares the linear kernel, not the "
+      "attention (it runs on its own cache). The cost tables were measured again. Two rounds, the methods' "
+      "order reversed in the second.",
+      "How to read it. At N = 8, T = 0 `default` drafted 296 tokens in 3,672 request steps (1.08 tokens a "
+      "step), so most of its 1.20x over `ar` there is the machine's drift between cells: `ar` ran at 71.2 "
+      "tokens/s in that cell and at 77.6 in its T = 0.6 cell, with the same rows a step. At N = 4 and 8 the "
+      "plan drafts little because rows are no longer nearly free on two cores once both kernels run "
+      "(design.md, \"What bounds a float32 batch of 8 on two cores now is arithmetic\"): a drafted token for "
+      "each of 8 sequences pays only where the head's depth-1 acceptance exceeds about 0.7. Against the "
+      "section above (9dbece9; another run, so with the drift between runs in it): `ar` at N = 8 71.2 / 77.6 "
+      "tokens/s against 49.6 / 60.1, `default` at N = 1 39.0 / 33.8 against 35.9 / 26.3; `hf-generate`, "
+      "which gained only the linear kernel's prefetch, 30.3 / 30.5 against 26.9 / 26.1 at N = 8.")),
+    ("concurrency_verified", "_verified",
+     "Many requests at once on an AVX2 CPU (float32), a 5 % margin, beside llama.cpp",
+     ("The closed loops of the section above on the same kind of CPU, after the load-aware plan's margin "
+      "went from 10 % to 5 % (design.md, \"The plan's margin is set by its worst batch\"), with llama.cpp beside "
+      "verispec: `llama-cpp` is llama-cpp-python serving one request at a time, `llama-server` llama.cpp's "
+      "own server with N slots, both built for this CPU (`bash scripts/install_llama.sh`, "
+      "`scripts/llama_build.py server`) and running the default model's GGUF file (Q4_1: a quantised model, "
+      "so its tokens are not verispec's). Hugging Face's static batches were left out for time; the section "
+      "above measured them. Two rounds, the methods' order reversed in the second. This loop did not yet "
+      "charge each drafting sequence its verification (`verispec/verifiers/costs.py`): an engine given its "
+      "costs up front, as the bench's is, charged it only from b5c7e0b on.",
+      "How to read it. Against `ar` at T = 0 / 0.6, `default` ran 1.28x / 1.15x at N = 2, 1.02x / 0.95x at "
+      "N = 4 and 1.09x / 1.01x at N = 8 (intervals in the table). The smaller margin drafts where few "
+      "sequences run: at N = 2 `default` drafted 2,714 / 2,682 tokens in 2,468 / 2,540 request steps, at "
+      "N = 8 only 590 / 458 in 3,526 / 3,650. At N = 8 it ran 2.34x / 2.47x its own N = 1 (`ar`: 2.90x / "
+      "3.56x), bounded by the machine's arithmetic as in the section above. llama.cpp decodes its quantised "
+      "file faster than verispec's float32 target one request at a time (at N = 1, 1.19x / 1.41x "
+      "`default`; its weights are about a sixth of float32's bytes), but gains little from many: "
+      "`llama-server` with 8 slots ran 1.25x / 1.15x its one slot, against `ar`'s 2.90x / 3.56x. So at "
+      "N = 8 `default` ran 1.52x / 1.60x `llama-server` and 1.69x / 1.81x llama-cpp-python serving one "
+      "request at a time. Other processes used at most 0.017 cores in any cell.")),
+)
+
+# the newest closed loops (issue 25), shown first: (run, plot tag, heading, lead)
+LATEST_LOOPS = (
+    "concurrency_charged", "_charged",
+    "Many requests at once on an AVX2 CPU (float32), verification charged, beside llama.cpp and static batches",
+    ("The closed loops of \"Many requests at once on an AVX2 CPU (float32), a 5 % margin, beside llama.cpp\" "
+     "(Earlier runs, below) on the same kind of CPU, after three changes. The load-aware plan charges each drafting "
+     "sequence its verification (`verispec/verifiers/costs.py`; in the bench from b5c7e0b on), so at a 5 % margin "
+     "it drafts less where many run. A greedy target's residual is read off its point mass instead of five float64 "
+     "passes over the vocabulary, and the passes that remain run in place (`probs.residual`), which cuts what a "
+     "verification costs, and what the plan charges for it, by about half (design.md, \"The plan's margin is set "
+     "by its worst batch\"). A prompt's prefill attends with torch's causal kernel instead of a causal mask (the "
+     "same results bit for bit). Hugging Face's static batches are back beside llama.cpp. Two rounds, the methods' "
+     "order reversed in the second.",
+     "How to read it. Against `ar` at T = 0 / 0.6, `default` ran 1.47x / 1.26x at N = 1, 1.26x / 1.12x at N = 2, "
+     "1.06x / 0.99x at N = 4 and 1.03x / 1.04x at N = 8 (intervals in the table): with the charge the plan drafts "
+     "a little less where many run (at N = 8, 486 / 332 tokens in 3,612 / 3,768 request steps, against 590 / 458 "
+     "in the 5 % margin run; at N = 2, 2,488 / 2,556 in 2,572 / 2,656). Against the peers at N = 8: 2.56x / 2.81x "
+     "Hugging Face's static batches of 8, 1.67x / 1.73x llama-cpp-python serving one request at a time, 1.55x / "
+     "1.51x `llama-server` with 8 slots. At N = 8 `default` ran 2.11x / 2.53x its own N = 1 and `ar` 3.00x / "
+     "3.05x its own: every request is prefilled once at any N, 9.7 of `default`'s 52.6 s at N = 1, T = 0, so the "
+     "N = 1 loop that already decodes 1.57x faster than `ar`'s is the harder one to multiply (design.md, "
+     "\"Prefill bounds how far a loop grows with N\"; `scripts/experiments/prefill_bound.py`). Between this run "
+     "and the 5 % margin run the same code's cells moved by up to 17 % (`ar` at N = 1, T = 0.6: 27.3 against 23.4 "
+     "tokens/s), so compare within a run. Other processes used at most 0.016 cores in any cell."))
+
+
+def earlier_loops(figs: Path) -> list[str]:
+    """The closed-loop runs before the latest, oldest first, each read as the latest one's section says."""
+    out = []
+    if path("concurrency").exists():
+        out += concurrency_section(Results.load(path("concurrency")), figs, explain=False)
+    if path("concurrency_bf16").exists():
+        out += dtype_section([Results.load(path(n)) for n in ("concurrency", "concurrency_bf16")])
+        out += concurrency_section(Results.load(path("concurrency_bf16")), figs, explain=False)
+    for run_name, tag, heading, lead in EARLIER_LOOPS:
+        if path(run_name).exists():
+            out += concurrency_section(Results.load(path(run_name)), figs, heading, lead, tag=tag, explain=False)
+    return out
+
+
 def render() -> str:
     figs = ROOT / "docs" / "figures"
     figs.mkdir(parents=True, exist_ok=True)
@@ -1100,132 +1239,13 @@ def render() -> str:
     for run_name in ("speed", "speed_bf16"):
         if path(run_name).exists():
             out += speed_section(Results.load(path(run_name)), figs)
-    if path("concurrency").exists():
-        out += concurrency_section(Results.load(path("concurrency")), figs)
+    run_name, tag, heading, lead = LATEST_LOOPS
+    if path(run_name).exists():
+        out += concurrency_section(Results.load(path(run_name)), figs, heading, lead, tag=tag)
     if path("serving").exists():
         out += serving_section(Results.load(path("serving")), figs)
     if path("serving_n8").exists():
         out += serving_n8_section(Results.load(path("serving_n8")))
-    if path("concurrency_bf16").exists():
-        out += dtype_section([Results.load(path(n)) for n in ("concurrency", "concurrency_bf16")])
-        out += concurrency_section(Results.load(path("concurrency_bf16")), figs)
-    # later closed-loop runs in bfloat16, each with its own heading and lead paragraph
-    for run_name, tag, heading, lead in (
-            ("concurrency_bf16_rounds", "_rounds",
-             "Many requests at once, target in bfloat16: the plan's group moves and measured costs, in two rounds",
-             ("The same closed loops after these changes to `default` (the run above predates them): the load-aware "
-              "plan moves groups of sequences, not one at a time, and its cost model holds the draft's measured cost "
-              "by batch size, the drafted rows' padding at the batch's longest context, the slope of rows beside "
-              "a joining prompt and the rows a draft catches up on after steps it sat out, and a move must raise the "
-              "batch's rate by 10 % (see docs/design.md, Load-aware speculation); in both verispec loops a joining "
-              "prompt's rows skip the output layer; the draft head is the one trained six epochs, shipped now (see "
-              "The draft head below). Beside them llama.cpp ran, one request at a time (`llama-cpp`) and as "
-              "`llama-server`; Hugging Face's static batches and transformers' continuous batching were left out to "
-              "fit the run in one session (they are in the runs above; the static batches trailed `ar` at every N). "
-              "Every loop ran twice, the methods' order reversed in the second round (`--rounds 2`). The reason: "
-              "in four runs of two loops each (`ar` and `default`, N = 8, T = 0, one process per run, git 4bbab27), "
-              "the first loop was the faster one every time, by 3-27 %, whichever method ran it; and the last run "
-              "with one round, `ar` always just before `default`, had `default` at 0.93x [0.91, 0.95] of `ar` at "
-              "N = 8, T = 0 (git a9e2cf3), an interval that holds the prompts' spread but not the machine's. "
-              "Throughput pools both rounds; each ratio is the geometric mean of the two rounds' ratios.",)),
-            ("concurrency_bf16_static", "_static",
-             "Many requests at once, target in bfloat16: Hugging Face's static batches at N = 8, in two rounds",
-             ("The run above with Hugging Face `generate` on static batches in place of llama.cpp, at N = 1 and 8 "
-              "only: the goals at N = 8 against HF's static batches of 8 and against `default`'s own N = 1, paired "
-              "within one run (two rounds, the methods' order reversed in the second).",)),
-            ("concurrency_bf16_n8", "_n8",
-             "Many requests at once, target in bfloat16: `default` against `ar` at N = 8, in four rounds",
-             ("`default` and `ar` alone at N = 8, after a switching draft's lookup match came from n-grams indexed as "
-              "the context grows and the plan's cost tables were read by bisection (ff186b9): a step that drafts "
-              "nothing had cost `default` about 1.15 ms more than `ar` (docs/design.md, Load-aware speculation). Four "
-              "rounds, the order reversed every other round.",)),
-            ("concurrency_avx2", "_avx2",
-             "Many requests at once on an AVX2 CPU (float32): every N, with transformers' continuous batching",
-             ("The whole closed-loop run of issue 25 on another kind of CPU: an AMD EPYC with AVX2 but no AVX-512, "
-              "so the native bfloat16 attention kernels do not run and the target computes in float32 (a plain "
-              "step of 8 sequences at 400 entries took 169 ms in bfloat16 against 84 in float32 there: "
-              "`scripts/experiments/drafted_rows.py --context 400 --dtype D`). Every cost the "
-              "load-aware plan weighs was measured again on this machine (`verispec.backends.costs`, "
-              "`verispec.drafters.costs`); nothing else changed. transformers' continuous batching ran with its "
-              "cache sized from the requests (it had sized it from 90 % of the machine's memory and was left out "
-              "of the later runs). Two rounds, the methods' order reversed in the second.",)),
-            ("concurrency_native", "_native",
-             "Many requests at once on an AVX2 CPU (float32), with verispec's own linear kernel",
-             ("The closed loops of the section above, on the same kind of CPU (AMD EPYC, AVX2, float32), after "
-              "verispec's float32 linear kernel (`verispec/backends/native/linear.cpp`, design.md) became the "
-              "plan for every row count: MKL's products for a few rows had cost steps with the row count (a "
-              "forward of 6-8 rows 1.7x one of 1-2), which made drafted rows dear under load. Every method runs on "
-              "the same model object, so Hugging Face `generate` computes with the same kernel. The cost tables "
-              "were measured again (they are keyed by the kernel plan). transformers' continuous batching was left "
-              "out of this run for time (its figures with the stock kernel are in the section above). Two rounds, "
-              "the methods' order reversed in the second.",)),
-            ("concurrency_native_attention", "_native_attention",
-             "Many requests at once on an AVX2 CPU (float32), with verispec's own attention kernel too",
-             ("The closed loops of the section above again, on the same kind of CPU, after three changes "
-              "(design.md, \"Native float32 attention\"): the lean forward's float32 attention runs in a kernel of "
-              "verispec's own (`verispec/backends/native/attention_f32.cpp`) that reads each sequence's keys and "
-              "values once for all its rows, where torch's products had read them again for every drafted row and "
-              "padded every sequence to the widest tree; the linear kernel's later passes over a weight fetch the "
-              "next one; and the EAGLE head's layers read float16 copies of its weights (half the bytes, the same "
-              "results: its saved weights are float16 values). `hf-generate` shares the linear kernel, not the "
-              "attention (it runs on its own cache). The cost tables were measured again. Two rounds, the methods' "
-              "order reversed in the second.",
-              "How to read it. At N = 8, T = 0 `default` drafted 296 tokens in 3,672 request steps (1.08 tokens a "
-              "step), so most of its 1.20x over `ar` there is the machine's drift between cells: `ar` ran at 71.2 "
-              "tokens/s in that cell and at 77.6 in its T = 0.6 cell, with the same rows a step. At N = 4 and 8 the "
-              "plan drafts little because rows are no longer nearly free on two cores once both kernels run "
-              "(design.md, \"What bounds a float32 batch of 8 on two cores now is arithmetic\"): a drafted token for "
-              "each of 8 sequences pays only where the head's depth-1 acceptance exceeds about 0.7. Against the "
-              "section above (9dbece9; another run, so with the drift between runs in it): `ar` at N = 8 71.2 / 77.6 "
-              "tokens/s against 49.6 / 60.1, `default` at N = 1 39.0 / 33.8 against 35.9 / 26.3; `hf-generate`, "
-              "which gained only the linear kernel's prefetch, 30.3 / 30.5 against 26.9 / 26.1 at N = 8.")),
-            ("concurrency_verified", "_verified",
-             "Many requests at once on an AVX2 CPU (float32), a 5 % margin, beside llama.cpp",
-             ("The closed loops of the section above on the same kind of CPU, after the load-aware plan's margin "
-              "went from 10 % to 5 % (design.md, \"The plan's margin is set by its worst batch\"), with llama.cpp beside "
-              "verispec: `llama-cpp` is llama-cpp-python serving one request at a time, `llama-server` llama.cpp's "
-              "own server with N slots, both built for this CPU (`bash scripts/install_llama.sh`, "
-              "`scripts/llama_build.py server`) and running the default model's GGUF file (Q4_1: a quantised model, "
-              "so its tokens are not verispec's). Hugging Face's static batches were left out for time; the section "
-              "above measured them. Two rounds, the methods' order reversed in the second. This loop did not yet "
-              "charge each drafting sequence its verification (`verispec/verifiers/costs.py`): an engine given its "
-              "costs up front, as the bench's is, charged it only from b5c7e0b on.",
-              "How to read it. Against `ar` at T = 0 / 0.6, `default` ran 1.28x / 1.15x at N = 2, 1.02x / 0.95x at "
-              "N = 4 and 1.09x / 1.01x at N = 8 (intervals in the table). The smaller margin drafts where few "
-              "sequences run: at N = 2 `default` drafted 2,714 / 2,682 tokens in 2,468 / 2,540 request steps, at "
-              "N = 8 only 590 / 458 in 3,526 / 3,650. At N = 8 it ran 2.34x / 2.47x its own N = 1 (`ar`: 2.90x / "
-              "3.56x), bounded by the machine's arithmetic as in the section above. llama.cpp decodes its quantised "
-              "file faster than verispec's float32 target one request at a time (at N = 1, 1.19x / 1.41x "
-              "`default`; its weights are about a sixth of float32's bytes), but gains little from many: "
-              "`llama-server` with 8 slots ran 1.25x / 1.15x its one slot, against `ar`'s 2.90x / 3.56x. So at "
-              "N = 8 `default` ran 1.52x / 1.60x `llama-server` and 1.69x / 1.81x llama-cpp-python serving one "
-              "request at a time. Other processes used at most 0.017 cores in any cell.")),
-            ("concurrency_charged", "_charged",
-             "Many requests at once on an AVX2 CPU (float32), verification charged, beside llama.cpp and static batches",
-             ("The closed loops of the section above on the same kind of CPU, after three changes. The load-aware "
-              "plan charges each drafting sequence its verification (`verispec/verifiers/costs.py`; in the bench "
-              "from b5c7e0b on), so at a 5 % margin it drafts less where many run. A greedy target's residual is "
-              "read off its point mass instead of five float64 passes over the vocabulary, and the passes that "
-              "remain run in place (`probs.residual`), which cuts what a verification costs, and what the plan "
-              "charges for it, by about half (design.md, \"The plan's margin is set by its worst batch\"). A "
-              "prompt's prefill attends with torch's causal kernel instead of a causal mask (the same results bit "
-              "for bit). Hugging Face's static batches are back beside llama.cpp. Two rounds, the methods' order "
-              "reversed in the second.",
-              "How to read it. Against `ar` at T = 0 / 0.6, `default` ran 1.47x / 1.26x at N = 1, 1.26x / 1.12x "
-              "at N = 2, 1.06x / 0.99x at N = 4 and 1.03x / 1.04x at N = 8 (intervals in the table): with the "
-              "charge the plan drafts a little less where many run (at N = 8, 486 / 332 tokens in 3,612 / 3,768 "
-              "request steps, against 590 / 458 in the section above; at N = 2, 2,488 / 2,556 in 2,572 / 2,656). "
-              "Against the peers at N = 8: 2.56x / 2.81x Hugging Face's static batches of 8, 1.67x / 1.73x "
-              "llama-cpp-python serving one request at a time, 1.55x / 1.51x `llama-server` with 8 slots. At N = 8 "
-              "`default` ran 2.11x / 2.53x its own N = 1 and `ar` 3.00x / 3.05x its own: every request is "
-              "prefilled once at any N, 9.7 of `default`'s 52.6 s at N = 1, T = 0, so the N = 1 loop that already "
-              "decodes 1.57x faster than `ar`'s is the harder one to multiply (design.md, \"Prefill bounds how far "
-              "a loop grows with N\"; `scripts/experiments/prefill_bound.py`). Between this run and the one above "
-              "the same code's cells moved by up to 17 % (`ar` at N = 1, T = 0.6: 27.3 against 23.4 tokens/s), so "
-              "compare within a run. Other processes used at most 0.016 cores in any cell.")),
-    ):
-        if path(run_name).exists():
-            out += concurrency_section(Results.load(path(run_name)), figs, heading, lead, tag=tag)
     if path("serving_bf16").exists():
         out += serving_section(Results.load(path("serving_bf16")), figs)
     if path("serving_n8_bf16").exists():
@@ -1261,8 +1281,10 @@ def render() -> str:
                 "| method | tokens/s, stock kernel | tokens/s, verispec kernel | ratio |", "|---|---|---|---|",
                 *["| " + " | ".join(row) + " |" for row in body], ""]
 
-    out += ["# Earlier runs", "", "The runs below were made before the head shipped now (their headers name the "
-            "commit); they compare verifiers, trees and drafts among themselves.", ""]
+    out += ["# Earlier runs", "", "First the closed loops of many requests before the latest (above), oldest first: "
+            "each section names what changed since the one before it. Then runs made before the head shipped now "
+            "(their headers name the commit), which compare verifiers, trees and drafts among themselves.", ""]
+    out += earlier_loops(figs)
     if path("table2").exists():
         res = Results.load(path("table2"))
         rows = summarize(res)
