@@ -95,6 +95,17 @@ class Sequence:
         return self.stop_reason is not None
 
 
+@dataclass
+class _Work:
+    """One step's work (``Engine._schedule``): the decoding sequences that drafted, each with its draft source (None
+    unless its drafter has several) and draft, and the prompt chunks riding along."""
+
+    seqs: list[Sequence]
+    sources: list[str | None]
+    drafts: list[Draft]
+    chunks: list[tuple[Sequence, list[int]]]
+
+
 class Engine:
     """Sequences in, tokens out, one batched step at a time (see the module docstring).
 
@@ -209,13 +220,39 @@ class Engine:
         """Admit what fits, then one step of every running sequence; returns the sequences that ran it (each with
         its new ``StepRecord`` last in ``steps``; finished ones have ``done`` set and have left). With
         ``prefill_chunk``, a joining sequence's prompt goes into the steps' forwards a chunk at a time, beside the
-        others' trees (it returns from ``step`` once it decodes)."""
+        others' trees (it returns from ``step`` once it decodes). Three verbs: schedule (who drafts what, which
+        prompt chunks ride along), one target forward over all of it, then each sequence verified and committed."""
         self._admit()
+        t0 = time.perf_counter()
+        work = self._schedule()
+        if work is None:
+            return []
+        t1 = time.perf_counter()
+        outs = self._forward(work)
+        if outs is None:  # the forward failed, and every sequence in it with it (isolate)
+            return work.seqs
+        t2 = time.perf_counter()
+        for (s, chunk), out in zip(work.chunks, outs[len(work.seqs):]):
+            self._filled(s, chunk, out)
+        rows = len(work.seqs) + len(work.chunks)
+        for s, d, out, source in zip(work.seqs, work.drafts, outs, work.sources):
+            try:
+                self._advance(s, d, out, source, draft_s=t1 - t0, target_s=t2 - t1, batch=rows)
+            except Exception as exc:  # noqa: BLE001 - one sequence's failure is its own (isolate) or the caller's
+                if not self.isolate:
+                    raise
+                self._fail(s, exc)
+        self.steps += 1
+        return work.seqs
+
+    def _schedule(self) -> _Work | None:
+        """This step's work: each decoding sequence's draft (its depth planned for the batch, or none at all where
+        rows are too dear for any draft), and the prompt chunks that fill the rows the drafts leave. None when there
+        is nothing to run (no sequence, or every one failed while drafting)."""
         seqs = [s for s in self.running if s.prefilled >= len(s.prompt_ids) - 1]
         filling = [s for s in self.running if s.prefilled < len(s.prompt_ids) - 1]
         if not seqs and not filling:
-            return []
-        t0 = time.perf_counter()
+            return None
         # the prompt rows joining this step's forward (at most: the chunks' share of a row budget is what drafts leave)
         prompt_rows = sum(len(c) for _, c in self._chunks(filling, 0))
         if self._nothing_pays(seqs, prompt_rows):  # rows too dear for any draft: plain steps, no drafting work at all
@@ -227,41 +264,33 @@ class Engine:
                     s.policy.select_source(source)
             planned = self._plan(seqs, prompt_rows) if seqs else []
         kept, drafts = self._draft(seqs, planned)
-        seqs, sources = [seqs[i] for i in kept], [sources[i] for i in kept]
-        t1 = time.perf_counter()
         chunks = self._chunks(filling, sum(d.tree.size for d in drafts))
-        if not seqs and not chunks:  # every sequence of the step failed while drafting
-            return []
+        if not kept and not chunks:  # every sequence of the step failed while drafting
+            return None
+        return _Work([seqs[i] for i in kept], [sources[i] for i in kept], drafts, chunks)
+
+    def _forward(self, work: _Work) -> list | None:
+        """One target forward over every draft tree and prompt chunk of ``work``, each on its own cache; None where
+        it raised with ``isolate`` (every sequence in it has failed)."""
+        seqs, drafts, chunks = work.seqs, work.drafts, work.chunks
         states = [s.state for s in seqs] + [s.state for s, _ in chunks]
         tokens = [d.tokens for d in drafts] + [torch.tensor(c) for _, c in chunks]
         positions = [s.state.committed + torch.tensor(d.tree.depths) for s, d in zip(seqs, drafts)] + \
             [s.state.committed + torch.arange(len(c)) for s, c in chunks]
         attends = [d.tree.ancestors_mask() for d in drafts] + [torch.ones(len(c), len(c), dtype=torch.bool).tril()
                                                                for _, c in chunks]
-        features = (seqs or filling)[0].drafter.feature_layers
+        features = (seqs or [s for s, _ in chunks])[0].drafter.feature_layers
         # a prompt chunk's logits are never read (its features are): its rows skip the output layer, all but one
         last = [False] * len(seqs) + [True] * len(chunks) if chunks else None
         try:
-            outs = self.target.forward_batch(states, tokens, positions, attends, features=features,
+            return self.target.forward_batch(states, tokens, positions, attends, features=features,
                                              last_logits_only=last)
         except Exception as exc:  # noqa: BLE001 - the batch's own forward: every sequence in it fails (isolate)
             if not self.isolate:
                 raise
             for s in seqs + [s for s, _ in chunks]:
                 self._fail(s, exc)
-            return seqs
-        t2 = time.perf_counter()
-        for (s, chunk), out in zip(chunks, outs[len(seqs):]):
-            self._filled(s, chunk, out)
-        for s, d, out, source in zip(seqs, drafts, outs, sources):
-            try:
-                self._advance(s, d, out, source, draft_s=t1 - t0, target_s=t2 - t1, batch=len(states))
-            except Exception as exc:  # noqa: BLE001 - one sequence's failure is its own (isolate) or the caller's
-                if not self.isolate:
-                    raise
-                self._fail(s, exc)
-        self.steps += 1
-        return seqs
+            return None
 
     def _draft(self, seqs: list[Sequence], planned: list) -> tuple[list[int], list[Draft]]:
         """Every sequence's draft, grown together (``propose_batch``). With ``isolate``, a draft that raises fails its
