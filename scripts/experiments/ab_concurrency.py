@@ -11,6 +11,9 @@ A method named ``M:margin=X`` is M whose load-aware plan asks a move to raise th
 (``engine.BATCH_MARGIN``) before it drafts; ``M:unverified`` is M whose plan does not charge drafting sequences their
 verification (``Engine.verifying``); the two combine (``default:margin=0.1:unverified``). ``M:own`` is M whose
 sequences each draft what their own policy plans alone (``Engine.depths`` as at one in flight), whatever the batch.
+``M:measured`` is M whose policies weigh a draft head's depths by this machine's measured costs (the target's
+forwards, ``forward_costs``, and the head's drafting, ``draft_costs`` of one sequence) instead of the step costs
+its sidecar brought from the machine that tuned it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ import statistics
 import torch
 
 from verispec import engine as engine_module
+from verispec import methods as methods_module
+from verispec.backends.costs import forward_costs
+from verispec.drafters.costs import draft_costs
 from verispec import load
 from verispec.bench.concurrency import verispec_loop
 from verispec.datasets import spec_bench_problems
@@ -51,6 +57,15 @@ def main() -> None:
     plans = {m: resolve(m.split(":")[0], temperature=args.temperature) for m in args.methods}
     pays, verifying, depths = Engine._nothing_pays, Engine.verifying, Engine.depths
 
+    sidecar_costs = methods_module.step_costs
+
+    def measured(target_, drafter_):
+        fwd, head = forward_costs(target_), draft_costs(target_, drafter_)
+        if head is None or not fwd:
+            return sidecar_costs(target_, drafter_)
+        return tuple(fwd[d] / fwd[0] + (head.first[0] + (d - 1) * head.further[0]) / fwd[0] if d else 1.0
+                     for d in range(len(fwd)))
+
     def own(self, seqs, prompt_rows=0):
         return [s.policy.planned_depth(s.tree.max_depth) if isinstance(s.tree, Tree) else None for s in seqs]
     default_margin, batch_depths, one_pays = engine_module.BATCH_MARGIN, engine_module.batch_depths, engine_module._pays
@@ -66,6 +81,7 @@ def main() -> None:
         Engine._nothing_pays = (lambda self, seqs, *rest: len(seqs) >= 2) if m.endswith(":plain") else pays
         Engine.verifying = (lambda self, seqs: [None] * len(seqs)) if ":unverified" in m else verifying
         Engine.depths = own if ":own" in m else depths
+        methods_module.step_costs = measured if ":measured" in m else sidecar_costs
         if ":own" in m:
             Engine._nothing_pays = lambda self, seqs, *rest: False
         reqs = verispec_loop(target, plans[m], drafter, problems[:n] if n else problems, ids[:n] if n else ids,
