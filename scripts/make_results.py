@@ -1204,7 +1204,9 @@ LATEST_LOOPS = (
      "1.51x `llama-server` with 8 slots. At N = 8 `default` ran 2.11x / 2.53x its own N = 1 and `ar` 3.00x / "
      "3.05x its own: every request is prefilled once at any N, 9.7 of `default`'s 52.6 s at N = 1, T = 0, so the "
      "N = 1 loop that already decodes 1.57x faster than `ar`'s is the harder one to multiply (design.md, "
-     "\"Prefill bounds how far a loop grows with N\"; `scripts/experiments/prefill_bound.py`). Between this run "
+     "\"Prefill bounds how far a loop grows with N\"; `scripts/experiments/prefill_bound.py`); against plain "
+     "decoding serving one request at a time (`ar` at N = 1, the column \"vs ar at N = 1\") it ran 3.09x / 3.19x. "
+     "Between this run "
      "and the 5 % margin run the same code's cells moved by up to 17 % (`ar` at N = 1, T = 0.6: 27.3 against 23.4 "
      "tokens/s), so compare within a run. Other processes used at most 0.016 cores in any cell."))
 

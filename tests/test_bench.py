@@ -464,6 +464,9 @@ def test_closed_loops_of_concurrent_requests(tmp_path, tiny_target):
 
     rows = {(r.method, r.concurrency): r for r in loop_summary(res)}
     assert rows["ar", 1].vs["vs_ar"] == pytest.approx(1.0) and "vs_own_1" in rows["fixed", 2].vs
+    # against plain decoding one request at a time: this loop's throughput over ar's at N = 1, paired by round
+    assert rows["fixed", 2].vs["vs_ar_1"] == pytest.approx(rows["fixed", 2].throughput / rows["ar", 1].throughput)
+    assert "vs_ar_1" not in rows["ar", 2].vs and "vs_ar_1" not in rows["fixed", 1].vs
     assert "vs HF static batches" in report(res) and "N" in report(res)
     # an interrupted run resumes: the cut-off loop is dropped and run again
     lines = out.read_text().splitlines()

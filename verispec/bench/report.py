@@ -316,7 +316,7 @@ def table_summary(rows: list[Row]) -> str:
 def loops_csv(rows: list[LoopRow]) -> str:
     """The closed loops' rows as CSV (ratios and their intervals as columns)."""
     buf = io.StringIO()
-    cols = [c for c, _, _ in LOOP_BASELINES] + ["vs_own_1"]
+    cols = [c for c, _, _ in LOOP_BASELINES] + ["vs_own_1", "vs_ar_1"]
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(["T", "concurrency", "method", "draft", "requests", "tokens", "wall_s", "throughput", "tpot_ms_p50",
                 "tpot_ms_p90", "ttft_ms_p50", "ttft_ms_p90", "mean_accepted_length", "drafted_per_step", "errors",
@@ -537,7 +537,8 @@ def _quantiles(xs: list[float]) -> tuple[float, float]:
 def loop_summary(res: Results) -> list[LoopRow]:
     """One row per closed loop (temperature, concurrency, draft, method), its rounds (``--rounds``) pooled: tokens
     and wall time summed, latencies and steps of every request. A ratio is of measured throughputs, at the same
-    temperature and concurrency (``vs_own_1``: against the same method's loop of one request at a time), paired
+    temperature and concurrency (``vs_own_1``: against the same method's loop of one request at a time; ``vs_ar_1``:
+    against ``ar``'s, plain decoding serving one request at a time), paired
     round by round: the geometric mean of the rounds' ratios. Its interval says how much the rounds and the prompts
     drawn move it (``stats.ratio_of_loops``): by Little's law a loop's throughput is about N x sum(tokens) / sum(time
     in system) over its requests, so resampling prompts moves a round's ratio as it moves that ratio of sums. With
@@ -571,6 +572,9 @@ def loop_summary(res: Results) -> list[LoopRow]:
         own = (T, seed, draft, method, 1)
         if own in cells and n != 1:
             row.vs["vs_own_1"], row.ci["vs_own_1"] = _loop_ratio(key, own, cells, requests)
+        plain = [k for k in cells if (k[0], k[1], k[3], k[4]) == (T, seed, "ar", 1)]
+        if plain and n != 1 and method != "ar":  # ar's own is the column before
+            row.vs["vs_ar_1"], row.ci["vs_ar_1"] = _loop_ratio(key, plain[0], cells, requests)
         rows.append(row)
     order = {name: i for i, name in enumerate(res.header.get("config", {}).get("methods", []))}
     rows.sort(key=lambda r: (r.T, r.concurrency, order.get(r.method, 99), r.draft))
@@ -597,13 +601,16 @@ def table_loops(rows: list[LoopRow]) -> str:
     ``--rounds``, requests count every round's)."""
     cols = [(c, label) for c, label, _ in LOOP_BASELINES if any(c in r.vs for r in rows)]
     own = any("vs_own_1" in r.vs for r in rows)
+    plain = any("vs_ar_1" in r.vs for r in rows)
     rounds = any(r.rounds > 1 for r in rows)
     head = ["T", "N", "method", "draft", "requests", *(["rounds"] if rounds else []), "tokens/s",
-            *[label for _, label in cols], *(["vs itself at N = 1"] if own else []), "TPOT ms (p50 / p90)",
+            *[label for _, label in cols], *(["vs itself at N = 1"] if own else []),
+            *(["vs ar at N = 1"] if plain else []), "TPOT ms (p50 / p90)",
             "TTFT ms (p50 / p90)", "accepted length", "errors"]
     body = [[f"{r.T:g}", str(r.concurrency), r.method, r.draft, str(r.requests), *([str(r.rounds)] if rounds else []),
              _f(r.throughput, ".1f") + (" (busy machine)" if r.contended else ""),
              *[r.show(c, ".2f", "x") for c, _ in cols], *([r.show("vs_own_1", ".2f", "x")] if own else []),
+             *([r.show("vs_ar_1", ".2f", "x")] if plain else []),
              f"{_f(r.tpot_ms[0], '.1f')} / {_f(r.tpot_ms[1], '.1f')}",
              f"{_f(r.ttft_ms[0], '.0f')} / {_f(r.ttft_ms[1], '.0f')}", _f(r.mean_accepted_length), str(r.errors)]
             for r in rows]
