@@ -9,7 +9,7 @@ from conftest import ByteTokenizer, tiny_model
 from verispec import cli
 from verispec.bench.peers import PEERS
 from verispec.bench.records import Results, read_records
-from verispec.bench.report import loop_summary, report, rows_csv, summarize, table_width
+from verispec.bench.report import loop_summary, loops_csv, report, rows_csv, summarize, table_width
 from verispec.bench.runner import BenchConfig, Runner, plan, plan_groups, run_bench
 from verispec.bench.stats import ratio_of_loops, ratio_of_rates
 from verispec.datasets import jsonl_problems, load_prompts
@@ -403,8 +403,9 @@ def test_cli_bench_report_and_plot_on_the_default_model(tmp_path, capsys):
 
 
 def test_committed_summaries_match_what_report_derives_from_their_records():
-    """Every results/NAME.summary.md is what `verispec report results/NAME.jsonl.gz` prints today (the records are
-    kept gzipped; a plain NAME.jsonl is a run still going, which git ignores)."""
+    """Every results/NAME.summary.md is what `verispec report results/NAME.jsonl.gz` prints today, and NAME.summary.csv
+    what `verispec bench` writes beside it (the records are kept gzipped; a plain NAME.jsonl is a run still going,
+    which git ignores)."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent / "results"
@@ -413,7 +414,11 @@ def test_committed_summaries_match_what_report_derives_from_their_records():
     for path in files:
         summary = path.with_name(path.name.removesuffix(".jsonl.gz") + ".summary.md")
         assert summary.exists(), summary
-        assert summary.read_text().strip() == report(Results.load(path)).strip(), path.name
+        res = Results.load(path)
+        assert summary.read_text().strip() == report(res).strip(), path.name
+        table = summary.with_suffix(".csv")
+        derived = loops_csv(loop_summary(res)) if res.cells else rows_csv(summarize(res))
+        assert table.read_bytes().decode() == derived, table.name
 
 
 def test_traversal_records_from_before_the_tested_fix_are_repaired_on_reading(tmp_path):
