@@ -25,13 +25,13 @@ import statistics
 import torch
 
 from verispec import engine as engine_module
+from verispec import load
 from verispec import methods as methods_module
 from verispec.backends.costs import forward_costs
-from verispec.drafters.costs import draft_costs
-from verispec import load
 from verispec.bench.concurrency import verispec_loop
 from verispec.datasets import spec_bench_problems
 from verispec.drafters import build_drafter
+from verispec.drafters.costs import draft_costs
 from verispec.engine import Engine
 from verispec.methods import resolve
 from verispec.tree import Tree
@@ -68,6 +68,7 @@ def main() -> None:
 
     def own(self, seqs, prompt_rows=0):
         return [s.policy.planned_depth(s.tree.max_depth) if isinstance(s.tree, Tree) else None for s in seqs]
+
     default_margin, batch_depths, one_pays = engine_module.BATCH_MARGIN, engine_module.batch_depths, engine_module._pays
 
     def set_margin(m: str) -> None:
