@@ -539,9 +539,10 @@ def loop_summary(res: Results) -> list[LoopRow]:
     and wall time summed, latencies and steps of every request. A ratio is of measured throughputs, at the same
     temperature and concurrency (``vs_own_1``: against the same method's loop of one request at a time; ``vs_ar_1``:
     against ``ar``'s, plain decoding serving one request at a time), paired round by round: the geometric mean of
-    the rounds' ratios. Its interval says how much the rounds and the prompts drawn move it (``stats.ratio_of_loops``): by Little's law a loop's throughput is about N x sum(tokens) / sum(time
-    in system) over its requests, so resampling prompts moves a round's ratio as it moves that ratio of sums. With
-    one round, machine noise between runs is not in it."""
+    the rounds' ratios. Its interval says how much the rounds and the prompts drawn move it
+    (``stats.ratio_of_loops``): by Little's law a loop's throughput is about N x sum(tokens) / sum(time in system)
+    over its requests, so resampling prompts moves a round's ratio as it moves that ratio of sums. With one round,
+    machine noise between runs is not in it."""
     requests: dict[tuple, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))  # loop -> round -> requests
     for r in res.prompts:
         if r["cell"].get("concurrency") is not None:
