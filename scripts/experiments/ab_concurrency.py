@@ -22,6 +22,7 @@ import argparse
 import math
 import statistics
 
+import numpy as np
 import torch
 
 from verispec import engine as engine_module
@@ -99,11 +100,20 @@ def main() -> None:
             rates[m].append(loop(m))
             print(f"round {k + 1}: {m} {rates[m][-1]:.1f} tokens/s", flush=True)
     ratios = [y / x for x, y in zip(rates[a], rates[b])]
-    geo = math.exp(statistics.fmean(math.log(r) for r in ratios))
+    geo, low, high = rounds_interval(ratios)
     print(f"N = {args.concurrency}, T = {args.temperature:g}: {b} / {a} per round "
-          f"{', '.join(f'{r:.2f}' for r in ratios)}; geometric mean {geo:.2f}x (min {min(ratios):.2f}, max "
-          f"{max(ratios):.2f}); {a} {statistics.median(rates[a]):.1f}, {b} {statistics.median(rates[b]):.1f} tokens/s "
-          "(medians)")
+          f"{', '.join(f'{r:.2f}' for r in ratios)}; geometric mean {geo:.2f}x [{low:.2f}, {high:.2f}] (95 % "
+          f"bootstrap over rounds); {a} {statistics.median(rates[a]):.1f}, {b} {statistics.median(rates[b]):.1f} "
+          "tokens/s (medians)")
+
+
+def rounds_interval(ratios: list[float], n: int = 10000, seed: int = 0) -> tuple[float, float, float]:
+    """The geometric mean of the rounds' ratios and its 95 % percentile bootstrap interval over rounds (each round a
+    pair of loops run back to back: the machine's spells are what the rounds sample)."""
+    logs = np.log(np.asarray(ratios, dtype=float))
+    draws = logs[np.random.default_rng(seed).integers(0, len(logs), size=(n, len(logs)))].mean(1)
+    low, high = np.percentile(draws, [2.5, 97.5])
+    return math.exp(logs.mean()), math.exp(low), math.exp(high)
 
 
 if __name__ == "__main__":
