@@ -234,10 +234,10 @@ class Engine:
         t2 = time.perf_counter()
         for (s, chunk), out in zip(work.chunks, outs[len(work.seqs):]):
             self._filled(s, chunk, out)
-        rows = len(work.seqs) + len(work.chunks)
+        batch = len(work.seqs) + len(work.chunks)  # sequences in the forward
         for s, d, out, source in zip(work.seqs, work.drafts, outs, work.sources):
             try:
-                self._advance(s, d, out, source, draft_s=t1 - t0, target_s=t2 - t1, batch=rows)
+                self._advance(s, d, out, source, draft_s=t1 - t0, target_s=t2 - t1, batch=batch)
             except Exception as exc:  # noqa: BLE001 - one sequence's failure is its own (isolate) or the caller's
                 if not self.isolate:
                     raise

@@ -80,12 +80,11 @@ def main() -> None:
 
     def loop(m: str, n: int | None = None) -> float:
         set_margin(m)
-        Engine._nothing_pays = (lambda self, seqs, *rest: len(seqs) >= 2) if m.endswith(":plain") else pays
+        Engine._nothing_pays = (lambda self, seqs, *rest: len(seqs) >= 2) if m.endswith(":plain") else \
+            (lambda self, seqs, *rest: False) if ":own" in m else pays
         Engine.verifying = (lambda self, seqs: [None] * len(seqs)) if ":unverified" in m else verifying
         Engine.depths = own if ":own" in m else depths
         methods_module.step_costs = measured if ":measured" in m else sidecar_costs
-        if ":own" in m:
-            Engine._nothing_pays = lambda self, seqs, *rest: False
         reqs = verispec_loop(target, plans[m], drafter, problems[:n] if n else problems, ids[:n] if n else ids,
                              args.concurrency, args.temperature, 0, args.max_new_tokens if n is None else 8)
         wall = max(r.finished for r in reqs) - min(r.submitted for r in reqs)

@@ -552,6 +552,9 @@ def loop_summary(res: Results) -> list[LoopRow]:
     for cell in res.cells:
         *loop, k = group_id(cell["cell"])
         cells[tuple(loop)][k] = cell
+    by_method: dict[tuple, tuple] = {}  # (T, seed, method, N) -> a loop of it (the first drafted, for a peer's)
+    for key in cells:
+        by_method.setdefault((key[0], key[1], key[3], key[4]), key)
     rows = []
     for key, by_round in cells.items():
         T, seed, draft, method, n = key
@@ -566,15 +569,15 @@ def loop_summary(res: Results) -> list[LoopRow]:
                       sum(c.get("errors", 0) for c in by_round.values()),
                       any(contended(c) for c in by_round.values()), rounds=len(by_round))
         for column, _, base_method in LOOP_BASELINES:
-            base = [k for k in cells if (k[0], k[1], k[3], k[4]) == (T, seed, base_method, n)]
+            base = by_method.get((T, seed, base_method, n))
             if base:
-                row.vs[column], row.ci[column] = _loop_ratio(key, base[0], cells, requests)
+                row.vs[column], row.ci[column] = _loop_ratio(key, base, cells, requests)
         own = (T, seed, draft, method, 1)
         if own in cells and n != 1:
             row.vs["vs_own_1"], row.ci["vs_own_1"] = _loop_ratio(key, own, cells, requests)
-        plain = [k for k in cells if (k[0], k[1], k[3], k[4]) == (T, seed, "ar", 1)]
+        plain = by_method.get((T, seed, "ar", 1))
         if plain and n != 1 and method != "ar":  # ar's own is the column before
-            row.vs["vs_ar_1"], row.ci["vs_ar_1"] = _loop_ratio(key, plain[0], cells, requests)
+            row.vs["vs_ar_1"], row.ci["vs_ar_1"] = _loop_ratio(key, plain, cells, requests)
         rows.append(row)
     order = {name: i for i, name in enumerate(res.header.get("config", {}).get("methods", []))}
     rows.sort(key=lambda r: (r.T, r.concurrency, order.get(r.method, 99), r.draft))
