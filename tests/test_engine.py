@@ -67,6 +67,23 @@ def test_batched_tree_logits_equal_each_sequences_own_forward(kind):
             assert torch.allclose(out.logits, ref, atol=1e-5), (kind, lean)
 
 
+def test_logits_from_returns_each_sequences_rows_from_that_row_on(target):
+    """``logits_from`` skips the output layer on a sequence's first rows (a prompt's, whose logits nobody reads) and
+    returns the others as the full forward has them; at least the last row comes, whatever is asked."""
+    prompts = [[5, 17, 33, 8, 61, 42], [7, 8, 9, 10, 7, 8, 9], [44, 3, 90]]
+    masks = [torch.ones(len(p), len(p), dtype=torch.bool).tril() for p in prompts]
+    for firsts in ([0, 3, 2], [5, 6, 9], [2]):
+        n = len(firsts)
+        args = ([torch.tensor(p) for p in prompts[:n]], [torch.arange(len(p)) for p in prompts[:n]], masks[:n])
+        full = target.forward_batch([target.new_state() for _ in range(n)], *args, features=(-1,))
+        part = target.forward_batch([target.new_state() for _ in range(n)], *args, features=(-1,), logits_from=firsts)
+        for p, f, a, b in zip(prompts, firsts, full, part):
+            first = min(f, len(p) - 1)
+            assert b.logits.shape == (len(p) - first, target.vocab_size)
+            assert torch.allclose(b.logits, a.logits[first:], atol=1e-4), (firsts, f)
+            assert torch.equal(b.hidden, a.hidden)
+
+
 def test_a_pooled_batch_attends_in_one_call_and_equals_each_sequence_alone():
     t = tiny_model("llama")
     pool = t.state_pool(4, 40)
@@ -156,10 +173,10 @@ def test_prompts_joining_by_chunks_give_the_tokens_of_decoding_alone_and_skip_th
     prompt alone (greedy), for drafts that read the target's features and drafts that do not."""
     forward, logit_rows = target.forward_batch, []
 
-    def counted(states, tokens, positions, attends, features=(-1,), last_logits_only=None):
-        outs = forward(states, tokens, positions, attends, features=features, last_logits_only=last_logits_only)
-        logit_rows.extend((len(t), len(o.logits), bool(last_logits_only and only))
-                          for t, o, only in zip(tokens, outs, last_logits_only or [False] * len(outs)))
+    def counted(states, tokens, positions, attends, features=(-1,), logits_from=None):
+        outs = forward(states, tokens, positions, attends, features=features, logits_from=logits_from)
+        logit_rows.extend((len(t), len(o.logits), bool(logits_from and f == len(t) - 1))
+                          for t, o, f in zip(tokens, outs, logits_from or [0] * len(outs)))
         return outs
 
     target.forward_batch = counted

@@ -129,12 +129,11 @@ class Scripted:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def forward_batch(self, states, tokens, positions, attends, features=(-1,), last_logits_only=None):
-        outs = self.inner.forward_batch(states, tokens, positions, attends, features=features,
-                                        last_logits_only=last_logits_only)
+    def forward_batch(self, states, tokens, positions, attends, features=(-1,), logits_from=None):
+        outs = self.inner.forward_batch(states, tokens, positions, attends, features=features, logits_from=logits_from)
         fixed = []
         for out, pos in zip(outs, positions):
-            pos = pos[-len(out.logits):]  # the rows that have logits (the last alone, where asked)
+            pos = pos[-len(out.logits):]  # the rows that have logits (from logits_from on, where asked)
             logits = torch.full_like(out.logits, -20.0)
             nxt = [self.script[min(int(p) + 1 - self.prompt_len, len(self.script) - 1)] for p in pos]
             logits[torch.arange(len(nxt)), torch.tensor(nxt)] = 20.0

@@ -281,10 +281,10 @@ class Engine:
                                                                for _, c in chunks]
         features = (seqs or [s for s, _ in chunks])[0].drafter.feature_layers
         # a prompt chunk's logits are never read (its features are): its rows skip the output layer, all but one
-        last = [False] * len(seqs) + [True] * len(chunks) if chunks else None
+        first = [0] * len(seqs) + [len(c) - 1 for _, c in chunks] if chunks else None
         try:
             return self.target.forward_batch(states, tokens, positions, attends, features=features,
-                                             last_logits_only=last)
+                                             logits_from=first)
         except Exception as exc:  # noqa: BLE001 - the batch's own forward: every sequence in it fails (isolate)
             if not self.isolate:
                 raise

@@ -257,10 +257,10 @@ class TableTarget:
     def state_pool(self, slots, capacity):
         return None
 
-    def forward_batch(self, states, tokens, positions, attends, features=(-1,), last_logits_only=None):
+    def forward_batch(self, states, tokens, positions, attends, features=(-1,), logits_from=None):
         outs = [self.forward(s, t, p, a, features) for s, t, p, a in zip(states, tokens, positions, attends)]
-        last = last_logits_only or [False] * len(outs)
-        return [ForwardOutput(o.logits[-1:], o.hidden) if only else o for o, only in zip(outs, last)]
+        first = logits_from or [0] * len(outs)
+        return [ForwardOutput(o.logits[min(f, len(o.logits) - 1):], o.hidden) for o, f in zip(outs, first)]
 
     def commit(self, state, keep):
         if keep:

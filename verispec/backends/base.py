@@ -50,7 +50,7 @@ class Target(Protocol):
 
     def forward_batch(self, states: list, tokens: list[torch.Tensor], positions: list[torch.Tensor],
                       attends: list[torch.Tensor], features: tuple[int, ...] = (-1,),
-                      last_logits_only: list[bool] | None = None) -> list[ForwardOutput]: ...
+                      logits_from: list[int] | None = None) -> list[ForwardOutput]: ...
 
     def state_pool(self, slots: int, capacity: int):
         """States for a batch sized up front (``acquire()`` / ``release(state)``), or None: ``new_state`` then."""

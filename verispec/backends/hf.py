@@ -153,16 +153,20 @@ class CausalLM:
     def forward_batch(self, states: list[KVState], tokens: list[torch.Tensor], positions: list[torch.Tensor],
                       attends: list[torch.Tensor], features: tuple[int, ...] = (-1,),
                       inputs_embeds: list[torch.Tensor] | None = None,
-                      last_logits_only: list[bool] | None = None) -> list[ForwardOutput]:
+                      logits_from: list[int] | None = None) -> list[ForwardOutput]:
         """``forward`` for several sequences in one pass of the model, each on its own state (its tokens see its
         own cache and its own ``attend`` only); one ``ForwardOutput`` per sequence. The lean forward runs every
         linear layer once over all rows and attention per sequence; the ``transformers`` forward runs the rows as
         one packed sequence over a copy of all the caches side by side, masked so that no row sees another
-        sequence's entries."""
+        sequence's entries. ``logits_from[i]``: sequence i's logits start at that row of its new tokens (at least
+        the last comes; None: every row), so that rows nobody reads (a prompt's) can skip the output layer."""
+        sizes = [int(t.shape[0]) for t in tokens]
+        first = [0] * len(sizes) if logits_from is None else [min(max(f, 0), n - 1) for f, n in zip(logits_from, sizes)]
         if len(states) == 1 and self._lean is None:  # one sequence: the plain forward
             embeds = None if inputs_embeds is None else inputs_embeds[0]
-            return [self.forward(states[0], tokens[0], positions[0], attends[0], embeds,
-                                 bool(last_logits_only and last_logits_only[0]), features)]
+            out = self.forward(states[0], tokens[0], positions[0], attends[0], embeds, first[0] == sizes[0] - 1,
+                               features)
+            return [ForwardOutput(logits=out.logits[first[0] - sizes[0]:], hidden=out.hidden)]
         if len({id(s) for s in states}) != len(states):
             raise ValueError("a state appears twice in one batch")
         visible = []
@@ -171,16 +175,15 @@ class CausalLM:
             if att.shape != (n, state.pending + n):
                 raise ValueError(f"attend must have shape {(n, state.pending + n)}, got {tuple(att.shape)}")
             visible.append(torch.cat([torch.ones(n, state.committed, dtype=torch.bool), att.bool()], dim=1))
-        last = last_logits_only or [False] * len(states)
         if self._lean is not None:
-            outs = self._lean.forward_batch([s.cache for s in states], tokens, positions, visible, inputs_embeds, last,
+            outs = self._lean.forward_batch([s.cache for s in states], tokens, positions, visible, inputs_embeds, first,
                                             features)
             for state, pos in zip(states, positions):
                 state.pending_positions.extend(int(p) for p in pos)
             return [ForwardOutput(logits=lg.float(), hidden=hd) for lg, hd in outs]
-        return self._packed_forward(states, tokens, positions, visible, features, inputs_embeds, last)
+        return self._packed_forward(states, tokens, positions, visible, features, inputs_embeds, first)
 
-    def _packed_forward(self, states, tokens, positions, visible, features, inputs_embeds, last) -> list[ForwardOutput]:
+    def _packed_forward(self, states, tokens, positions, visible, features, inputs_embeds, first) -> list[ForwardOutput]:
         """The ``transformers`` forward of a batch: the sequences' caches copied side by side into one cache, the
         new rows after them, a mask that keeps each row to its own sequence; the new entries go back to each state."""
         lengths = [s.committed + s.pending for s in states]
@@ -211,12 +214,12 @@ class CausalLM:
         hs = out.hidden_states
         hidden = hs[features[0]][0] if len(features) == 1 else torch.cat([hs[i][0] for i in features], dim=-1)
         results, row = [], 0
-        for state, p, n, only in zip(states, positions, sizes, last):
+        for state, p, n, f in zip(states, positions, sizes, first):
             for i, layer in enumerate(packed.layers):
                 state.cache.update(layer.keys[..., cached + row:cached + row + n, :],
                                    layer.values[..., cached + row:cached + row + n, :], i)
             state.pending_positions.extend(int(x) for x in p)
-            logits = out.logits[0, row + n - 1:row + n] if only else out.logits[0, row:row + n]
+            logits = out.logits[0, row + f:row + n]
             results.append(ForwardOutput(logits=logits.float(), hidden=hidden[row:row + n]))
             row += n
         return results

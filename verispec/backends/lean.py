@@ -170,7 +170,8 @@ class LeanLlama:
         the cache and of the new tokens. Returns (logits ``[n or 1, V]``, the ``features`` hidden states
         ``[n, k H]``, indices as in ``transformers``' ``hidden_states``). A batch of one (``forward_batch``)."""
         (out,) = self.forward_batch([cache], [tokens], [positions], [visible],
-                                    None if inputs_embeds is None else [inputs_embeds], [last_logits_only], features)
+                                    None if inputs_embeds is None else [inputs_embeds],
+                                    [len(positions) - 1] if last_logits_only else None, features)
         return out
 
     POOLED_ROWS = 16  # a sequence with more rows (a prompt chunk) attends on its own: padding every slot to it costs
@@ -319,11 +320,12 @@ class LeanLlama:
     @torch.inference_mode()
     def forward_batch(self, caches: list[LeanCache], tokens: list[torch.Tensor], positions: list[torch.Tensor],
                       visible: list[torch.Tensor], inputs_embeds: list[torch.Tensor] | None = None,
-                      last_logits_only: list[bool] | None = None,
+                      logits_from: list[int] | None = None,
                       features: tuple[int, ...] = (-1,)) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``forward`` for several sequences at once, each on its own cache: the rows of all of them go through every
         linear layer together (the weights are read once for the whole batch), and each sequence's rows attend to
-        its own cache and new tokens only. Returns (logits, hidden) per sequence."""
+        its own cache and new tokens only. Returns (logits, hidden) per sequence: the logits of its new rows from
+        ``logits_from[i]`` on (at least the last; None: every row), the others skipping the output layer."""
         sizes = [int(p.shape[0]) for p in positions]
         ends = list(itertools.accumulate(sizes))
         spans = [(e - n, e) for n, e in zip(sizes, ends)]
@@ -385,8 +387,8 @@ class LeanLlama:
         out = self._rms(x, self.base.norm)
         kept[self.n_layers] = out
         hidden = torch.cat([kept[self.n_layers if i == -1 else i] for i in features], dim=-1)
-        last = last_logits_only or [False] * len(sizes)
-        picked = [range(e - 1, e) if only else range(s, e) for (s, e), only in zip(spans, last)]
+        picked = [range(s, e) for s, e in spans] if logits_from is None else \
+            [range(min(s + f, e - 1), e) for (s, e), f in zip(spans, logits_from)]
         if len(picked) == 1:
             chosen = out[picked[0].start:picked[0].stop]
         else:

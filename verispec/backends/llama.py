@@ -293,13 +293,16 @@ class LlamaCppTarget:
 
     def forward_batch(self, states: list[LlamaState], tokens: list[torch.Tensor], positions: list[torch.Tensor],
                       attends: list[torch.Tensor], features: tuple[int, ...] = (-1,),
-                      last_logits_only: list[bool] | None = None) -> list[ForwardOutput]:
+                      logits_from: list[int] | None = None) -> list[ForwardOutput]:
         """One sequence only: this backend keeps one sequence's cache at a time (``new_state`` clears it)."""
         if len(states) != 1:
             raise VerispecError(f"the llama backend decodes one sequence at a time, not a batch of {len(states)}; "
                                 "batch on the Hugging Face backend (--backend hf)")
-        return [self.forward(states[0], tokens[0], positions[0], attends[0],
-                             last_logits_only=bool(last_logits_only and last_logits_only[0]), features=features)]
+        n = int(tokens[0].shape[0])
+        first = 0 if logits_from is None else min(max(logits_from[0], 0), n - 1)
+        out = self.forward(states[0], tokens[0], positions[0], attends[0], last_logits_only=first == n - 1,
+                           features=features)
+        return [ForwardOutput(logits=out.logits[first - n:], hidden=out.hidden)]
 
     def _seqs_for(self, state: LlamaState, parent: int | None, fresh: bool = False) -> list[int]:
         """Sequence ids for a path leaving the already-decoded entry ``parent`` (None: from the committed text): its

@@ -116,7 +116,7 @@ def prefill_batch(model, states: list, tokens: list[list[int]], embeds: list[tor
     positions = [torch.arange(s.committed, s.committed + len(t)) for s, t in zip(states, tokens)]
     masks = [torch.ones(len(t), len(t), dtype=torch.bool).tril() for t in tokens]
     outs = model.forward_batch(states, [torch.as_tensor(t) for t in tokens], positions, masks, inputs_embeds=embeds,
-                               last_logits_only=[True] * len(states))
+                               logits_from=[len(t) - 1 for t in tokens])
     for s, t in zip(states, tokens):
         model.commit(s, list(range(len(t))))
     return outs

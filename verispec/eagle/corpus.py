@@ -306,12 +306,12 @@ class _Writer:
                                           [torch.arange(m) for m in lens],
                                           [torch.ones(m, m, dtype=torch.bool).tril() for m in lens],
                                           features=self._features(seqs),
-                                          last_logits_only=[f == m - 1 for f, m in zip(firsts, lens)])
+                                          logits_from=firsts)
                     for s, o, m in zip(seqs, res, lens):
                         t.commit(s.state, list(range(m)))
                         if s.keep:
                             s.feats.append(o.hidden.half())
-                    self._labels([(s, o.logits[f - m:]) for s, o, m, f in zip(seqs, res, lens, firsts) if s.keep])
+                    self._labels([(s, o.logits) for s, o in zip(seqs, res) if s.keep])
                     done += self._draw(seqs, torch.cat([o.logits[-1:] for o in res]), eos)
                 live += fits
                 for s in done:
@@ -653,17 +653,17 @@ def _teacher_forced(target, records: list[Record], top_k: int, layers: tuple[int
     next-token laws ``p``, ``i`` and ``tokens``. Labels at every row, or with ``writer_labels`` where the writer keeps
     them (from the first response token's position to the last but one; zeros elsewhere). What the forwards that
     wrote the text kept, to rounding (the bits themselves where every product of both rounds alike: not across
-    oneDNN's 33-row line, docs/design.md)."""
+    oneDNN's 33-row line, docs/design.md). Rows before the labels skip the target's output layer."""
     n = [len(r.tokens) for r in records]
+    spans = [(max(r.spans[0][0] - 1, 0), m - 1) if writer_labels else (0, m) for r, m in zip(records, n)]
     with torch.device(target.device):  # a target on a GPU (train-draft --device): its inputs made there too
         outs = target.forward_batch([target.new_state() for _ in records], [torch.tensor(r.tokens) for r in records],
                                     [torch.arange(m) for m in n], [torch.ones(m, m, dtype=torch.bool).tril() for m in n],
-                                    features=layers)
+                                    features=layers, logits_from=[lo for lo, _ in spans])
     data = []
-    for r, m, o in zip(records, n, outs):
-        lo, hi = (max(r.spans[0][0] - 1, 0), m - 1) if writer_labels else (0, m)
+    for r, m, o, (lo, hi) in zip(records, n, outs, spans):
         p, ix = torch.zeros(m, top_k, dtype=torch.half), torch.zeros(m, top_k, dtype=torch.int)
-        top_p, top_i = _top_labels(o.logits[lo:hi], top_k)
+        top_p, top_i = _top_labels(o.logits[:hi - lo], top_k)
         p[lo:hi], ix[lo:hi] = top_p.cpu(), top_i.cpu()
         data.append({"feat": o.hidden.half().cpu(), "p": p, "i": ix, "tokens": torch.tensor(r.tokens)})
     return data
