@@ -98,6 +98,49 @@ def test_loss_from_response_logits_only_equals_the_dense_loss():
     assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(ga, gb))
 
 
+@pytest.mark.parametrize("layers", [(-1,), (1, 3, -1)])
+def test_a_packed_batch_gives_the_mean_of_its_sequences_losses_gradients_and_counts(layers):
+    """A training step's sequences run as one packed forward a depth, each row seeing its own sequence only: the
+    loss, its gradient and the statistics are the means of the sequences' own (noise included: drawn sequence by
+    sequence from the same generator), and the greedy-chain counts their sums, whatever their lengths and spans."""
+    from verispec.eagle.corpus import Record
+    from verispec.eagle.train import new_counts
+
+    target = tiny_model("llama")
+    for p in target.hf.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(2)
+    head = EagleHead(target, torch.arange(0, VOCAB, 2), torch.float32, feature_layers=layers)
+    records = [Record(list(range(3, 40)), [[10, 20], [25, 37]], "x", 0), Record(list(range(50, 62)), [[4, 12]], "x", 0),
+               Record(list(range(20, 29)), [[2, 3]], "x", 0), Record(list(range(7, 33)), [[5, 26]], "x", 0)]
+    data = [features(target, r, 8, layers) for r in records]
+    head.train()
+    runs = []
+    for packed in (False, True):
+        head.zero_grad()
+        torch.manual_seed(5)
+        if packed:
+            loss, stats = head_loss(head, data, 3, noise=0.05)
+            loss.backward()
+        else:
+            loss, stats = 0.0, {}
+            for d in data:
+                one, s = head_loss(head, d, 3, noise=0.05)
+                (one / len(data)).backward()
+                loss += float(one) / len(data)
+                stats = {k: stats.get(k, 0.0) + s.get(k, 0.0) / len(data) for k in {*stats, *s}}
+        runs.append((float(loss), stats, [p.grad.clone() for p in head.trainable()]))
+    (a, sa, ga), (b, sb, gb) = runs
+    assert b == pytest.approx(a, rel=1e-5) and sb == pytest.approx(sa, rel=1e-5, abs=1e-6)
+    assert all(torch.allclose(x, y, atol=1e-5, rtol=1e-4) for x, y in zip(ga, gb))
+    alone, together = new_counts(3), new_counts(3)
+    with torch.no_grad():
+        for d in data:
+            head_loss(head, d, 3, counts=alone)
+        head_loss(head, data, 3, counts=together)
+    assert together == alone and together["n"][2] > 0
+
+
 @pytest.mark.parametrize("layers,decoder_layers", [((-1,), 1), ((1, 3, -1), 1), ((1, 3, -1), 2)])
 def test_in_loop_acceptance_equals_teacher_forced_agreement(layers, decoder_layers):
     """Greedy chains of 3 in the real loop: at every depth, the loop's accept/reject decisions equal the teacher-forced

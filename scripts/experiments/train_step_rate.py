@@ -1,9 +1,11 @@
 """How fast the draft head trains: ``--steps`` optimiser steps of 4 records of one corpus round (after one
 warm-up step), the default recipe (EAGLE-3 features of layers 3/15/27, 3 depths, 16,384-token draft vocabulary),
 with the sum of their losses, so that two versions of the training code can be timed against each other on the
-same work (equal sums: the same training).
+same work (equal sums: the same training). A step's records go through the head one after another, or with
+``--packed`` as one packed forward a depth (``head_loss`` of the list, as ``train-draft`` runs it).
 
     python scripts/experiments/train_step_rate.py --round 1 --steps 10
+    python scripts/experiments/train_step_rate.py --round 1 --steps 10 --packed
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def main() -> None:
     ap.add_argument("--round", type=int, default=1)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--packed", action="store_true", help="a step's records in one packed forward a depth")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -43,7 +46,11 @@ def main() -> None:
     def step(batch) -> float:
         opt.zero_grad()
         total = 0.0
-        for d in batch:
+        if args.packed:
+            loss, _ = head_loss(head, batch, 3, 0.05, 1.0, 0.8)
+            loss.backward()
+            total = float(loss) * len(batch)
+        for d in batch if not args.packed else []:
             loss, _ = head_loss(head, d, 3, 0.05, 1.0, 0.8)
             (loss / len(batch)).backward()
             total += float(loss)
@@ -55,7 +62,7 @@ def main() -> None:
     losses = [step(data[b:b + 4]) for b in range(4, len(data), 4)]
     dt = time.perf_counter() - t0
     tokens = sum(int(d["mask"].sum()) for d in data[4:])
-    print(f"{len(losses)} steps of round {args.round}: {dt:.2f} s, {tokens / dt:.0f} response tokens/s, "
+    print(f"{len(losses)} {'packed ' * args.packed}steps of round {args.round}: {dt:.2f} s, {tokens / dt:.0f} response tokens/s, "
           f"loss sum {sum(losses):.6f}")
 
 

@@ -21,6 +21,7 @@ only also pull ``h^1_j`` towards the target's feature at ``j + 1`` (EAGLE-1's fe
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -146,62 +147,99 @@ def _mask_arg(head: EagleHead, visible: torch.Tensor):
 
 
 def depth_outputs(head: EagleHead, data: dict, depths: int, noise: float = 0.0, response_logits: bool = False):
-    """Run the head at depths 1..``depths`` over one sequence; yields ``(k, rows j, hidden [n_k, H], logits)``.
+    """Run the head at depths 1..``depths`` over one sequence; yields ``(k, rows j, hidden [n_k, H], logits)``
+    (``packed_depths`` of a batch of one)."""
+    for k, _, rows, hidden, logits in packed_depths(head, [data], depths, noise, response_logits):
+        yield k, rows, hidden, logits
+
+
+def packed_depths(head: EagleHead, batch: list[dict], depths: int, noise: float = 0.0, response_logits: bool = False):
+    """Run the head at depths 1..``depths`` over a batch of sequences packed into one forward a depth (each row
+    sees its own sequence's entries only); yields ``(k, seq, rows j, hidden [n_k, H], logits)``, ``seq`` the batch
+    index of each row, rows in batch order and by ``j`` within a sequence.
 
     Depth 1 covers every pair ``j = 0..T-2``; deeper depths only the pairs whose prediction (``x_{j+k+1}``) at
     some depth >= 2 is a response token, so a long prompt costs one pass, not ``depths``. With
     ``response_logits``, each depth's logits are computed only at the rows whose prediction is a response token (what
     the loss reads; the output layer is most of the head's cost, and its gradient then needs no scatter into every
-    row's logits), in row order."""
+    row's logits), in row order. One forward a depth for the whole batch is what a GPU wants (a step's sequences one
+    after another are bound by kernel launches there); a batch of one runs as before packing, causally."""
     from transformers import DynamicCache  # noqa: PLC0415 - a 0.7 s import, needed here only
 
-    f = data["feat"].float()
-    tokens, resp = data["tokens"], data["mask"]
-    T = len(tokens)
-    n = T - 1
-    x = f[:n]
-    if noise:
-        x = x + (torch.rand_like(x) - 0.5) * 2 * noise * x.abs().mean()
+    lens = [len(d["tokens"]) for d in batch]
+    n = [t - 1 for t in lens]
+    starts = [0, *itertools.accumulate(n)][:-1]  # each sequence's first row at depth 1
+    xs = []
+    for d, m in zip(batch, n):  # noise drawn sequence by sequence, at each one's own scale
+        x = d["feat"].float()[:m]
+        if noise:
+            x = x + (torch.rand_like(x) - 0.5) * 2 * noise * x.abs().mean()
+        xs.append(x)
+    rows = torch.cat([torch.arange(m) for m in n])
+    seq = torch.cat([torch.full((m,), b) for b, m in enumerate(n)])
+    tokens = [d["tokens"] for d in batch]
+    resp = [d["mask"] for d in batch]
     cache = DynamicCache()
-    keep = {}
-    if response_logits:
-        keep["logits_to_keep"] = torch.nonzero(resp[2:T]).flatten()  # rows j predicting x_{j+2}, a response token
-    out = head.lm.hf(inputs_embeds=head.target_inputs(x, tokens[1:n + 1])[None], position_ids=torch.arange(n)[None],
-                     cache=cache, use_cache=True, output_hidden_states=True, **keep)
-    rows = torch.arange(n)
+    extra = {}
+    if len(batch) > 1:  # a sequence's rows see its own earlier pairs only
+        extra["attention_mask"] = _mask_arg(head, (seq[:, None] == seq[None, :]) & (rows[None, :] <= rows[:, None]))
+    if response_logits:  # rows j predicting x_{j+2}, a response token
+        extra["logits_to_keep"] = torch.cat([torch.nonzero(r[2:t]).flatten() + s
+                                             for r, t, s in zip(resp, lens, starts)])
+    inputs = head.target_inputs(torch.cat(xs), torch.cat([t[1:m + 1] for t, m in zip(tokens, n)]))
+    out = head.lm.hf(inputs_embeds=inputs[None], position_ids=rows[None], cache=cache, use_cache=True,
+                     output_hidden_states=True, **extra)
     hidden = out.hidden_states[-1][0]
-    yield 1, rows, hidden, out.logits[0]
+    yield 1, seq, rows, hidden, out.logits[0]
     if depths < 2:
         return
-    wanted = torch.zeros(n, dtype=torch.bool)
+    chosen = []  # per sequence: the pairs some deeper depth predicts a response token from
+    for r, t, m in zip(resp, lens, n):
+        j = torch.arange(m)
+        wanted = torch.zeros(m, dtype=torch.bool)
+        for k in range(2, depths + 1):
+            ok = j + k + 1 <= t - 1
+            wanted[ok] |= r[(j + k + 1)[ok]]
+        chosen.append(j[wanted])
+    held = sum(n)  # cached entries: depth 1, then one block per deeper depth
+    block_at: dict[int, int] = {}  # depth m -> where its block starts in the cache
+    block_own: dict[int, list[int]] = {}  # depth m -> where each sequence's rows start in its block
+    prev = [(s, torch.arange(m)) for s, m in zip(starts, n)]  # per sequence: its rows in the last output, their j
     for k in range(2, depths + 1):
-        ok = rows + k + 1 <= T - 1
-        wanted[ok] |= resp[(rows + k + 1)[ok]]
-    chosen = rows[wanted]
-    blocks = [n]  # sizes of the cached blocks: depth 1, then one per deeper depth
-    prev_rows, prev_hidden = rows, hidden
-    for k in range(2, depths + 1):
-        cur = chosen[chosen + k <= T - 1]
-        if not len(cur):
+        cur = [c[c + k <= t - 1] for c, t in zip(chosen, lens)]
+        size = sum(len(c) for c in cur)
+        if not size:
             return
-        where = torch.searchsorted(prev_rows, cur)
-        inputs = head.draft_inputs(prev_hidden[where], tokens[cur + k])
-        visible = torch.zeros(len(cur), sum(blocks) + len(cur), dtype=torch.bool)
-        visible[:, :n] = torch.arange(n)[None, :] <= cur[:, None]  # committed pairs 0..j
-        offset = n
-        for m in range(2, k + 1):  # its own entries at depths 2..k (the block of depth k is being added now)
-            block_rows = chosen[chosen + m <= T - 1]
-            visible[torch.arange(len(cur)), offset + torch.searchsorted(block_rows, cur)] = True
-            offset += len(block_rows)
-        keep = {}
-        if response_logits:
-            pred = cur + k + 1
-            keep["logits_to_keep"] = torch.nonzero((pred <= T - 1) & resp[pred.clamp(max=T - 1)]).flatten()
-        out = head.lm.hf(inputs_embeds=inputs[None], position_ids=(cur + k - 1)[None], attention_mask=_mask_arg(head, visible),
-                         cache=cache, use_cache=True, output_hidden_states=True, **keep)
-        prev_rows, prev_hidden = cur, out.hidden_states[-1][0]
-        blocks.append(len(cur))
-        yield k, cur, prev_hidden, out.logits[0]
+        parts, keep, at = [], [], 0
+        visible = torch.zeros(size, held + size, dtype=torch.bool)
+        own = [0] * len(batch)  # where each sequence's rows start in this depth's block
+        for b, c in enumerate(cur):
+            own[b] = at
+            if not len(c):
+                continue
+            first, prev_j = prev[b]
+            parts.append(head.draft_inputs(hidden[first + torch.searchsorted(prev_j, c)],
+                                           tokens[b][c + k]))
+            idx = torch.arange(at, at + len(c))
+            visible[idx, starts[b]:starts[b] + n[b]] = torch.arange(n[b])[None, :] <= c[:, None]  # pairs 0..j
+            for m in range(2, k):  # its own entries at depths 2..k-1 (depth k's is being added now)
+                block = chosen[b][chosen[b] + m <= lens[b] - 1]
+                visible[idx, block_at[m] + block_own[m][b] + torch.searchsorted(block, c)] = True
+            visible[idx, held + idx] = True
+            if response_logits:
+                pred = c + k + 1
+                keep.append(torch.nonzero((pred <= lens[b] - 1) & resp[b][pred.clamp(max=lens[b] - 1)]).flatten() + at)
+            at += len(c)
+        extra = {"logits_to_keep": torch.cat(keep)} if response_logits else {}
+        out = head.lm.hf(inputs_embeds=torch.cat(parts)[None],
+                         position_ids=torch.cat([c + k - 1 for c in cur])[None],
+                         attention_mask=_mask_arg(head, visible), cache=cache, use_cache=True,
+                         output_hidden_states=True, **extra)
+        hidden = out.hidden_states[-1][0]
+        block_at[k], block_own[k] = held, own
+        held += size
+        prev = [(o, c) for o, c in zip(own, cur)]
+        yield k, torch.cat([torch.full((len(c),), b) for b, c in enumerate(cur)]), torch.cat(cur), hidden, out.logits[0]
 
 
 def _labels(head: EagleHead, data: dict, target_rows: torch.Tensor):
@@ -216,47 +254,61 @@ def _labels(head: EagleHead, data: dict, target_rows: torch.Tensor):
     return p, idx, top1
 
 
-def head_loss(head: EagleHead, data: dict, depths: int = 1, noise: float = 0.0, feature_weight: float = 1.0,
-              depth_weight: float = 0.8, counts: dict | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """Training loss of one sequence (see the module docstring); returns (loss, {ce_k, top1_k, feat}).
+def _by_sequence(values: torch.Tensor, seq: torch.Tensor, size: int) -> torch.Tensor:
+    """``[size]``: the mean of ``values`` over each sequence's rows (0 for a sequence with none)."""
+    count = torch.bincount(seq, minlength=size).clamp(min=1)
+    return values.new_zeros(size).index_add(0, seq, values) / count
 
-    ``counts``, if given (a dict like ``new_counts(depths)``), is increased by this sequence's ``depth_counts``."""
-    tokens, resp = data["tokens"], data["mask"]
-    T = len(tokens)
+
+def head_loss(head: EagleHead, data: dict | list[dict], depths: int = 1, noise: float = 0.0,
+              feature_weight: float = 1.0, depth_weight: float = 0.8,
+              counts: dict | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Training loss of one sequence (see the module docstring), or of a batch of them (a list: the mean of their
+    losses, from one packed forward a depth, ``packed_depths``); returns (loss, {ce_k, top1_k, feat}), each
+    statistic a mean over the batch's sequences (a sequence with nothing to predict at a depth counting 0 there).
+
+    ``counts``, if given (a dict like ``new_counts(depths)``), is increased by these sequences' ``depth_counts``."""
+    batch = data if isinstance(data, list) else [data]
+    size = len(batch)
+    lens = torch.tensor([len(d["tokens"]) for d in batch])
+    offsets = torch.cumsum(lens, 0) - lens  # each sequence's first token in the flat tensors below
+    flat = {"p": torch.cat([d["p"].float() for d in batch]), "i": torch.cat([d["i"] for d in batch])}
+    resp = torch.cat([d["mask"] for d in batch])
     total, stats = 0.0, {}
-    chain: dict[int, bool] = {}
+    chain: dict[tuple[int, int], bool] = {}
     sparse = counts is None  # only the loss is wanted: logits at the response rows only
-    for k, rows, hidden, logits in depth_outputs(head, data, depths, noise, response_logits=sparse):
-        pred = rows + k + 1  # index of the predicted token
-        inside = pred <= T - 1
-        keep = inside.clone()
-        keep[inside] = resp[pred[inside]]
+    for k, seq, rows, hidden, logits in packed_depths(head, batch, depths, noise, response_logits=sparse):
+        last = lens[seq] - 1
+        pred = rows + k + 1  # index of the predicted token in its sequence
+        inside = pred <= last
+        keep = inside & resp[offsets[seq] + pred.clamp(max=last)]
         if k == 1 and feature_weight and head.feature_weight_applies:
-            f = data["feat"].float()
-            feat = nn.functional.smooth_l1_loss(hidden, f[1:], reduction="none").mean(-1)
-            total = total + feature_weight * feat.mean()
-            stats["feat"] = float(feat.mean().detach())
+            f = torch.cat([d["feat"].float()[1:] for d in batch])
+            feat = _by_sequence(nn.functional.smooth_l1_loss(hidden, f, reduction="none").mean(-1), seq, size)
+            total = total + feature_weight * feat.sum() / size
+            stats["feat"] = float(feat.sum().detach()) / size
         if counts is not None:  # greedy chain: depth k is reached where depths 1..k-1 all agreed
-            _, _, top1_all = _labels(head, data, (rows + k).clamp(max=T - 1))
+            _, _, top1_all = _labels(head, flat, offsets[seq] + torch.minimum(rows + k, last))
             hit = (logits.max(-1).indices == top1_all).tolist()
-            for j, h, ok, r in zip(rows.tolist(), hit, inside.tolist(), keep.tolist()):
+            for b, j, h, ok, r in zip(seq.tolist(), rows.tolist(), hit, inside.tolist(), keep.tolist()):
                 if not ok:
                     continue
-                prior = chain.get(j, True) if k > 1 else True
+                prior = chain.get((b, j), True) if k > 1 else True
                 if r:
                     counts["n"][k - 1] += 1
                     counts["agree"][k - 1] += h
                     counts["reached"][k - 1] += prior
                     counts["accepted"][k - 1] += prior and h
-                chain[j] = prior and h
+                chain[b, j] = prior and h
         if not keep.any():
             continue
-        p, idx, top1 = _labels(head, data, (rows + k)[keep])
+        p, idx, top1 = _labels(head, flat, (offsets[seq] + rows + k)[keep])
         logq = torch.log_softmax((logits if sparse else logits[keep]).float(), dim=-1)
-        ce = -(p * logq.gather(1, idx)).sum(-1) / p.sum(-1).clamp(min=1e-9)
-        total = total + depth_weight ** (k - 1) * ce.mean()
-        stats[f"ce_{k}"] = float(ce.mean().detach())
-        stats[f"top1_{k}"] = float((logq.max(-1).indices == top1).float().mean())  # max: argmax costs 2.6x here
+        ce = _by_sequence(-(p * logq.gather(1, idx)).sum(-1) / p.sum(-1).clamp(min=1e-9), seq[keep], size)
+        total = total + depth_weight ** (k - 1) * ce.sum() / size
+        stats[f"ce_{k}"] = float(ce.sum().detach()) / size
+        hit = (logq.max(-1).indices == top1).float()  # max: argmax costs 2.6x here
+        stats[f"top1_{k}"] = float(_by_sequence(hit, seq[keep], size).sum()) / size
     if not torch.is_tensor(total):
         total = torch.zeros((), requires_grad=True)
     return total, stats
@@ -567,14 +619,10 @@ def _fit(target, out: Path, config: TrainConfig, records: list[Record], source: 
         while k < steps_per_epoch and step < total and (max_steps is None or step < max_steps):
             idx = order[k * config.batch:(k + 1) * config.batch]
             opt.zero_grad()
-            stats: dict[str, float] = {}
-            for i in idx:
-                with torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=config.precision == "bfloat16"):
-                    loss, s = head_loss(head, feats[i], config.depths, config.noise, config.feature_weight,
-                                        config.depth_weight)
-                (loss / len(idx)).backward()
-                for key, v in s.items():
-                    stats[key] = stats.get(key, 0.0) + v / len(idx)
+            with torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=config.precision == "bfloat16"):
+                loss, stats = head_loss(head, [feats[i] for i in idx], config.depths, config.noise,
+                                        config.feature_weight, config.depth_weight)
+            loss.backward()
             nn.utils.clip_grad_norm_(head.trainable(), 1.0)
             opt.step()
             sched.step()
