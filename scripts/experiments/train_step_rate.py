@@ -62,7 +62,8 @@ def main() -> None:
     losses = [step(data[b:b + 4]) for b in range(4, len(data), 4)]
     dt = time.perf_counter() - t0
     tokens = sum(int(d["mask"].sum()) for d in data[4:])
-    print(f"{len(losses)} {'packed ' * args.packed}steps of round {args.round}: {dt:.2f} s, {tokens / dt:.0f} response tokens/s, "
+    kind = "packed steps" if args.packed else "steps"
+    print(f"{len(losses)} {kind} of round {args.round}: {dt:.2f} s, {tokens / dt:.0f} response tokens/s, "
           f"loss sum {sum(losses):.6f}")
 
 
