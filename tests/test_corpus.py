@@ -296,6 +296,29 @@ def test_training_can_start_from_an_earlier_head(tmp_path, monkeypatch):
     with pytest.raises(VerispecError, match="reads target layers"):
         train(t, tmp_path / "c", TrainConfig(**{**again.__dict__, "feature_layers": "2,-1"}), progress=False,
               log=lambda m: None, corpus_dir=tmp_path / "a")
+    # a deeper head grows from it: its first step starts from the earlier head's very logits, and it trains on
+    grown = []
+
+    def first_logits(head, *a, **k):
+        if not grown:
+            with torch.no_grad():
+                batch = a[0] if isinstance(a[0], list) else [a[0]]
+                grown.append((len(head.body.layers), next(train_mod.depth_outputs(head, batch[0], 1))[3]))
+                ref = EagleHead(t, first.vocab, train_mod.TRAIN_HEAD_DTYPE, feature_layers=first.feature_layers)
+                ref.load_state_dict(first.head_state(), strict=False)
+                grown.append(next(train_mod.depth_outputs(ref, batch[0], 1))[3])
+        return real(head, *a, **k)
+
+    monkeypatch.setattr(train_mod, "head_loss", first_logits)
+    deeper = TrainConfig(**{**again.__dict__, "decoder_layers": 2})
+    two = EagleHead.load(train(t, tmp_path / "d", deeper, progress=False, log=lambda m: None,
+                               corpus_dir=tmp_path / "a"), t)
+    (layers, logits), alone = grown
+    assert layers == 2 and torch.equal(logits, alone)
+    assert len(two.body.layers) == 2 and two.body.layers[1].mlp.down_proj.weight.abs().sum() > 0
+    with pytest.raises(VerispecError, match="more than the --decoder-layers 1"):
+        train(t, tmp_path / "e", TrainConfig(**{**cfg.__dict__, "init": str(tmp_path / "d" / "head.pt")}),
+              progress=False, log=lambda m: None, corpus_dir=tmp_path / "a")
     with pytest.raises(VerispecError, match="no such head file"):
         TrainConfig(init=str(tmp_path / "nowhere.pt")).validate()
 

@@ -157,6 +157,17 @@ class EagleHead(nn.Module):
         """(name, parameter) of the head itself: everything but the target's shared embedding."""
         return ((n, p) for n, p in self.named_parameters() if not n.startswith("body.embed_tokens"))
 
+    def pass_through(self, first: int) -> None:
+        """Make decoder layers ``first``.. add nothing to their input (their attention's and MLP's output projections
+        zero): a head grown from a ``first``-layer one computes what that one does, to the bit, and its new layers
+        learn from there."""
+        with torch.no_grad():
+            for layer in self.body.layers[first:]:
+                for out in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                    out.weight.zero_()
+                    if out.bias is not None:
+                        out.bias.zero_()
+
     def trainable(self) -> list[nn.Parameter]:
         return [p for _, p in self.own_parameters()]
 

@@ -118,7 +118,8 @@ TRAIN_HELP = {
                    "(--init) on the rounds added to the corpus since it trained",
     "init": "start from this head file (its weights and its draft vocabulary; --vocab is then unused), e.g. to go on "
             "training an earlier session's head on a grown corpus with a new schedule (the checkpoint, with its "
-            "optimiser state, stays in its run folder)",
+            "optimiser state, stays in its run folder); with more --decoder-layers than it has, the new layers come "
+            "after its own and start by passing their input through, so training starts from its predictions",
 }
 
 
@@ -580,8 +581,8 @@ def _fit(target, out: Path, config: TrainConfig, records: list[Record], source: 
             raise VerispecError(f"{config.init} reads target layers {list(start.feature_layers)}, not the "
                                 f"--feature-layers {list(layers)} of this run")
         vocab = start.vocab
-        if len(start.body.layers) != config.decoder_layers:
-            raise VerispecError(f"{config.init} has {len(start.body.layers)} decoder layers, not the "
+        if len(start.body.layers) > config.decoder_layers:
+            raise VerispecError(f"{config.init} has {len(start.body.layers)} decoder layers, more than the "
                                 f"--decoder-layers {config.decoder_layers} of this run")
     elif 0 < config.vocab < target.vocab_size:
         vocab = draft_vocabulary([records[i].tokens for i in train_idx], config.vocab, target.vocab_size,
@@ -590,6 +591,7 @@ def _fit(target, out: Path, config: TrainConfig, records: list[Record], source: 
                      decoder_layers=config.decoder_layers).to(target.device)
     if start is not None:
         head.load_state_dict(start.head_state(), strict=False)
+        head.pass_through(len(start.body.layers))  # a deeper head grows from it, predicting what it did
     opt = torch.optim.AdamW(head.trainable(), lr=config.lr, weight_decay=0.0)
     steps_per_epoch = math.ceil(len(train_idx) / config.batch)
     total = steps_per_epoch * config.epochs
