@@ -21,13 +21,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", default="data/corpus/smollm2-135m")
     ap.add_argument("--round", type=int, default=69)
-    ap.add_argument("--records", type=int, default=96, help="the round's first N records")
+    ap.add_argument("--records", type=int, default=96, help="N records spread over the round")
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    records = [r for r in corpus.read_corpus(args.corpus) if r.round == args.round][:args.records]
+    records = [r for r in corpus.read_corpus(args.corpus) if r.round == args.round]
+    records = records[::max(1, len(records) // args.records)][:args.records]  # spread over the round
     if not records:
         raise SystemExit(f"round {args.round} of {args.corpus} has no records")
     target = load("smollm2-135m", dtype=args.dtype)
