@@ -87,10 +87,12 @@ EPOCHS_TRAIN = ("verispec train-draft --corpus data/corpus/smollm2-135m --out ru
                 "--init BEFORE")
 EPOCHS_BEFORE = {2: "runs/cap-L1/head.pt", 3: "runs/cap-L1-e2/head.pt",  # else the last epoch's run
                  4: "data/heads/smollm2-135m-eagle3-3epochs.pt", 5: "data/heads/smollm2-135m-eagle3-4epochs.pt",
-                 6: "data/heads/smollm2-135m-eagle3-5epochs.pt"}
+                 6: "data/heads/smollm2-135m-eagle3-5epochs.pt", 8: "verispec/heads/smollm2-135m.pt"}
 # options an epoch's run added to EPOCHS_TRAIN: the sixth went on from the fifth on the rounds written since (on a
 # GPU), at a lower peak rate (the fifth spent most of its schedule recovering from a warm-up to 1e-3)
-EPOCHS_FLAGS = {6: "--first-round 37 --lr 3e-4 --precision bfloat16"}
+EPOCHS_FLAGS = {6: "--first-round 37 --lr 3e-4 --precision bfloat16",
+                # the seventh and eighth: two passes in one schedule over the rounds written since the sixth
+                8: "--first-round 53 --lr 3e-4 --epochs 2 --checkpoint-every 100"}
 VARIANTS = ROOT / "results" / "head_variants.json"  # `python scripts/experiments/head_variants.py RUN... --out ...`
 
 DYNAMIC = "dyn:4,2,3"  # EAGLE-2 dynamic tree: depth <= 4, top-2 expansion, the 3 most probable nodes kept
