@@ -168,6 +168,49 @@ def test_a_parsed_gguf_tokenizer_is_kept_for_the_next_load(tmp_path, monkeypatch
     assert second.encode(text) == first.encode(text) and second.chat_template == first.chat_template
 
 
+def test_a_gguf_files_copy_is_keyed_by_its_content_and_the_old_keyed_copies_are_pruned(tmp_path, monkeypatch):
+    """A reinstalled model package (the same file at a new path, written later) finds the de-quantised copy made
+    before; a changed file gets another; saving a copy removes the copies keyed by path and time (one per
+    reinstall: 15 GB of them on one machine), and nothing else."""
+    import os
+
+    from verispec.backends import loading
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("VERISPEC_NO_CACHE", raising=False)
+    data = os.urandom(3 * loading.SAMPLE + 7)
+    for venv in ("a", "b"):
+        (tmp_path / venv).mkdir()
+        (tmp_path / venv / "m.Q4.gguf").write_bytes(data)
+    os.utime(tmp_path / "b" / "m.Q4.gguf", (1, 1))
+    first = loading._converted_dir(str(tmp_path / "a"), "m.Q4.gguf", "float32")
+    assert loading._converted_dir(str(tmp_path / "b"), "m.Q4.gguf", "float32") == first
+    assert loading._converted_dir(str(tmp_path / "a"), "m.Q4.gguf", "bfloat16") != first
+    changed = bytearray(data)
+    changed[-1] ^= 1
+    (tmp_path / "b" / "m.Q4.gguf").write_bytes(bytes(changed))
+    assert loading._converted_dir(str(tmp_path / "b"), "m.Q4.gguf", "float32") != first
+
+    folder = first.parent
+    old = [folder / "m.Q4-0123456789abcdef", folder / "m.Q4-fedcba9876543210"]  # the old keys: done files empty
+    (old[0] / "done").parent.mkdir(parents=True)
+    (old[0] / "done").touch()
+    old[1].mkdir()
+    (old[1] / "done").write_text("ok\n")  # an old tokenizer copy
+    kept = [folder / "m.Q4-00000000000000aa",  # keyed by content: another dtype's copy
+            folder / "m.Q4-00000000000000bb",  # no done file: being written
+            folder / "m.Q4-v2-0123456789abcdef",  # another model's
+            folder / "m.Q4-00000000000000cc.tmp42"]  # a copy being written
+    for k in kept:
+        k.mkdir()
+    (kept[0] / "done").write_text(loading.DONE)
+    (kept[2] / "done").touch()
+    first.mkdir()
+    (first / "done").write_text(loading.DONE)
+    assert sorted(loading.prune_stale_copies(first)) == old
+    assert all(k.is_dir() for k in kept + [first]) and not any(o.exists() for o in old)
+
+
 def test_the_kernel_plan_computes_what_a_linear_layer_does():
     """``kernels``' plan (the native kernel where it builds, else ``W @ x^T`` with padding) equals ``x @ W^T + b``
     for every planned row count and beyond; so does every plan that does not use the native kernel."""

@@ -3,8 +3,10 @@ kept on disk (de-quantisation takes about 15 s per load for SmolLM2)."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -195,10 +197,12 @@ def _save_tokenizer(tokenizer, target: Path) -> None:
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     try:
         tokenizer.save_pretrained(str(tmp))
-        (tmp / "done").write_text("ok\n")
+        (tmp / "done").write_text(DONE)
         os.replace(tmp, target)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
+        return
+    prune_stale_copies(target)
 
 
 def converted_folder(spec: str, dtype: str = "float32") -> str | None:
@@ -214,18 +218,51 @@ def converted_folder(spec: str, dtype: str = "float32") -> str | None:
     return str(done) if done is not None and (done / "done").exists() else None
 
 
+DONE = "content-keyed\n"  # what a finished copy's ``done`` file says (an empty one: a copy keyed the old way)
+SAMPLE = 1 << 20  # bytes hashed at each end of a GGUF file for its key
+
+
 def _converted_dir(folder: str, name: str, dtype: str) -> Path | None:
     """Where a de-quantised copy of a GGUF model is kept (GGUF de-quantisation takes ~15 s per load).
 
-    Keyed by the file's path, size and modification time. ``VERISPEC_NO_CACHE=1`` disables it.
+    Keyed by the file's content: its name, size and a hash of its first and last MiB (its metadata and tensor table,
+    and the last tensor's data), not by where it lies or when it was written, so that a reinstalled model package
+    (a new venv, a CI run) finds the copy made before instead of adding another (0.5 GB for SmolLM2 in float32).
+    ``VERISPEC_NO_CACHE=1`` disables it.
     """
     if os.environ.get("VERISPEC_NO_CACHE"):
         return None
     path = Path(folder, name).resolve()
     if not path.is_file():
         return None
-    st = path.stat()
-    return cache.path("converted", f"{path.stem}-{cache.key(path, st.st_size, st.st_mtime_ns, dtype)}")
+    size = path.stat().st_size
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        digest.update(f.read(SAMPLE))
+        if size > 2 * SAMPLE:
+            f.seek(size - SAMPLE)
+            digest.update(f.read(SAMPLE))
+    return cache.path("converted", f"{path.stem}-{cache.key(path.name, size, digest.hexdigest(), dtype)}")
+
+
+def prune_stale_copies(kept: Path) -> list[Path]:
+    """Remove the copies of ``kept``'s model made before copies were keyed by content (their ``done`` file is empty
+    or says anything but ``DONE``): each reinstall of the model's package made one more. Copies keyed by content,
+    and folders still being written (no ``done`` file), are left alone. Returns what it removed."""
+    stem = kept.name.rsplit("-", 1)[0]
+    removed = []
+    for other in kept.parent.glob(f"{stem}-*"):
+        done = other / "done"
+        if other == kept or not re.fullmatch(re.escape(stem) + r"-[0-9a-f]{16}", other.name) or not done.is_file():
+            continue
+        try:
+            stale = done.read_text() != DONE
+        except OSError:
+            continue
+        if stale:
+            shutil.rmtree(other, ignore_errors=True)
+            removed.append(other)
+    return removed
 
 
 def _forget_quantizer(model) -> None:
@@ -242,10 +279,12 @@ def _save_converted(model, tokenizer, target: Path) -> None:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "done").touch()
+        (tmp / "done").write_text(DONE)
         os.replace(tmp, target)
     except OSError as exc:  # a read-only or full disk only costs speed
         print(f"verispec: could not cache the converted model in {target}: {exc}", file=sys.stderr)
         shutil.rmtree(tmp, ignore_errors=True)
+        return
+    prune_stale_copies(target)
 
 
