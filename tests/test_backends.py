@@ -231,6 +231,56 @@ def test_the_kernel_plan_computes_what_a_linear_layer_does():
             assert "forward" not in layer.__dict__
 
 
+def _gguf_weight(kind: str, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """A weight as GGUF de-quantisation computes it from Q4_1 blocks, ``(d * q) + m`` in float32, or Q8_0 blocks,
+    ``q * d`` (float16 d and m; in each block the quantiser gives the smallest weight q = 0 and the largest q = 15, or
+    the largest magnitude q = 127)."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(rows, cols // 32, 1, generator=g) * 0.01 + 1e-4).half().float()
+    if kind == "q8_0":
+        q = torch.randint(-127, 128, (rows, cols // 32, 32), generator=g).float()
+        q[..., 0] = 127
+        return (q * d).reshape(rows, cols)
+    m = (-torch.rand(rows, cols // 32, 1, generator=g) * 0.08).half().float()
+    q = torch.randint(0, 16, (rows, cols // 32, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15
+    return ((d * q) + m).reshape(rows, cols)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_a_weight_of_gguf_blocks_runs_from_its_blocks_with_the_float32_panels_results_bit_for_bit(kind, monkeypatch):
+    """The default model's layers are de-quantised Q4_1 blocks and its output head Q8_0: the native kernel packs
+    such a weight back into its blocks (``pack_exact``, recomputing each weight with the de-quantisation's roundings),
+    and every row count gives the float32 panels' results bit for bit; a weight that is not such blocks everywhere
+    (one weight moved by one ulp, or random) is packed in float32."""
+    from verispec.backends import kernels, native
+
+    kernel = native.linear()
+    if kernel is None:
+        pytest.skip("the native linear kernel cannot be built here (a C++ compiler, ninja, AVX2, FMA and F16C)")
+    weight = _gguf_weight(kind, 40, 96, seed=1)  # 40 outputs: a last panel of 8 columns
+    bias = torch.randn(40)
+    exact, plain = kernel.pack_exact(weight), kernel.pack(weight)
+    assert exact.dtype == torch.uint8 and exact.numel() < plain.numel() * 4 / 3  # at most a third of the bytes
+    for rows in [*range(1, 14), 40]:
+        x = torch.randn(rows, 96)
+        assert torch.equal(kernel.linear(x, exact, 40, bias), kernel.linear(x, plain, 40, bias)), rows
+    nudged = weight.clone()
+    nudged[17, 50] = torch.nextafter(nudged[17, 50], torch.tensor(1.0))
+    assert kernel.pack_exact(nudged).numel() == 0 and kernel.pack_exact(torch.randn(40, 96)).numel() == 0
+    layer = torch.nn.Linear(96, 40)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        layer.bias.copy_(bias)
+        kernels.use_fast_linear(layer)
+        x = torch.randn(3, 96)
+        y = layer(x)
+        assert layer._verispec_packed.dtype == torch.uint8
+        monkeypatch.setenv(kernels.FLOAT_PANELS, "1")
+        layer.weight.add_(0)  # a new version of the weight: packed again, now in float32
+        assert torch.equal(layer(x), y) and layer._verispec_packed.dtype == torch.float32
+
+
 def test_a_plan_is_checked_and_its_native_entries_fall_back_where_the_kernel_does_not_build(monkeypatch):
     from verispec.backends import kernels
 

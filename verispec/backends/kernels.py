@@ -17,8 +17,11 @@ count, 1 to 256, on an AVX2 EPYC: ``scripts/experiments/native_linear.py``), els
   the fastest; the plan is saved per CPU, torch version and weight shapes (``plan_for``), so it is measured once.
 
 Results differ from ``x @ W^T`` by float rounding only. The native kernel packs a copy of each weight on first use
-(the weights' size again in memory, as bfloat16's prepacked copies below). The plan never applies with autograd on
-(training), on other devices or dtypes, or when ``VERISPEC_STOCK_LINEAR=1``.
+(the weights' size again in memory, as bfloat16's prepacked copies below), except a weight that GGUF de-quantisation
+made from Q4_1 or Q8_0 blocks (the default model's every layer and its output head): that one goes back into its
+blocks, which give it bit for bit (``_pack_exact``), a fifth of the bytes to keep and, above all, to stream through
+each decoding step (``VERISPEC_FLOAT_PANELS=1``: float32 panels anyway, for comparisons). The plan never applies
+with autograd on (training), on other devices or dtypes, or when ``VERISPEC_STOCK_LINEAR=1``.
 
 bfloat16 layers have no plan: ``use_fast_linear`` runs them with oneDNN's linear on a copy of the weight prepacked
 once into its blocked layout (``packed_rows``). Measured here (Zen 4, 2 threads, weights streamed from memory as in a
@@ -68,14 +71,28 @@ def planned_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return (y if bias is None else y + bias).contiguous()
 
 
+FLOAT_PANELS = "VERISPEC_FLOAT_PANELS"  # set to 1: float32 panels even for a weight of de-quantised GGUF blocks
+
+
+def _pack_exact(weight: torch.Tensor) -> torch.Tensor:
+    """The native kernel's panels for a float32 weight: its GGUF blocks where it is the de-quantisation of Q4_1 or
+    Q8_0 blocks (``pack_exact``: the same results bit for bit from a fifth of the bytes), else float32."""
+    kernel = native.linear()
+    if os.environ.get(FLOAT_PANELS) != "1":
+        panels = kernel.pack_exact(weight)
+        if panels.numel():
+            return panels
+    return kernel.pack(weight)
+
+
 def native_rows(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """``x [n, K] @ weight^T + bias`` in the native kernel, on a copy of the weight packed into its panels (made on
-    first use and again whenever the weight is replaced or changed in place); in float16 panels where the module is
-    marked ``_verispec_half`` (``use_fast_linear(half=True)``: half the bytes to read, the same results for a weight
-    of float16 values)."""
+    first use and again whenever the weight is replaced or changed in place): the GGUF blocks it was de-quantised from
+    where it was (``_pack_exact``), else float32; float16 panels where the module is marked ``_verispec_half``
+    (``use_fast_linear(half=True)``: half the bytes to read, the same results for a weight of float16 values)."""
     kernel = native.linear()
     half = bool(module.__dict__.get("_verispec_half"))
-    panels = _prepacked(module, kernel.pack_half if half else kernel.pack, "native-half" if half else "native")
+    panels = _prepacked(module, kernel.pack_half if half else _pack_exact, "native-half" if half else "native")
     return kernel.linear(x.contiguous(), panels, module.weight.shape[0], module.bias)
 
 

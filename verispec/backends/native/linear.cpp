@@ -7,6 +7,15 @@
 // float16) the results are bit for bit those of the float32 kernel; any other weight is rounded to float16 once, when
 // packed.
 //
+// ``pack_exact``: a weight that is the de-quantisation of a GGUF file's Q4_1 or Q8_0 blocks (the default model's
+// layers and output head) packed back into those blocks, 0.75 or 1.125 bytes a weight instead of 4. It finds, for
+// every block of 32 weights of a row, the float16 scale d (and minimum m) and the integers q that give every weight
+// bit for bit as the de-quantisation computed it, ``(d * q) + m`` (Q4_1) or ``q * d`` (Q8_0) in float32, and packs
+// the weight only if every block has them (else it returns an empty tensor: the caller packs float32). The kernel
+// recomputes each weight the same way (``d * q`` is exact in float32, an 11-bit d times a 4- or 8-bit q, so the only
+// rounding is that of the sum with m) and then runs the very same sums: the results are bit for bit those of the
+// float32 panels, from a fifth of the bytes.
+//
 // Every output element is one chain of fused multiply-adds over k = 0 .. K-1 in order, whatever M is and wherever
 // its row falls in a tile, then the bias: a row's result never depends on the rows beside it (batch-invariant by
 // construction, like native/attention.cpp).
@@ -15,7 +24,10 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -85,6 +97,158 @@ void run_tile(int rows, const float* x, int64_t K, const W* wp, float* y, int64_
   }
 }
 
+
+// ---- panels of de-quantised GGUF blocks (``pack_exact``) ----
+// A panel is K / 32 blocks, each the 16 columns' float32 scales (and minima), then 32 rows k of 16 weights: Q4_1
+// packs column c's q in the low nibble of byte c and column c + 8's in the high one (8 bytes a row), Q8_0 one byte a
+// column.
+constexpr int QB = 32;
+constexpr int64_t Q4_BYTES = 2 * NB * 4 + QB * NB / 2;  // 384
+constexpr int64_t Q8_BYTES = NB * 4 + QB * NB;          // 576
+
+struct Q4 {
+  static constexpr int64_t BYTES = Q4_BYTES;
+  __m256 d0, d1, m0, m1;
+  const uint8_t* q;
+  inline void block(const uint8_t* b) {
+    const float* f = reinterpret_cast<const float*>(b);
+    d0 = _mm256_loadu_ps(f), d1 = _mm256_loadu_ps(f + 8), m0 = _mm256_loadu_ps(f + 16), m1 = _mm256_loadu_ps(f + 24);
+    q = b + 4 * NB * 2;
+  }
+  inline void load(int kk, __m256& w0, __m256& w1) const {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kk * (NB / 2)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    w0 = _mm256_add_ps(_mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo))), m0);
+    w1 = _mm256_add_ps(_mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi))), m1);
+  }
+};
+
+struct Q8 {
+  static constexpr int64_t BYTES = Q8_BYTES;
+  __m256 d0, d1;
+  const uint8_t* q;
+  inline void block(const uint8_t* b) {
+    const float* f = reinterpret_cast<const float*>(b);
+    d0 = _mm256_loadu_ps(f), d1 = _mm256_loadu_ps(f + 8);
+    q = b + 4 * NB;
+  }
+  inline void load(int kk, __m256& w0, __m256& w1) const {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kk * NB));
+    w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), d0);
+    w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))), d1);
+  }
+};
+
+// R rows of x against one quantised panel: each weight recomputed as it is read, then the float32 tile's sums.
+template <int R, typename Q>
+inline void qtile(const float* x, int64_t K, const uint8_t* panel, float* y, int64_t N, int cols, const float* bias) {
+  VS_ROWS(VS_DECL)
+  Q src;
+  for (int64_t k0 = 0; k0 < K; k0 += QB) {
+    src.block(panel + (k0 / QB) * Q::BYTES);
+    for (int kk = 0; kk < QB; ++kk) {
+      const int64_t k = k0 + kk;
+      __m256 w0, w1;
+      src.load(kk, w0, w1);
+      VS_ROWS(VS_FMA)
+    }
+  }
+  float bias16[NB] = {0};
+  if (bias) std::memcpy(bias16, bias, sizeof(float) * cols);
+  const __m256 b0 = _mm256_loadu_ps(bias16), b1 = _mm256_loadu_ps(bias16 + 8);
+  float out[NB];
+  VS_ROWS(VS_STORE)
+}
+
+template <typename Q>
+void run_qtile(int rows, const float* x, int64_t K, const uint8_t* panel, float* y, int64_t N, int cols,
+               const float* bias) {
+  switch (rows) {
+    case 1: qtile<1, Q>(x, K, panel, y, N, cols, bias); break;
+    case 2: qtile<2, Q>(x, K, panel, y, N, cols, bias); break;
+    case 3: qtile<3, Q>(x, K, panel, y, N, cols, bias); break;
+    case 4: qtile<4, Q>(x, K, panel, y, N, cols, bias); break;
+    case 5: qtile<5, Q>(x, K, panel, y, N, cols, bias); break;
+    default: qtile<6, Q>(x, K, panel, y, N, cols, bias); break;
+  }
+}
+
+// One panel's weights as a float32 panel [K, 16] in ``out`` (more rows than one pass: recomputed once, not per pass).
+template <typename Q>
+void unpack_panel(const uint8_t* panel, int64_t K, float* out) {
+  Q src;
+  for (int64_t k0 = 0; k0 < K; k0 += QB) {
+    src.block(panel + (k0 / QB) * Q::BYTES);
+    for (int kk = 0; kk < QB; ++kk) {
+      __m256 w0, w1;
+      src.load(kk, w0, w1);
+      _mm256_storeu_ps(out + (k0 + kk) * NB, w0);
+      _mm256_storeu_ps(out + (k0 + kk) * NB + 8, w1);
+    }
+  }
+}
+
+inline uint32_t bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+inline float half_float(uint16_t h) { return _cvtsh_ss(h); }
+
+// The float16 scale d (and, for Q4_1, minimum m) and integers q that give the 32 weights ``v`` bit for bit, tried
+// from the nearest float16 to the scale they imply and its neighbours; false if there are none.
+bool q4_block(const float* v, float* d_out, float* m_out, uint8_t* q) {
+  float lo = v[0], hi = v[0];
+  for (int i = 1; i < QB; ++i) lo = std::min(lo, v[i]), hi = std::max(hi, v[i]);
+  const float m = lo;  // q = 0 gives the smallest weight, m itself
+  if (!std::isfinite(m) || !std::isfinite(hi) || bits(half_float(_cvtss_sh(m, 0))) != bits(m)) return false;
+  const uint16_t near = _cvtss_sh((hi - m) / 15.0f, 0);
+  for (int off : {0, -1, 1, -2, 2, -3, 3}) {
+    const int h = static_cast<int>(near) + off;
+    if (h < 0 || h > 0x7BFF) continue;  // a positive float16 (or zero), not infinity
+    const float d = half_float(static_cast<uint16_t>(h));
+    bool ok = true;
+    for (int i = 0; i < QB && ok; ++i) {
+      const float t = d > 0 ? std::nearbyint((v[i] - m) / d) : 0.0f;
+      if (!(t >= 0 && t <= 15)) { ok = false; break; }
+      const float w = d * t + m;  // d * t is exact: one rounding, fused or not
+      ok = bits(w) == bits(v[i]);
+      q[i] = static_cast<uint8_t>(t);
+    }
+    if (ok) {
+      *d_out = d, *m_out = m;
+      return true;
+    }
+  }
+  return false;
+}
+
+bool q8_block(const float* v, float* d_out, int8_t* q) {
+  float amax = 0;
+  for (int i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(v[i]));
+  if (!std::isfinite(amax)) return false;
+  const uint16_t near = _cvtss_sh(amax / 127.0f, 0);
+  for (int off : {0, -1, 1, -2, 2}) {
+    const int h = static_cast<int>(near) + off;
+    if (h < 0 || h > 0x7BFF) continue;
+    const float d = half_float(static_cast<uint16_t>(h));
+    bool ok = true;
+    for (int i = 0; i < QB && ok; ++i) {
+      const float t = d > 0 ? std::nearbyint(v[i] / d) : 0.0f;
+      if (!(t >= -128 && t <= 127)) { ok = false; break; }
+      ok = bits(t * d) == bits(v[i]);
+      q[i] = static_cast<int8_t>(t);
+    }
+    if (ok) {
+      *d_out = d;
+      return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace
 
 // w [N, K] float32 -> panels [ceil(N / 16), K, 16] of ``dtype`` (float32, or float16: rounded to nearest) (the last
@@ -98,13 +262,108 @@ torch::Tensor pack_as(const torch::Tensor& w, torch::ScalarType dtype) {
 }
 
 torch::Tensor pack(const torch::Tensor& w) { return pack_as(w, torch::kFloat); }
+
+// w [N, K] float32 -> uint8 panels [ceil(N / 16), K / 32, 384] of Q4_1 blocks or [.., 576] of Q8_0 blocks that give
+// every weight bit for bit (Q4_1 tried first), or an empty tensor where K is not a multiple of 32 or some block has
+// neither form (the caller then packs float32). The last panel's missing columns are zero blocks.
+torch::Tensor pack_exact(const torch::Tensor& w_) {
+  TORCH_CHECK(w_.dim() == 2 && w_.scalar_type() == torch::kFloat, "weight: float32 [N, K]");
+  const torch::Tensor w = w_.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), P = (N + NB - 1) / NB, B = K / QB;
+  if (K % QB != 0 || N == 0) return torch::empty({0}, torch::kUInt8);
+  const float* wd = w.data_ptr<float>();
+  for (int format = 4; format <= 8; format += 4) {
+    const int64_t bytes = format == 4 ? Q4_BYTES : Q8_BYTES;
+    auto out = torch::zeros({P, B, bytes}, torch::kUInt8);
+    uint8_t* od = out.data_ptr<uint8_t>();
+    std::atomic<bool> ok{true};
+    at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {  // by panels: a byte holds two columns' q
+      uint8_t q[QB];
+      for (int64_t n = begin * NB; n < std::min(N, end * NB) && ok.load(std::memory_order_relaxed); ++n) {
+        const int64_t p = n / NB, c = n % NB;
+        for (int64_t b = 0; b < B; ++b) {
+          uint8_t* blk = od + (p * B + b) * bytes;
+          float* f = reinterpret_cast<float*>(blk);
+          const float* v = wd + n * K + b * QB;
+          const bool found = format == 4 ? q4_block(v, f + c, f + NB + c, q)
+                                         : q8_block(v, f + c, reinterpret_cast<int8_t*>(q));
+          if (!found) {
+            ok.store(false, std::memory_order_relaxed);
+            return;
+          }
+          uint8_t* rows = blk + (format == 4 ? 2 : 1) * 4 * NB;
+          for (int kk = 0; kk < QB; ++kk) {
+            if (format == 8) {
+              rows[kk * NB + c] = q[kk];
+            } else {
+              uint8_t& byte = rows[kk * (NB / 2) + c % 8];
+              byte = static_cast<uint8_t>(c < 8 ? (byte & 0xF0) | q[kk] : (byte & 0x0F) | (q[kk] << 4));
+            }
+          }
+        }
+      }
+    });
+    if (ok.load()) return out;
+  }
+  return torch::empty({0}, torch::kUInt8);
+}
 torch::Tensor pack_half(const torch::Tensor& w) { return pack_as(w, torch::kHalf); }
+
+// ``linear`` on ``pack_exact``'s panels: up to one pass of rows recomputes each weight as it reads it; more rows
+// recompute a panel once into a float32 panel and run the float32 tiles on it.
+torch::Tensor linear_exact(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
+                           const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
+  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && K % QB == 0 && panels.size(1) == K / QB &&
+              (panels.size(2) == Q4_BYTES || panels.size(2) == Q8_BYTES) && N > (P - 1) * NB && N <= P * NB,
+              "panels: uint8 [ceil(N / 16), K / 32, 384 or 576] from pack_exact()");
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == torch::kFloat && b.numel() == N, "bias: float32 [N]");
+  }
+  const bool q4 = panels.size(2) == Q4_BYTES;
+  const int64_t stride = (K / QB) * panels.size(2);
+  auto y = torch::empty({M, N}, x.options());
+  const float* xd = x.data_ptr<float>();
+  const float* bd = b.defined() ? b.data_ptr<float>() : nullptr;
+  float* yd = y.data_ptr<float>();
+  const uint8_t* pd = panels.data_ptr<uint8_t>();
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> unpacked(M > MR ? K * NB : 0);
+    for (int64_t p = begin; p < end; ++p) {
+      const int cols = static_cast<int>(std::min<int64_t>(NB, N - p * NB));
+      const uint8_t* panel = pd + p * stride;
+      const float* bp = bd ? bd + p * NB : nullptr;
+      if (M <= MR) {
+        if (q4) {
+          run_qtile<Q4>(static_cast<int>(M), xd, K, panel, yd + p * NB, N, cols, bp);
+        } else {
+          run_qtile<Q8>(static_cast<int>(M), xd, K, panel, yd + p * NB, N, cols, bp);
+        }
+        continue;
+      }
+      if (q4) {
+        unpack_panel<Q4>(panel, K, unpacked.data());
+      } else {
+        unpack_panel<Q8>(panel, K, unpacked.data());
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int rows = static_cast<int>(std::min<int64_t>(MR, M - m0));
+        run_tile<float>(rows, xd + m0 * K, K, unpacked.data(), yd + m0 * N + p * NB, N, cols, bp, nullptr);
+      }
+    }
+  });
+  return y;
+}
 
 // x [M, K] float32 (contiguous), panels from ``pack`` or ``pack_half``, N the weight's rows, bias [N] or None ->
 // [M, N]
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
                      const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  if (panels.scalar_type() == torch::kByte) return linear_exact(x, panels, N, bias);
   const bool half = panels.scalar_type() == torch::kHalf;
   TORCH_CHECK(panels.dim() == 3 && (half || panels.scalar_type() == torch::kFloat) && panels.is_contiguous() &&
               panels.size(1) == x.size(1) && panels.size(2) == NB && N > (panels.size(0) - 1) * NB &&
@@ -146,5 +405,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, int64_
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "w [N, K] float32 -> panels [ceil(N/16), K, 16]");
   m.def("pack_half", &pack_half, "w [N, K] float32 -> float16 panels [ceil(N/16), K, 16] (rounded once)");
-  m.def("linear", &linear, "x [M, K] @ w^T + bias from pack()'s or pack_half()'s panels");
+  m.def("pack_exact", &pack_exact,
+        "w [N, K] float32 -> uint8 panels of Q4_1 or Q8_0 blocks giving w bit for bit, or an empty tensor");
+  m.def("linear", &linear, "x [M, K] @ w^T + bias from pack()'s, pack_half()'s or pack_exact()'s panels");
 }
