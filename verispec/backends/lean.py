@@ -154,8 +154,8 @@ class LeanLlama:
         return LeanCache(self.n_layers)
 
     def _rms(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        if x.dtype == torch.float32:  # torch's fused kernel: transformers' arithmetic, equal bit for bit (measured)
+            return F.rms_norm(x, (x.shape[-1],), norm.weight, self.eps)
         f = x.float()  # as transformers' RMSNorm: the statistics in float32, the product in the model's dtype
         return norm.weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
@@ -209,7 +209,8 @@ class LeanLlama:
             rows += range(starts[b], starts[b] + n)
         return {"pool": pool, "short": short, "lengths": lengths, "used": used, "n_max": n_max, "span": span,
                 "mask": mask, "slot": torch.tensor(slot), "pos": torch.tensor(pos), "row": torch.tensor(row),
-                "rows": torch.tensor(rows), "alone": [b for b in range(len(sizes)) if b not in set(short)]}
+                "rows": torch.tensor(rows), "alone": [b for b in range(len(sizes)) if b not in set(short)],
+                "direct": n_max == 1 and slot == list(range(used))}  # one row per slot, slots in batch order
 
     def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: tuple[int, int],
                    cache: LeanCache, visible: torch.Tensor, limits: torch.Tensor | None = None,
@@ -259,8 +260,11 @@ class LeanLlama:
         slot, pos, row = plan["slot"], plan["pos"], plan["row"]
         keys[slot, :, pos] = k
         values[slot, :, pos] = v
-        qp = q.new_zeros(plan["used"], self.heads, plan["n_max"], self.head_dim)
-        qp[slot, :, row] = q
+        if plan["direct"]:  # the padded queries are the rows themselves: no copy in, none out
+            qp = q[:, :, None]
+        else:
+            qp = q.new_zeros(plan["used"], self.heads, plan["n_max"], self.head_dim)
+            qp[slot, :, row] = q
         used, span = plan["used"], plan["span"]
         k, v, mask = keys[:used, :, :span], values[:used, :, :span], plan["mask"]
         if self.fused is not None:
@@ -269,7 +273,8 @@ class LeanLlama:
             o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, enable_gqa=True)
         else:
             o = self._grouped_attention(qp, k, v, mask, plan["limits"])
-        return o[slot, :, row].reshape(q.shape[0], self.heads * self.head_dim)
+        picked = o[:, :, 0] if plan["direct"] else o[slot, :, row]
+        return picked.reshape(q.shape[0], self.heads * self.head_dim)
 
     def _fused_attention(self, q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, visible: torch.Tensor,
                          limits: torch.Tensor, span: int) -> torch.Tensor:
@@ -369,6 +374,8 @@ class LeanLlama:
             outs = [self._attention(i, q, k, v, spans[b], caches[b], masks[b], limits[b], causal[b]) for b in alone]
             if pooled is None:
                 attended = outs[0] if len(outs) == 1 else torch.cat(outs)
+            elif not alone:  # every sequence pooled: its rows are the batch's, in order
+                attended = self._pooled_attention(i, q, k, v, pooled)
             else:
                 idx = pooled["rows"]
                 attended = q.new_empty(rows, heads * hd)
