@@ -119,8 +119,9 @@ struct Q4 {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kk * (NB / 2)));
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-    w0 = _mm256_add_ps(_mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo))), m0);
-    w1 = _mm256_add_ps(_mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi))), m1);
+    // d * q is exact, so the fused multiply-add rounds once, as the de-quantisation's sum did
+    w0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m0);
+    w1 = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m1);
   }
 };
 
