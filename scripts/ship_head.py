@@ -6,6 +6,7 @@ measured for it (what ``--tree auto`` and the ``auto`` policy use).
 
     python scripts/ship_head.py runs/eagle3 --command "verispec train-draft ..." --tune results/tune_eagle.json \\
         --agreement results/agreement_eagle.json
+    python scripts/ship_head.py --retune results/tune_eagle.json   # the shipped head's tree and step costs only
 """
 
 from __future__ import annotations
@@ -26,12 +27,25 @@ from verispec.eagle import HEADS_DIR, EagleHead  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("run", help="folder of a finished 'verispec train-draft' run")
+    ap.add_argument("run", nargs="?", help="folder of a finished 'verispec train-draft' run")
     ap.add_argument("--target", default="smollm2-135m", help="the target alias the head ships for")
-    ap.add_argument("--command", required=True, help="the exact command that produced the run")
+    ap.add_argument("--command", help="the exact command that produced the run")
     ap.add_argument("--tune", default=None, help="the JSON report of 'verispec tune-tree' for this head")
     ap.add_argument("--agreement", default=None, help="the JSON report of 'verispec eval-draft --json' for this head")
+    ap.add_argument("--retune", default=None, metavar="TUNE",
+                    help="only replace the shipped head's tree and step costs by those of this 'verispec tune-tree' "
+                         "report (when the target's forward got faster or slower; the head file is unchanged)")
     args = ap.parse_args()
+    if args.retune:
+        sidecar = HEADS_DIR / f"{args.target}.json"
+        info = json.loads(sidecar.read_text())
+        tune = json.loads(Path(args.retune).read_text())
+        info.update(default_tree=tune["best"]["tree"], step_costs=tune["step_costs"], default_tree_from=args.retune)
+        sidecar.write_text(json.dumps(info, indent=1) + "\n")
+        print(f"{sidecar}: default tree {info['default_tree']}, step costs {info['step_costs']}")
+        return
+    if not args.run or not args.command:
+        ap.error("a run folder and --command are needed (or --retune TUNE alone)")
     run = Path(args.run)
     target = load(args.target)
     dest = HEADS_DIR / f"{args.target}.pt"
