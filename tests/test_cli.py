@@ -193,6 +193,9 @@ def test_shipped_head_reproduces_its_recorded_acceptance_and_fits_the_budget(smo
         out = generate(smollm, EagleDrafter(head), get_verifier("chain" if tree.is_chain else "greedy"), prompt,
                        tree=tree, children="iid" if tree.is_chain else "topk", **kw)
         assert out.token_ids == ref, tree.describe()
+    # the default draft on a text its answer copies: prompt lookup drafts some steps, the head the others
+    prompt = "Summarize: The city council met on Tuesday and voted to build a new library near the river park."
+    ref = generate(smollm, NoDrafter(), get_verifier("chain"), prompt, tree=Tree.root_only(), **kw).token_ids
     out = generate(smollm, default, get_verifier("chain"), prompt, tree="auto", policy="auto", **kw)
     assert out.token_ids == ref and {s.source for s in out.steps} == {"ngram", "eagle"}
 
