@@ -97,7 +97,6 @@ void run_tile(int rows, const float* x, int64_t K, const W* wp, float* y, int64_
   }
 }
 
-
 // ---- panels of de-quantised GGUF blocks (``pack_exact``) ----
 // A panel is K / 32 blocks, each the 16 columns' float32 scales (and minima), then 32 rows k of 16 weights: Q4_1
 // packs column c's q in the low nibble of byte c and column c + 8's in the high one (8 bytes a row), Q8_0 one byte a
@@ -198,56 +197,54 @@ inline uint32_t bits(float f) {
 
 inline float half_float(uint16_t h) { return _cvtsh_ss(h); }
 
-// The float16 scale d (and, for Q4_1, minimum m) and integers q that give the 32 weights ``v`` bit for bit, tried
-// from the nearest float16 to the scale they imply and its neighbours; false if there are none.
-bool q4_block(const float* v, float* d_out, float* m_out, uint8_t* q) {
-  float lo = v[0], hi = v[0];
-  for (int i = 1; i < QB; ++i) lo = std::min(lo, v[i]), hi = std::max(hi, v[i]);
-  const float m = lo;  // q = 0 gives the smallest weight, m itself
-  if (!std::isfinite(m) || !std::isfinite(hi) || bits(half_float(_cvtss_sh(m, 0))) != bits(m)) return false;
-  const uint16_t near = _cvtss_sh((hi - m) / 15.0f, 0);
-  for (int off : {0, -1, 1, -2, 2, -3, 3}) {
-    const int h = static_cast<int>(near) + off;
+// The float16 scale d that ``fit`` accepts (``fit(d)``: whether integers q give the block's weights bit for bit with
+// it, writing them), tried from the float16 nearest to ``estimate`` outwards, ``reach`` steps each way.
+template <typename Fit>
+bool find_scale(float estimate, int reach, float* d_out, Fit fit) {
+  const int near = _cvtss_sh(estimate, 0);
+  for (int step = 0; step <= 2 * reach; ++step) {
+    const int h = near + (step % 2 ? -(step + 1) / 2 : step / 2);  // near, near - 1, near + 1, ...
     if (h < 0 || h > 0x7BFF) continue;  // a positive float16 (or zero), not infinity
     const float d = half_float(static_cast<uint16_t>(h));
-    bool ok = true;
-    for (int i = 0; i < QB && ok; ++i) {
-      const float t = d > 0 ? std::nearbyint((v[i] - m) / d) : 0.0f;
-      if (!(t >= 0 && t <= 15)) { ok = false; break; }
-      const float w = d * t + m;  // d * t is exact: one rounding, fused or not
-      ok = bits(w) == bits(v[i]);
-      q[i] = static_cast<uint8_t>(t);
-    }
-    if (ok) {
-      *d_out = d, *m_out = m;
+    if (fit(d)) {
+      *d_out = d;
       return true;
     }
   }
   return false;
 }
 
+// A Q4_1 block: m is the smallest weight (q = 0 gives m itself), d near (largest - m) / 15; ``d * q`` is exact, so
+// ``d * q + m`` rounds once, fused or not.
+bool q4_block(const float* v, float* d_out, float* m_out, uint8_t* q) {
+  float lo = v[0], hi = v[0];
+  for (int i = 1; i < QB; ++i) lo = std::min(lo, v[i]), hi = std::max(hi, v[i]);
+  const float m = lo;
+  if (!std::isfinite(m) || !std::isfinite(hi) || bits(half_float(_cvtss_sh(m, 0))) != bits(m)) return false;
+  *m_out = m;
+  return find_scale((hi - m) / 15.0f, 3, d_out, [&](float d) {
+    for (int i = 0; i < QB; ++i) {
+      const float t = d > 0 ? std::nearbyint((v[i] - m) / d) : 0.0f;
+      if (!(t >= 0 && t <= 15) || bits(d * t + m) != bits(v[i])) return false;
+      q[i] = static_cast<uint8_t>(t);
+    }
+    return true;
+  });
+}
+
+// A Q8_0 block: d near the largest magnitude / 127, each weight ``q * d`` exactly.
 bool q8_block(const float* v, float* d_out, int8_t* q) {
   float amax = 0;
   for (int i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(v[i]));
   if (!std::isfinite(amax)) return false;
-  const uint16_t near = _cvtss_sh(amax / 127.0f, 0);
-  for (int off : {0, -1, 1, -2, 2}) {
-    const int h = static_cast<int>(near) + off;
-    if (h < 0 || h > 0x7BFF) continue;
-    const float d = half_float(static_cast<uint16_t>(h));
-    bool ok = true;
-    for (int i = 0; i < QB && ok; ++i) {
+  return find_scale(amax / 127.0f, 2, d_out, [&](float d) {
+    for (int i = 0; i < QB; ++i) {
       const float t = d > 0 ? std::nearbyint(v[i] / d) : 0.0f;
-      if (!(t >= -128 && t <= 127)) { ok = false; break; }
-      ok = bits(t * d) == bits(v[i]);
+      if (!(t >= -128 && t <= 127) || bits(t * d) != bits(v[i])) return false;
       q[i] = static_cast<int8_t>(t);
     }
-    if (ok) {
-      *d_out = d;
-      return true;
-    }
-  }
-  return false;
+    return true;
+  });
 }
 
 }  // namespace
@@ -263,6 +260,8 @@ torch::Tensor pack_as(const torch::Tensor& w, torch::ScalarType dtype) {
 }
 
 torch::Tensor pack(const torch::Tensor& w) { return pack_as(w, torch::kFloat); }
+
+torch::Tensor pack_half(const torch::Tensor& w) { return pack_as(w, torch::kHalf); }
 
 // w [N, K] float32 -> uint8 panels [ceil(N / 16), K / 32, 384] of Q4_1 blocks or [.., 576] of Q8_0 blocks that give
 // every weight bit for bit (Q4_1 tried first), or an empty tensor where K is not a multiple of 32 or some block has
@@ -308,7 +307,14 @@ torch::Tensor pack_exact(const torch::Tensor& w_) {
   }
   return torch::empty({0}, torch::kUInt8);
 }
-torch::Tensor pack_half(const torch::Tensor& w) { return pack_as(w, torch::kHalf); }
+
+// The bias as a contiguous float32 [N] tensor (undefined where there is none).
+torch::Tensor checked_bias(const c10::optional<torch::Tensor>& bias, int64_t N) {
+  if (!bias.has_value() || !bias->defined()) return torch::Tensor();
+  torch::Tensor b = bias->contiguous();
+  TORCH_CHECK(b.scalar_type() == torch::kFloat && b.numel() == N, "bias: float32 [N]");
+  return b;
+}
 
 // ``linear`` on ``pack_exact``'s panels: up to one pass of rows recomputes each weight as it reads it; more rows
 // recompute a panel once into a float32 panel and run the float32 tiles on it.
@@ -319,11 +325,7 @@ torch::Tensor linear_exact(const torch::Tensor& x, const torch::Tensor& panels, 
   TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && K % QB == 0 && panels.size(1) == K / QB &&
               (panels.size(2) == Q4_BYTES || panels.size(2) == Q8_BYTES) && N > (P - 1) * NB && N <= P * NB,
               "panels: uint8 [ceil(N / 16), K / 32, 384 or 576] from pack_exact()");
-  torch::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == torch::kFloat && b.numel() == N, "bias: float32 [N]");
-  }
+  const torch::Tensor b = checked_bias(bias, N);
   const bool q4 = panels.size(2) == Q4_BYTES;
   const int64_t stride = (K / QB) * panels.size(2);
   auto y = torch::empty({M, N}, x.options());
@@ -369,11 +371,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, int64_
   TORCH_CHECK(panels.dim() == 3 && (half || panels.scalar_type() == torch::kFloat) && panels.is_contiguous() &&
               panels.size(1) == x.size(1) && panels.size(2) == NB && N > (panels.size(0) - 1) * NB &&
               N <= panels.size(0) * NB, "panels: float32 or float16 [ceil(N / 16), K, 16] from pack()");
-  torch::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == torch::kFloat && b.numel() == N, "bias: float32 [N]");
-  }
+  const torch::Tensor b = checked_bias(bias, N);
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
   auto y = torch::empty({M, N}, x.options());
   const float* xd = x.data_ptr<float>();
