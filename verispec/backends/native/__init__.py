@@ -36,7 +36,7 @@ from pathlib import Path
 from ..cpu import cpu_flags
 
 DISABLE = "VERISPEC_NO_NATIVE"  # set (to anything) to run the pure-torch paths
-NAME = "verispec_attention_v2"  # raised with attention.cpp's interface, so that an older build is never loaded
+NAME = "verispec_attention_v3"  # raised with attention.cpp's interface or flags, so that an older build is never loaded
 LINEAR_NAME = "verispec_linear_v4"  # the same for linear.cpp
 ATTENTION_F32_NAME = "verispec_attention_f32_v1"  # the same for attention_f32.cpp
 STALE_LOCK_S = 300  # a build takes about 30 s here: a lock file older than this was left by a build that was killed
@@ -78,7 +78,7 @@ def _build(name: str, source: str, flags: set[str], cflags: list[str], what: str
 @functools.lru_cache(maxsize=None)
 def attention():
     """The built attention kernels (``scores``, ``weighted``), or None where they cannot be built or run here."""
-    return _build(NAME, "attention.cpp", {"avx512f", "avx512bw"}, ["-mavx512f", "-mavx512bw", "-mfma"],
+    return _build(NAME, "attention.cpp", {"avx512f", "avx512bw"}, ["-mavx512f", "-mavx512bw", "-mfma", "-fopenmp"],
                   "attention kernels")
 
 
