@@ -242,6 +242,10 @@ RUNS["concurrency_charged"] = ["--methods", "ar", "default", "hf-generate", "lla
 # eight rows 1.06x) and the head was re-tuned for it (503f26a); one round, llama-server the one peer (for time)
 RUNS["concurrency_blocks"] = ["--methods", "ar", "default", "llama-server", "--drafts", "auto", *spec_bench(),
                               "--concurrency", "1", "2", "4", "8"]
+# `default` against `ar` alone at every N, three rounds in alternating order (the one round above ran `ar` first in
+# every cell, and a process's later loops ran slower: its N = 8 cell is that drift more than `default`'s)
+RUNS["concurrency_rounds"] = ["--methods", "ar", "default", "--drafts", "auto", *spec_bench(),
+                              "--concurrency", "1", "2", "4", "8", "--rounds", "3"]
 RUNS["serving_n8_bf16"] = [*RUNS["serving_n8"], "--dtype", "bfloat16"]
 RUNS["serving_bf16"] = [*serving_run(), "--dtype", "bfloat16"]
 # ResiSpec Table 3 shape (a cell costs ~30 s here): one run per temperature and tree group, two at a time share the
@@ -1211,32 +1215,57 @@ EARLIER_LOOPS = (  # closed-loop runs after the first two, oldest first: (run, p
      "Between this run "
      "and the 5 % margin run the same code's cells moved by up to 17 % (`ar` at N = 1, T = 0.6: 27.3 against 23.4 "
      "tokens/s), so compare within a run. Other processes used at most 0.016 cores in any cell.")),
-)
-
-# the newest closed loops (issue 25), shown first: (run, plot tag, heading, lead)
-LATEST_LOOPS = (
-    "concurrency_blocks", "_blocks",
+    ("concurrency_blocks", "_blocks",
     "Many requests at once on an AVX2 CPU (float32), the default model's layers from their GGUF blocks",
     ("The closed loops of \"Many requests at once on an AVX2 CPU (float32), verification charged, beside llama.cpp "
-     "and static batches\" (Earlier runs, below) on the same kind of CPU, after the native kernel began to stream "
+     "and static batches\" (the run above) on the same kind of CPU, after the native kernel began to stream "
      "the default model's layers from the Q4_1 and Q8_0 blocks they were de-quantised from (afa4323; the same "
      "weights, the same logits bit for bit: design.md, \"The default model's weights stream from their GGUF "
      "blocks\"), a batch whose sequences are all pooled stopped gathering its rows (21f57c9), and the shipped head "
      "was re-tuned for the faster forward (503f26a). One round; `llama-server` with N slots is the one peer (for "
      "time: Hugging Face's static batches and llama-cpp-python one request at a time, whose code did not change, "
-     "are in the run below).",
+     "are in the run above).",
      "How to read it. A one-row forward got 1.67x cheaper and one of eight rows 1.06x "
      "(`scripts/experiments/exact_panels.py`), so every loop ran faster, the lightly loaded ones most: `default` "
      "at N = 1 made 48.0 / 41.5 tokens/s at T = 0 / 0.6 (44.5 / 43.6 in the speed run above; 37.8 / 34.3 in the "
-     "run below) and at N = 8 93.2 / 85.3 (79.6 / 87.0 below); against `llama-server` with 8 slots it ran "
+     "run above) and at N = 8 93.2 / 85.3 (79.6 / 87.0 above); against `llama-server` with 8 slots it ran "
      "1.66x / 1.60x. But speculation's share shrank with it: drafted rows now cost about 10 % of a one-row forward "
      "each (18.4 / 20.3 / 22.0 ms for 1 / 2 / 3 rows, `verispec tune-tree`), so against `ar` `default` ran "
      "1.18x / 1.06x at N = 1, 1.02x / 1.01x at N = 2, 1.01x / 0.98x at N = 4 and 0.99x / 0.94x at N = 8. At "
      "N = 8, T = 0.6 it drafted in few steps and lost 6 %: in `scripts/experiments/loop_split.py --concurrency 8 "
      "--temperature 0.6 --dtype float32` its planning and proposing cost 1.3-1.6 ms a step against 0.7 for `ar`'s "
-     "(of a 51 ms step), a fixed price that the faster forward made visible. Batching multiplies less than before "
-     "for the same reason: `ar` at N = 8 ran 2.31x / 2.33x its N = 1 (3.00x / 3.05x below), `default` 1.94x / "
-     "2.06x its own."))
+     "(of a 51 ms step), a fixed price that the faster forward made visible; but the three rounds of the closed "
+     "loops at the top, in alternating order, found that loss mostly the drift of a process's later loops (`ar` "
+     "ran first in every cell here). Batching multiplies less than before "
+     "for the same reason: `ar` at N = 8 ran 2.31x / 2.33x its N = 1 (3.00x / 3.05x above), `default` 1.94x / "
+     "2.06x its own.")),
+)
+
+# the newest closed loops (issue 25), shown first: (run, plot tag, heading, lead)
+LATEST_LOOPS = (
+    "concurrency_rounds", "_rounds3",
+    "Many requests at once on an AVX-512 CPU (float32): `default` against `ar` in three rounds",
+    ("`default` against `ar` alone, at the code of the last closed-loop run in Earlier runs (\"Many requests at once "
+     "on an AVX2 CPU (float32), the default model's layers from their GGUF blocks\", with `llama-server` beside them), "
+     "on another machine (an AVX-512 EPYC; the kernels are the same AVX2 builds), in three rounds with the methods' "
+     "order reversed every other round. That run had one round with `ar` first in every cell, and a process's later "
+     "loops run slower: in `scripts/experiments/loop_split.py --methods ar default default ar ar default "
+     "--concurrency 8 --temperature 0.6 --dtype float32`, here, `ar` made 111.8, 108.9 and 104.2 tokens/s in its "
+     "first, second and third loop and `default` 109.8, 108.6 and 106.2 between them. So its 0.94x at N = 8, "
+     "T = 0.6 was mostly that drift; alternating rounds spread it over both methods.",
+     "How to read it. `default` ran 1.19x / 1.08x `ar` at N = 1 (T = 0 / 0.6) and within a few percent of it at "
+     "every N above: 0.99x / 0.96x at N = 2, 0.96x / 1.00x at N = 4, 1.01x / 0.97x at N = 8, each interval holding "
+     "1.0 or ending there. It drafts where it should and still gains nothing: at N = 2 it drafted 1,800 / 1,338 "
+     "tokens (5,130 / 4,641 at N = 1) and at T = 0 its forwards took 9 % less time than `ar`'s (103.5 against "
+     "114.0 s; at T = 0.6, 102.6 against 98.4, other texts), but the head's own forwards, the plan and the "
+     "drafted rows' verification took that back. "
+     "On this CPU a drafted row is dear: the GGUF-block kernel is bound by its arithmetic for a few rows (each "
+     "weight is recomputed once for all rows, then each row adds its own multiply-adds: per 16 weights, 4 "
+     "floating-point operations to recompute them and 2 for each row), so a step of 3 rows for 2 sequences took "
+     "18.1 ms against 15.5 for 2 (`loop_split.py --concurrency 2`), and only a draft accepted well above the head's "
+     "rate pays for it. Batching multiplies little here for the same reason and because every prompt is prefilled "
+     "once at any N: `ar` at N = 8 made 1.84x / 1.86x its N = 1 (at T = 0 no more than at N = 4), `default` 1.57x "
+     "/ 1.67x its own. Greedy text is identical to the one-at-a-time loop for every request at every N."))
 
 
 def earlier_loops(figs: Path) -> list[str]:
