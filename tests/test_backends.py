@@ -281,6 +281,34 @@ def test_a_weight_of_gguf_blocks_runs_from_its_blocks_with_the_float32_panels_re
         assert torch.equal(layer(x), y) and layer._verispec_packed.dtype == torch.float32
 
 
+def test_a_layer_allowed_float16_reads_gguf_blocks_unrounded_and_anything_else_in_float16():
+    """A draft's layer may be rounded to float16 (``_verispec_half``, the head's restricted output layer): where its
+    weight is de-quantised GGUF blocks it reads the blocks instead, fewer bytes and the float32 results bit for bit;
+    any other weight reads float16 panels (its float16 rounding)."""
+    from verispec.backends import kernels, native
+    from verispec.eagle.head import _SubsetHead
+
+    kernel = native.linear()
+    if kernel is None:
+        pytest.skip("the native linear kernel cannot be built here (a C++ compiler, ninja, AVX2, FMA and F16C)")
+    blocks, other = _gguf_weight("q8_0", 48, 96, seed=2), torch.randn(48, 96)
+    vocab = torch.tensor([3, 0, 47, 20, 9])
+    x = torch.randn(3, 96)
+    for weight in (blocks, other):
+        full = torch.nn.Linear(96, 48, bias=False)
+        full.weight.data.copy_(weight)
+        layer = _SubsetHead(full, vocab)  # a float32 target's: float32, on the native kernel
+        assert layer.weight.dtype == torch.float32
+        with torch.inference_mode():
+            y = layer(x)
+            if weight is blocks:
+                assert layer._verispec_packed.dtype == torch.uint8
+                assert torch.equal(y, kernel.linear(x, kernel.pack(weight[vocab]), 5, None))
+            else:
+                assert layer._verispec_packed.dtype == torch.float16
+                assert torch.equal(y, kernel.linear(x, kernel.pack(weight[vocab].half().float()), 5, None))
+
+
 def test_a_plan_is_checked_and_its_native_entries_fall_back_where_the_kernel_does_not_build(monkeypatch):
     from verispec.backends import kernels
 

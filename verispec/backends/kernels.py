@@ -85,14 +85,26 @@ def _pack_exact(weight: torch.Tensor) -> torch.Tensor:
     return kernel.pack(weight)
 
 
+def _pack_exact_or_half(weight: torch.Tensor) -> torch.Tensor:
+    """A weight that may be rounded to float16 (``_verispec_half``): its GGUF blocks where it is their
+    de-quantisation (fewer bytes than float16, and no rounding at all), else float16 panels."""
+    kernel = native.linear()
+    if os.environ.get(FLOAT_PANELS) != "1":
+        panels = kernel.pack_exact(weight)
+        if panels.numel():
+            return panels
+    return kernel.pack_half(weight)
+
+
 def native_rows(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """``x [n, K] @ weight^T + bias`` in the native kernel, on a copy of the weight packed into its panels (made on
     first use and again whenever the weight is replaced or changed in place): the GGUF blocks it was de-quantised from
-    where it was (``_pack_exact``), else float32; float16 panels where the module is marked ``_verispec_half``
-    (``use_fast_linear(half=True)``: half the bytes to read, the same results for a weight of float16 values)."""
+    where it was (``_pack_exact``), else float32 -- or, where the module is marked ``_verispec_half``
+    (``use_fast_linear(half=True)``, a draft's rounding allowed), float16 panels instead of float32 ones (half the
+    bytes to read, the same results for a weight of float16 values)."""
     kernel = native.linear()
     half = bool(module.__dict__.get("_verispec_half"))
-    panels = _prepacked(module, kernel.pack_half if half else _pack_exact, "native-half" if half else "native")
+    panels = _prepacked(module, _pack_exact_or_half if half else _pack_exact, "native-half" if half else "native")
     return kernel.linear(x.contiguous(), panels, module.weight.shape[0], module.bias)
 
 

@@ -43,23 +43,28 @@ def shipped_head(target_name: str) -> Path:
 
 class _SubsetHead(nn.Module):
     """The target's output head restricted to the rows ``vocab``: a copy of those rows (not a parameter), in
-    ``dtype`` (float32 for training; for drafting by default bfloat16 where oneDNN multiplies it on prepacked weights,
-    else float32 on the native kernel where it builds, from float16 panels: without bfloat16 arithmetic a bfloat16
-    product ran 9.7 ms for 8 rows on an AVX2 EPYC, a third of a whole step). Drafting one level reads this matrix
-    once, so halving its bytes halves that cost (16,384 rows, one row: 0.45 against 0.89 ms in float32 panels); the
-    draft's law only has to be a law, so rounding costs acceptance, never exactness."""
+    ``dtype`` (float32 for training). For drafting, by default: a float32 target's rows stay float32 on the native
+    kernel where it builds, read from its GGUF blocks where the target's head was de-quantised from them (the default
+    model's Q8_0: no rounding, a quarter of the bytes), else from float16 panels; elsewhere bfloat16 where oneDNN
+    multiplies it on prepacked weights (without bfloat16 arithmetic a bfloat16 product ran 9.7 ms for 8 rows on an
+    AVX2 EPYC, a third of a whole step), else float32. Drafting one level reads this matrix once, so its bytes are
+    its cost (design.md, "The draft head reads float16 copies of its weights"). The draft's law only has to be a
+    law, so rounding costs acceptance, never exactness."""
 
     def __init__(self, full: nn.Module, vocab: torch.Tensor, dtype: torch.dtype | None = None):
         super().__init__()
-        if dtype is None:
-            dtype = torch.bfloat16 if kernels.packing_available() else torch.float32
         weight = getattr(full, "weight", None)
         if not isinstance(weight, torch.Tensor) or getattr(full, "bias", None) is not None:
             raise VerispecError("a restricted-vocabulary head needs the target's output head to be a plain bias-free "
                                 "linear layer")
+        if dtype is None:
+            if weight.dtype == torch.float32 and native.linear() is not None:
+                dtype = torch.float32
+            else:
+                dtype = torch.bfloat16 if kernels.packing_available() else torch.float32
         self.register_buffer("weight", weight.detach()[vocab].to(dtype), persistent=False)
         self.bias = None
-        self._verispec_half = True  # read by ``kernels.native_rows``: float16 panels (a draft's rounding)
+        self._verispec_half = True  # read by ``kernels.native_rows``: GGUF blocks, else float16 panels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == torch.bfloat16 and not torch.is_grad_enabled() and kernels.packing_available():
