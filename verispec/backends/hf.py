@@ -77,7 +77,7 @@ class CausalLM:
         linear = f"|{native.LINEAR_NAME}" if plan and kernels.NATIVE in plan and native.linear() is not None else ""
         lean = ""
         if self._lean is not None:
-            lean = f"|lean{self._lean.REVISION}" + ("+native" if self._lean.native is not None else "") + \
+            lean = f"|lean{self._lean.REVISION}" + (f"+{native.NAME}" if self._lean.native is not None else "") + \
                 (f"+{native.ATTENTION_F32_NAME}" if self._lean.fused is not None else "")
         return f"hf|{self.name}|{torch.get_num_threads()}|{plan}|{torch.__version__}" + linear + lean + dtype + place
 
