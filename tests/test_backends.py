@@ -262,7 +262,7 @@ def test_a_weight_of_gguf_blocks_runs_from_its_blocks_with_the_float32_panels_re
     bias = torch.randn(40)
     exact, plain = kernel.pack_exact(weight), kernel.pack(weight)
     assert exact.dtype == torch.uint8 and exact.numel() < plain.numel() * 4 / 3  # at most a third of the bytes
-    for rows in [*range(1, 14), 40]:
+    for rows in [*range(1, 14), 40, 48, 49, 70]:  # every way linear.cpp runs rows: one pass, by blocks, by panels
         x = torch.randn(rows, 96)
         assert torch.equal(kernel.linear(x, exact, 40, bias), kernel.linear(x, plain, 40, bias)), rows
     nudged = weight.clone()

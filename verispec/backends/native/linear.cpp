@@ -33,6 +33,12 @@ namespace {
 
 constexpr int NB = 16;  // output columns per panel (two 8-float registers)
 constexpr int MR = 6;   // rows per pass over a panel (12 accumulators of the 16 registers)
+// Rows of x against quantised panels (``linear_exact``): up to QTILE_ROWS in one pass recomputing each weight as it
+// is read (at 6 the recomputation's registers and 12 accumulators no longer fit in 16), up to BLOCK_ROWS block by
+// block (``block_rows``), more from a whole panel recomputed into memory first (docs/design.md, "The default model's
+// weights stream from their GGUF blocks", has the timings).
+constexpr int QTILE_ROWS = 5;
+constexpr int BLOCK_ROWS = 48;
 constexpr int PREFETCH_ROWS = 6;  // a later pass of at least these rows fetches the next panel (below)
 
 #define VS_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
@@ -169,8 +175,7 @@ void run_qtile(int rows, const float* x, int64_t K, const uint8_t* panel, float*
     case 2: qtile<2, Q>(x, K, panel, y, N, cols, bias); break;
     case 3: qtile<3, Q>(x, K, panel, y, N, cols, bias); break;
     case 4: qtile<4, Q>(x, K, panel, y, N, cols, bias); break;
-    case 5: qtile<5, Q>(x, K, panel, y, N, cols, bias); break;
-    default: qtile<6, Q>(x, K, panel, y, N, cols, bias); break;
+    default: qtile<5, Q>(x, K, panel, y, N, cols, bias); break;  // QTILE_ROWS at most
   }
 }
 
@@ -186,6 +191,72 @@ void unpack_panel(const uint8_t* panel, int64_t K, float* out) {
       _mm256_storeu_ps(out + (k0 + kk) * NB, w0);
       _mm256_storeu_ps(out + (k0 + kk) * NB + 8, w1);
     }
+  }
+}
+
+// R rows of x (row stride K) against one recomputed block of a panel: its 32 k of 16 weights in ``w`` (float32
+// [32][16]); the rows' running sums, ``acc`` [R][16], loaded, carried on over the block in k order and stored back.
+template <int R>
+inline void block_tile(const float* x, int64_t K, int64_t k0, const float* w, float* acc) {
+#define VS_LOAD_SUMS(r)                                                                            \
+  __m256 c##r##0 = R > r ? _mm256_loadu_ps(acc + r * NB) : _mm256_setzero_ps();                    \
+  __m256 c##r##1 = R > r ? _mm256_loadu_ps(acc + r * NB + 8) : _mm256_setzero_ps();
+  VS_ROWS(VS_LOAD_SUMS)
+  for (int kk = 0; kk < QB; ++kk) {
+    const int64_t k = k0 + kk;
+    const __m256 w0 = _mm256_loadu_ps(w + kk * NB), w1 = _mm256_loadu_ps(w + kk * NB + 8);
+    VS_ROWS(VS_FMA)
+  }
+#define VS_SAVE_SUMS(r)                                                                            \
+  if constexpr (R > r) {                                                                           \
+    _mm256_storeu_ps(acc + r * NB, c##r##0);                                                       \
+    _mm256_storeu_ps(acc + r * NB + 8, c##r##1);                                                   \
+  }
+  VS_ROWS(VS_SAVE_SUMS)
+}
+
+inline void run_block_tile(int rows, const float* x, int64_t K, int64_t k0, const float* w, float* acc) {
+  switch (rows) {
+    case 1: block_tile<1>(x, K, k0, w, acc); break;
+    case 2: block_tile<2>(x, K, k0, w, acc); break;
+    case 3: block_tile<3>(x, K, k0, w, acc); break;
+    case 4: block_tile<4>(x, K, k0, w, acc); break;
+    case 5: block_tile<5>(x, K, k0, w, acc); break;
+    default: block_tile<6>(x, K, k0, w, acc); break;
+  }
+}
+
+// M rows of x against one quantised panel, block by block: each block's weights recomputed once into ``w`` (2 KiB,
+// in the first-level cache) for all rows, then every pass of up to MR rows carries its sums over that block (kept in
+// ``acc`` [M][16] between blocks). Each output is the same chain of multiply-adds over k in order as ``qtile``'s and
+// ``tile``'s, then the bias. For a few passes' worth of rows: one recomputation of the weights serves them all,
+// without a whole panel recomputed into memory first.
+template <typename Q>
+void block_rows(int64_t M, const float* x, int64_t K, const uint8_t* panel, float* y, int64_t N, int cols,
+                const float* bias, float* acc) {
+  alignas(32) float w[QB * NB];
+  std::fill(acc, acc + M * NB, 0.0f);
+  Q src;
+  for (int64_t k0 = 0; k0 < K; k0 += QB) {
+    src.block(panel + (k0 / QB) * Q::BYTES);
+    for (int kk = 0; kk < QB; ++kk) {
+      __m256 w0, w1;
+      src.load(kk, w0, w1);
+      _mm256_store_ps(w + kk * NB, w0);
+      _mm256_store_ps(w + kk * NB + 8, w1);
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+      run_block_tile(static_cast<int>(std::min<int64_t>(MR, M - m0)), x + m0 * K, K, k0, w, acc + m0 * NB);
+    }
+  }
+  float bias16[NB] = {0};
+  if (bias) std::memcpy(bias16, bias, sizeof(float) * cols);
+  const __m256 b0 = _mm256_loadu_ps(bias16), b1 = _mm256_loadu_ps(bias16 + 8);
+  float out[NB];
+  for (int64_t r = 0; r < M; ++r) {
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(acc + r * NB), b0));
+    _mm256_storeu_ps(out + 8, _mm256_add_ps(_mm256_loadu_ps(acc + r * NB + 8), b1));
+    std::memcpy(y + r * N, out, sizeof(float) * cols);
   }
 }
 
@@ -316,8 +387,9 @@ torch::Tensor checked_bias(const c10::optional<torch::Tensor>& bias, int64_t N) 
   return b;
 }
 
-// ``linear`` on ``pack_exact``'s panels: up to one pass of rows recomputes each weight as it reads it; more rows
-// recompute a panel once into a float32 panel and run the float32 tiles on it.
+// ``linear`` on ``pack_exact``'s panels: up to QTILE_ROWS rows recompute each weight as they read it, up to
+// BLOCK_ROWS recompute each block once for all (``block_rows``), more recompute a panel once into a float32 panel and
+// run the float32 tiles on it. Every way, each output is the same chain of multiply-adds: the same results bit for bit.
 torch::Tensor linear_exact(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
                            const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
@@ -334,12 +406,21 @@ torch::Tensor linear_exact(const torch::Tensor& x, const torch::Tensor& panels, 
   float* yd = y.data_ptr<float>();
   const uint8_t* pd = panels.data_ptr<uint8_t>();
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> unpacked(M > MR ? K * NB : 0);
+    std::vector<float> unpacked(M > BLOCK_ROWS ? K * NB : 0);
+    std::vector<float> sums(M > QTILE_ROWS && M <= BLOCK_ROWS ? M * NB : 0);
     for (int64_t p = begin; p < end; ++p) {
       const int cols = static_cast<int>(std::min<int64_t>(NB, N - p * NB));
       const uint8_t* panel = pd + p * stride;
       const float* bp = bd ? bd + p * NB : nullptr;
-      if (M <= MR) {
+      if (M > QTILE_ROWS && M <= BLOCK_ROWS) {
+        if (q4) {
+          block_rows<Q4>(M, xd, K, panel, yd + p * NB, N, cols, bp, sums.data());
+        } else {
+          block_rows<Q8>(M, xd, K, panel, yd + p * NB, N, cols, bp, sums.data());
+        }
+        continue;
+      }
+      if (M <= QTILE_ROWS) {
         if (q4) {
           run_qtile<Q4>(static_cast<int>(M), xd, K, panel, yd + p * NB, N, cols, bp);
         } else {
