@@ -81,6 +81,37 @@ def test_positions_beyond_the_rotary_table_are_computed(monkeypatch):
     assert torch.allclose(logits[0], logits[1], atol=1e-4, rtol=1e-4)
 
 
+def test_the_native_rotary_kernel_rounds_as_torch_does_bit_for_bit():
+    """``native.rope`` rotates a float32 layer output in place with torch's three roundings per element (no fused
+    multiply-add): its results equal the torch expression's exactly, and a lean forward with it equals one without."""
+    from verispec.backends import native
+
+    kernel = native.rope()
+    if kernel is None:
+        pytest.skip("the native rotary kernel cannot be built here (a C++ compiler and ninja)")
+    torch.manual_seed(0)
+    for rows, heads, dim in ((1, 9, 64), (5, 3, 8), (37, 2, 128)):
+        x = torch.randn(rows, heads, dim) * 10
+        cos, sin = torch.randn(rows, dim), torch.randn(rows, dim)
+        half = dim // 2
+        want = x * cos[:, None] + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin[:, None]
+        got = x.clone()
+        kernel.rope_(got, cos, sin)
+        assert torch.equal(got, want), (rows, heads, dim)
+    lean, _ = pair()
+    assert lean._lean.rotary is not None
+    outs = []
+    for rotary in (kernel, None):
+        lean._lean.rotary = rotary
+        state = lean.new_state()
+        outs.append(lean.prefill(state, list(range(3, 23))))
+        tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # a root and two children
+        out = lean.forward(state, torch.tensor([5, 6, 7]), state.committed + torch.tensor([0, 1, 1]), tree)
+        outs += [out.logits, out.hidden]
+    lean._lean.rotary = kernel
+    assert all(torch.equal(a, b) for a, b in zip(outs[:3], outs[3:]))
+
+
 def test_a_prompts_prefill_attends_causally_without_a_mask_and_gets_the_masked_result_bit_for_bit(monkeypatch):
     """A whole prompt under the causal mask attends with ``is_causal`` (torch skips the masked blocks); anything else
     keeps its mask. The logits and features equal the masked call's exactly."""

@@ -78,7 +78,8 @@ class CausalLM:
         lean = ""
         if self._lean is not None:
             lean = f"|lean{self._lean.REVISION}" + (f"+{native.NAME}" if self._lean.native is not None else "") + \
-                (f"+{native.ATTENTION_F32_NAME}" if self._lean.fused is not None else "")
+                (f"+{native.ATTENTION_F32_NAME}" if self._lean.fused is not None else "") + \
+                (f"+{native.ROPE_NAME}" if self._lean.rotary is not None else "")
         return f"hf|{self.name}|{torch.get_num_threads()}|{plan}|{torch.__version__}" + linear + lean + dtype + place
 
     @property

@@ -39,6 +39,7 @@ DISABLE = "VERISPEC_NO_NATIVE"  # set (to anything) to run the pure-torch paths
 NAME = "verispec_attention_v3"  # raised with attention.cpp's interface or flags, so that an older build is never loaded
 LINEAR_NAME = "verispec_linear_v5"  # the same for linear.cpp
 ATTENTION_F32_NAME = "verispec_attention_f32_v1"  # the same for attention_f32.cpp
+ROPE_NAME = "verispec_rope_v1"  # the same for rope.cpp
 STALE_LOCK_S = 300  # a build takes about 30 s here: a lock file older than this was left by a build that was killed
 
 
@@ -96,3 +97,10 @@ def attention_f32():
     where it cannot be built or run here."""
     return _build(ATTENTION_F32_NAME, "attention_f32.cpp", {"avx2", "fma"}, ["-mavx2", "-mfma", "-fopenmp"],
                   "float32 attention kernel")
+
+
+@functools.lru_cache(maxsize=None)
+def rope():
+    """The built rotary kernel (``rope_``: float32 rotary positions in place, torch's roundings), or None where it
+    cannot be built here."""
+    return _build(ROPE_NAME, "rope.cpp", set(), ["-ffp-contract=off"], "rotary kernel")
