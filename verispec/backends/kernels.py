@@ -74,26 +74,16 @@ def planned_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 FLOAT_PANELS = "VERISPEC_FLOAT_PANELS"  # set to 1: float32 panels even for a weight of de-quantised GGUF blocks
 
 
-def _pack_exact(weight: torch.Tensor) -> torch.Tensor:
+def _pack_exact(weight: torch.Tensor, half: bool = False) -> torch.Tensor:
     """The native kernel's panels for a float32 weight: its GGUF blocks where it is the de-quantisation of Q4_1 or
-    Q8_0 blocks (``pack_exact``: the same results bit for bit from a fifth of the bytes), else float32."""
+    Q8_0 blocks (``pack_exact``: the same results bit for bit from a fifth of the bytes), else float32 panels -- or,
+    with ``half`` (a weight that may be rounded to float16, ``_verispec_half``), float16 ones."""
     kernel = native.linear()
     if os.environ.get(FLOAT_PANELS) != "1":
         panels = kernel.pack_exact(weight)
         if panels.numel():
             return panels
-    return kernel.pack(weight)
-
-
-def _pack_exact_or_half(weight: torch.Tensor) -> torch.Tensor:
-    """A weight that may be rounded to float16 (``_verispec_half``): its GGUF blocks where it is their
-    de-quantisation (fewer bytes than float16, and no rounding at all), else float16 panels."""
-    kernel = native.linear()
-    if os.environ.get(FLOAT_PANELS) != "1":
-        panels = kernel.pack_exact(weight)
-        if panels.numel():
-            return panels
-    return kernel.pack_half(weight)
+    return kernel.pack_half(weight) if half else kernel.pack(weight)
 
 
 def native_rows(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
@@ -104,7 +94,7 @@ def native_rows(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     bytes to read, the same results for a weight of float16 values)."""
     kernel = native.linear()
     half = bool(module.__dict__.get("_verispec_half"))
-    panels = _prepacked(module, _pack_exact_or_half if half else _pack_exact, "native-half" if half else "native")
+    panels = _prepacked(module, functools.partial(_pack_exact, half=half), "native-half" if half else "native")
     return kernel.linear(x.contiguous(), panels, module.weight.shape[0], module.bias)
 
 

@@ -179,19 +179,23 @@ void run_qtile(int rows, const float* x, int64_t K, const uint8_t* panel, float*
   }
 }
 
+// The block of a panel that starts at k0, its 32 k of 16 weights recomputed into ``out`` (float32 [32][16]).
+template <typename Q>
+inline void unpack_block(const uint8_t* panel, int64_t k0, float* out) {
+  Q src;
+  src.block(panel + (k0 / QB) * Q::BYTES);
+  for (int kk = 0; kk < QB; ++kk) {
+    __m256 w0, w1;
+    src.load(kk, w0, w1);
+    _mm256_storeu_ps(out + kk * NB, w0);
+    _mm256_storeu_ps(out + kk * NB + 8, w1);
+  }
+}
+
 // One panel's weights as a float32 panel [K, 16] in ``out`` (more rows than one pass: recomputed once, not per pass).
 template <typename Q>
 void unpack_panel(const uint8_t* panel, int64_t K, float* out) {
-  Q src;
-  for (int64_t k0 = 0; k0 < K; k0 += QB) {
-    src.block(panel + (k0 / QB) * Q::BYTES);
-    for (int kk = 0; kk < QB; ++kk) {
-      __m256 w0, w1;
-      src.load(kk, w0, w1);
-      _mm256_storeu_ps(out + (k0 + kk) * NB, w0);
-      _mm256_storeu_ps(out + (k0 + kk) * NB + 8, w1);
-    }
-  }
+  for (int64_t k0 = 0; k0 < K; k0 += QB) unpack_block<Q>(panel, k0, out + k0 * NB);
 }
 
 // R rows of x (row stride K) against one recomputed block of a panel: its 32 k of 16 weights in ``w`` (float32
@@ -236,15 +240,8 @@ void block_rows(int64_t M, const float* x, int64_t K, const uint8_t* panel, floa
                 const float* bias, float* acc) {
   alignas(32) float w[QB * NB];
   std::fill(acc, acc + M * NB, 0.0f);
-  Q src;
   for (int64_t k0 = 0; k0 < K; k0 += QB) {
-    src.block(panel + (k0 / QB) * Q::BYTES);
-    for (int kk = 0; kk < QB; ++kk) {
-      __m256 w0, w1;
-      src.load(kk, w0, w1);
-      _mm256_store_ps(w + kk * NB, w0);
-      _mm256_store_ps(w + kk * NB + 8, w1);
-    }
+    unpack_block<Q>(panel, k0, w);
     for (int64_t m0 = 0; m0 < M; m0 += MR) {
       run_block_tile(static_cast<int>(std::min<int64_t>(MR, M - m0)), x + m0 * K, K, k0, w, acc + m0 * NB);
     }
