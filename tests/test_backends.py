@@ -281,6 +281,31 @@ def test_a_weight_of_gguf_blocks_runs_from_its_blocks_with_the_float32_panels_re
         assert torch.equal(layer(x), y) and layer._verispec_packed.dtype == torch.float32
 
 
+def test_the_512_bit_build_of_the_linear_kernel_gives_the_256_bit_builds_results_bit_for_bit():
+    """On an AVX-512 CPU ``native.linear()`` is linear.cpp built with its 512-bit paths (16 columns to a register, up
+    to 16 rows against GGUF blocks and 8 against float panels in one pass); every way it runs rows gives what the
+    256-bit build (every other x86 CPU's) gives, bit for bit: GGUF Q4_1 and Q8_0 panels, float32 and float16 panels,
+    a last panel of 8 columns, with and without a bias."""
+    from verispec.backends import native
+
+    wide, narrow = native.linear_avx512(), native.linear_avx2()
+    if wide is None or narrow is None:
+        pytest.skip("needs a CPU with AVX-512 (F, BW, VL, DQ), AVX2, FMA and F16C, a C++ compiler and ninja")
+    assert native.linear() is wide and native.linear_name() == native.LINEAR512_NAME
+    torch.manual_seed(3)
+    weights = {kind: _gguf_weight(kind, 40, 96, seed=4) for kind in ("q4_1", "q8_0")}
+    panels = {kind: narrow.pack_exact(w) for kind, w in weights.items()}
+    assert all(p.dtype == torch.uint8 and p.numel() for p in panels.values())
+    other = torch.randn(40, 96)
+    panels.update(float32=narrow.pack(other), float16=narrow.pack_half(other))
+    bias = torch.randn(40)
+    for kind, packed in panels.items():
+        for rows in [*range(1, 21), 40, 48, 49, 70]:
+            x = torch.randn(rows, 96)
+            for b in (bias, None):
+                assert torch.equal(wide.linear(x, packed, 40, b), narrow.linear(x, packed, 40, b)), (kind, rows)
+
+
 def test_a_layer_allowed_float16_reads_gguf_blocks_unrounded_and_anything_else_in_float16():
     """A draft's layer may be rounded to float16 (``_verispec_half``, the head's restricted output layer): where its
     weight is de-quantised GGUF blocks it reads the blocks instead, fewer bytes and the float32 results bit for bit;

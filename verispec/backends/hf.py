@@ -74,7 +74,7 @@ class CausalLM:
         plan = next((getattr(m, "_verispec_plan", None) for m in self.hf.modules() if type(m) is nn.Linear), None)
         dtype = "" if self._dtype == torch.float32 else f"|{str(self._dtype).removeprefix('torch.')}"
         place = "" if self.device.type == "cpu" else f"|{self.device.type}"
-        linear = f"|{native.LINEAR_NAME}" if plan and kernels.NATIVE in plan and native.linear() is not None else ""
+        linear = f"|{native.linear_name()}" if plan and kernels.NATIVE in plan and native.linear() is not None else ""
         lean = ""
         if self._lean is not None:
             lean = f"|lean{self._lean.REVISION}" + (f"+{native.NAME}" if self._lean.native is not None else "") + \

@@ -226,7 +226,7 @@ def fast_linear(module: nn.Module, plan: tuple[int, ...] | None = None):
 
 def _plan_key(model) -> str:
     shapes = sorted({tuple(m.weight.shape) for m in model.hf.modules() if type(m) is nn.Linear})
-    kernel = native.LINEAR_NAME if native.linear() is not None else None
+    kernel = native.linear_name()
     return cache.key(platform.processor() or platform.machine(), cpu_name(), os.cpu_count(), torch.get_num_threads(),
                      torch.__version__, shapes, kernel)
 

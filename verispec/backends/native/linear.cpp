@@ -19,6 +19,9 @@
 // Every output element is one chain of fused multiply-adds over k = 0 .. K-1 in order, whatever M is and wherever
 // its row falls in a tile, then the bias: a row's result never depends on the rows beside it (batch-invariant by
 // construction, like native/attention.cpp).
+//
+// Built with AVX-512 (``__AVX512F__``, ``native.linear_avx512``), a few rows run 512-bit paths instead (``qtile_z``,
+// ``tile_z``): the same recomputations and the same chains, so the same results bit for bit as the 256-bit build.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -257,6 +260,124 @@ void block_rows(int64_t M, const float* x, int64_t K, const uint8_t* panel, floa
   }
 }
 
+#ifdef __AVX512F__
+// ---- the same sums, sixteen columns to a register (the build for AVX-512 CPUs: ``native.linear_avx512``) ----
+// One 512-bit register holds a row's 16 sums, so one pass keeps ZR rows' sums in registers (of 32) where the 256-bit
+// code keeps 5 (of 16), and each weight is recomputed once for up to ZR rows. Each weight is recomputed with the same
+// exact operations and each output is the same chain of fused multiply-adds over k in order, then the bias: the
+// results are bit for bit those of the 256-bit code.
+constexpr int ZR = 16;  // rows against quantised panels in one pass (more: the 256-bit code, no faster here)
+constexpr int ZT = 8;   // the same against float32 or float16 panels
+#define VS_ZROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
+
+struct Q4z {
+  static constexpr int64_t BYTES = Q4_BYTES;
+  __m512 d, m;
+  const uint8_t* q;
+  inline void block(const uint8_t* b) {
+    const float* f = reinterpret_cast<const float*>(b);
+    d = _mm512_loadu_ps(f), m = _mm512_loadu_ps(f + 16);
+    q = b + 4 * NB * 2;
+  }
+  inline __m512 load(int kk) const {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kk * (NB / 2)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i both = _mm_unpacklo_epi64(_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask));
+    return _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(both)), m);
+  }
+};
+
+struct Q8z {
+  static constexpr int64_t BYTES = Q8_BYTES;
+  __m512 d;
+  const uint8_t* q;
+  inline void block(const uint8_t* b) {
+    d = _mm512_loadu_ps(reinterpret_cast<const float*>(b));
+    q = b + 4 * NB;
+  }
+  inline __m512 load(int kk) const {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kk * NB));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), d);
+  }
+};
+
+// The rows' sums plus the bias (zeros where there is none, as the 256-bit code adds them), ``cols`` columns of each.
+#define VS_ZSTORE(r)                                                                               \
+  if constexpr (R > r) {                                                                           \
+    const __m512 s = _mm512_add_ps(c##r, b16);                                                     \
+    if (cols == NB) _mm512_storeu_ps(y + r * N, s); else _mm512_mask_storeu_ps(y + r * N, mask, s); \
+  }
+#define VS_ZFMA(r) \
+  if constexpr (R > r) c##r = _mm512_fmadd_ps(w, _mm512_set1_ps(x[r * K + k]), c##r);
+
+inline __m512 bias_z(const float* bias, int cols) {
+  return bias ? _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << cols) - 1), bias) : _mm512_setzero_ps();
+}
+
+// R rows (1..ZR) of x against one quantised panel, each weight recomputed as it is read.
+template <int R, typename Q>
+inline void qtile_z(const float* x, int64_t K, const uint8_t* panel, float* y, int64_t N, int cols,
+                    const float* bias) {
+#define VS_ZDECL(r) __m512 c##r = _mm512_setzero_ps();
+  VS_ZROWS(VS_ZDECL)
+  Q src;
+  for (int64_t k0 = 0; k0 < K; k0 += QB) {
+    src.block(panel + (k0 / QB) * Q::BYTES);
+    for (int kk = 0; kk < QB; ++kk) {
+      const int64_t k = k0 + kk;
+      const __m512 w = src.load(kk);
+      VS_ZROWS(VS_ZFMA)
+    }
+  }
+  const __m512 b16 = bias_z(bias, cols);
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+  VS_ZROWS(VS_ZSTORE)
+}
+
+inline __m512 load16_z(const float* wp, int64_t k) { return _mm512_loadu_ps(wp + k * NB); }
+inline __m512 load16_z(const uint16_t* wp, int64_t k) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + k * NB)));
+}
+
+// R rows (1..ZT) of x against a float32 or float16 panel [K][16].
+template <int R, typename W>
+inline void tile_z(const float* x, int64_t K, const W* wp, float* y, int64_t N, int cols, const float* bias) {
+  VS_ZROWS(VS_ZDECL)
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 w = load16_z(wp, k);
+    VS_ZROWS(VS_ZFMA)
+  }
+  const __m512 b16 = bias_z(bias, cols);
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+  VS_ZROWS(VS_ZSTORE)
+}
+
+template <typename Q>
+void run_qtile_z(int rows, const float* x, int64_t K, const uint8_t* panel, float* y, int64_t N, int cols,
+                 const float* bias) {
+  switch (rows) {
+#define VS_ZCASE(r) case r + 1: qtile_z<r + 1, Q>(x, K, panel, y, N, cols, bias); break;
+    VS_ZROWS(VS_ZCASE)
+    default: break;
+  }
+}
+
+template <typename W>
+void run_tile_z(int rows, const float* x, int64_t K, const W* wp, float* y, int64_t N, int cols,
+                const float* bias) {
+  switch (rows) {
+    case 1: tile_z<1, W>(x, K, wp, y, N, cols, bias); break;
+    case 2: tile_z<2, W>(x, K, wp, y, N, cols, bias); break;
+    case 3: tile_z<3, W>(x, K, wp, y, N, cols, bias); break;
+    case 4: tile_z<4, W>(x, K, wp, y, N, cols, bias); break;
+    case 5: tile_z<5, W>(x, K, wp, y, N, cols, bias); break;
+    case 6: tile_z<6, W>(x, K, wp, y, N, cols, bias); break;
+    case 7: tile_z<7, W>(x, K, wp, y, N, cols, bias); break;
+    default: tile_z<ZT, W>(x, K, wp, y, N, cols, bias); break;  // ZT at most
+  }
+}
+#endif
+
 inline uint32_t bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
@@ -409,6 +530,16 @@ torch::Tensor linear_exact(const torch::Tensor& x, const torch::Tensor& panels, 
       const int cols = static_cast<int>(std::min<int64_t>(NB, N - p * NB));
       const uint8_t* panel = pd + p * stride;
       const float* bp = bd ? bd + p * NB : nullptr;
+#ifdef __AVX512F__
+      if (M <= ZR) {
+        if (q4) {
+          run_qtile_z<Q4z>(static_cast<int>(M), xd, K, panel, yd + p * NB, N, cols, bp);
+        } else {
+          run_qtile_z<Q8z>(static_cast<int>(M), xd, K, panel, yd + p * NB, N, cols, bp);
+        }
+        continue;
+      }
+#endif
       if (M > QTILE_ROWS && M <= BLOCK_ROWS) {
         if (q4) {
           block_rows<Q4>(M, xd, K, panel, yd + p * NB, N, cols, bp, sums.data());
@@ -463,6 +594,12 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, int64_
         // memory idle, so those of several rows fetch the thread's next panel meanwhile (its first pass then reads
         // the cache; a shorter pass is over before the memory could deliver it, and fetching stalls it)
         const auto* next = p + 1 < end ? wd + (p + 1) * K * NB : nullptr;
+#ifdef __AVX512F__
+        if (M <= ZT) {
+          run_tile_z(static_cast<int>(M), xd, K, wd + p * K * NB, yd + p * NB, N, cols, bd ? bd + p * NB : nullptr);
+          continue;
+        }
+#endif
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
           const int rows = static_cast<int>(std::min<int64_t>(MR, M - m0));
           run_tile(rows, xd + m0 * K, K, wd + p * K * NB, yd + m0 * N + p * NB, N, cols, bd ? bd + p * NB : nullptr,

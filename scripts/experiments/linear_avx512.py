@@ -1,0 +1,115 @@
+"""linear.cpp's 512-bit build against its 256-bit build on an AVX-512 CPU (``native.linear_avx512`` and
+``native.linear_avx2``: the same panels, the same results bit for bit). First the default model's decoder layers
+alone for 1 to 136 rows; then whole forwards of the lean model for a few batch shapes and the draft head's proposals,
+the builds taking turns, with whether their logits are equal bit for bit; then the closed loops of ``ar`` and
+``default`` on Spec-Bench requests at a few concurrencies, the builds taking turns (A B B A). A measurement, not the
+benchmark.
+
+    python scripts/experiments/linear_avx512.py --concurrency 1 2 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from verispec import load
+from verispec.backends import native
+from verispec.bench.concurrency import verispec_loop
+from verispec.datasets import spec_bench_problems
+from verispec.drafters import build_drafter
+from verispec.methods import resolve
+
+
+def median_ms(times: list[float], skip: int = 0) -> float:
+    return statistics.median(times[skip:]) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=int, nargs="*", default=[1, 2, 8])
+    ap.add_argument("--methods", nargs="+", default=["ar", "default"])
+    ap.add_argument("--limit", type=int, default=3, help="Spec-Bench questions per category")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    builds = {"256-bit": native.linear_avx2(), "512-bit": native.linear_avx512()}
+    if any(b is None for b in builds.values()):
+        raise SystemExit("needs a CPU with AVX-512 (F, BW, VL, DQ), AVX2, FMA and F16C, a C++ compiler and ninja")
+    use = native.linear
+
+    def switch(name: str) -> None:
+        native.linear = lambda: builds[name]
+
+    def turns(r: int) -> list[str]:
+        return list(builds) if r % 2 == 0 else list(builds)[::-1]
+
+    target = load("smollm2-135m")
+    try:
+        layers = [m for n, m in target.hf.named_modules() if isinstance(m, torch.nn.Linear) and "layers." in n]
+        packed = [(builds["256-bit"].pack_exact(m.weight.detach()), *m.weight.shape) for m in layers]
+        print(f"the model's {len(packed)} decoder matrices from their GGUF blocks, ms (median of 7):")
+        for rows in (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 48, 136):
+            xs = {k: torch.randn(rows, k) for _, _, k in packed}
+            times: dict[str, list[float]] = {n: [] for n in builds}
+            for r in range(7):
+                for name in turns(r):
+                    t0 = time.perf_counter()
+                    for p, n, k in packed:
+                        builds[name].linear(xs[k], p, n, None)
+                    times[name].append(time.perf_counter() - t0)
+            a, b = (median_ms(times[n]) for n in builds)
+            print(f"  {rows:3d} rows: 256-bit {a:6.1f}, 512-bit {b:6.1f} ({a / b:.2f}x)", flush=True)
+
+        for seqs, rows in ((1, 1), (1, 3), (2, 1), (2, 3), (4, 2), (8, 1), (8, 2)):
+            pool = target.state_pool(seqs, 1024)
+            states = [pool.acquire() for _ in range(seqs)]
+            for i, s in enumerate(states):
+                target.prefill(s, list(range(100 + i, 500 + i)))
+            tokens = [torch.arange(7, 7 + rows) for _ in states]
+            attend = [torch.ones(rows, rows, dtype=torch.bool).tril() for _ in states]
+            times, logits = {n: [] for n in builds}, {}
+            for r in range(30):
+                for name in turns(r):
+                    switch(name)
+                    positions = [s.committed + torch.arange(rows) for s in states]
+                    t0 = time.perf_counter()
+                    out = target.forward_batch(states, tokens, positions, attend)
+                    times[name].append(time.perf_counter() - t0)
+                    logits[name] = [o.logits for o in out]
+                    for s in states:
+                        target.commit(s, [])
+            same = all(torch.equal(a, b) for a, b in zip(*logits.values()))
+            a, b = (median_ms(times[n], 4) for n in builds)
+            print(f"forward, {seqs} sequences x {rows} rows, 400 entries: 256-bit {a:.1f} ms, 512-bit {b:.1f} ms "
+                  f"({a / b:.2f}x), logits equal: {same}", flush=True)
+
+        drafter = build_drafter("auto", target)
+        problems = spec_bench_problems(args.limit)
+        ids = [target.encode_prompt(p.prompt, chat=p.chat) for p in problems]
+        for method in args.methods:
+            plan = resolve(method, temperature=0.0)
+            for n in args.concurrency:
+                verispec_loop(target, plan, drafter, problems[:n], ids[:n], n, 0.0, 0, 16)  # warm: costs, kernels
+                rates: dict[str, list[float]] = {name: [] for name in builds}
+                texts = {}
+                for r in range(2):
+                    for name in turns(r):
+                        switch(name)
+                        t0 = time.perf_counter()
+                        reqs = verispec_loop(target, plan, drafter, problems, ids, n, 0.0, 0, args.max_new_tokens)
+                        rates[name].append(sum(len(q.token_ids) for q in reqs) / (time.perf_counter() - t0))
+                        texts[name] = [q.token_ids for q in reqs]
+                a, b = (statistics.mean(rates[name]) for name in builds)
+                print(f"{method}, N = {n}, T = 0: 256-bit {a:.1f}, 512-bit {b:.1f} tokens/s ({b / a:.3f}x; rounds "
+                      f"{[round(x, 1) for x in rates['256-bit']]} / {[round(x, 1) for x in rates['512-bit']]}), "
+                      f"same tokens: {texts['256-bit'] == texts['512-bit']}", flush=True)
+    finally:
+        native.linear = use
+
+
+if __name__ == "__main__":
+    main()
