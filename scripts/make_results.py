@@ -272,6 +272,10 @@ RUNS["concurrency_rounds"] = ["--methods", "ar", "default", "--drafts", "auto", 
 # the same after the kernel and head changes of da2fdcd (block passes, the head's output layer from its Q8_0 blocks,
 # the rotary kernel), on the same machine
 RUNS["concurrency_rounds2"] = RUNS["concurrency_rounds"]
+# the same machine after the linear kernel's 512-bit build (f1afceb), beside every peer but transformers' continuous
+# batching (for time: measured in the AVX2 runs, its code unchanged), two rounds in alternating order
+RUNS["concurrency_avx512"] = ["--methods", "ar", "default", "hf-generate", "llama-cpp", "llama-server", "--drafts",
+                              "auto", *spec_bench(), "--concurrency", "1", "2", "4", "8", "--rounds", "2"]
 RUNS["serving_n8_bf16"] = [*RUNS["serving_n8"], "--dtype", "bfloat16"]
 RUNS["serving_bf16"] = [*serving_run(), "--dtype", "bfloat16"]
 # ResiSpec Table 3 shape (a cell costs ~30 s here): one run per temperature and tree group, two at a time share the
