@@ -1,9 +1,9 @@
 """linear.cpp's 512-bit build against its 256-bit build on an AVX-512 CPU (``native.linear_avx512`` and
 ``native.linear_avx2``: the same panels, the same results bit for bit). First the default model's decoder layers
-alone for 1 to 136 rows; then whole forwards of the lean model for a few batch shapes and the draft head's proposals,
-the builds taking turns, with whether their logits are equal bit for bit; then the closed loops of ``ar`` and
-``default`` on Spec-Bench requests at a few concurrencies, the builds taking turns (A B B A). A measurement, not the
-benchmark.
+alone for 1 to 136 rows; then whole forwards of the lean model for a few batch shapes, the builds taking turns, with
+whether their logits are equal bit for bit; then the closed loops of ``ar`` and ``default`` (its draft head's layers
+on the same build) on Spec-Bench requests at a few concurrencies, the builds taking turns (A B B A). A measurement,
+not the benchmark.
 
     python scripts/experiments/linear_avx512.py --concurrency 1 2 8
 """
