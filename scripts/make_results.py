@@ -1344,15 +1344,26 @@ LATEST_LOOPS = ((
      "repeat outside the bench: the same loops at the same code in `python scripts/experiments/loop_split.py "
      "--methods ar default default ar --concurrency 8 --temperature 0.6 --dtype float32` made 114.3, 115.1, 109.8 "
      "and 110.2 tokens/s (`default` 1.00x), their full steps 34.3 / 33.7 / 35.1 / 35.6 ms with 8.00 tokens each, "
-     "and the three-round run below gave 1.04x [1.03, 1.06] in that cell. At T > 0 the two methods write different "
+     "and in three rounds it gave 1.04x [1.03, 1.06] at da2fdcd (Earlier runs) and 1.02x [0.98, 1.06] at this "
+     "code (the run right below). At T > 0 the two methods write different "
      "texts of the same law (1,887 and 1,941 tokens here), and between cells of one run the same method moved by "
      "up to 10 % (`ar` at N = 8: 120.6 tokens/s at T = 0, 126.2 at T = 0.6), so compare with that spread in mind. "
      "Greedy text is identical to the one-at-a-time loop for every request at every N.")), (
     "concurrency_rounds3", "_rounds3c",
     "Many requests at once on an AVX-512 CPU (float32), the 512-bit linear kernel: `default` against `ar` in three "
     "rounds",
-    ("LEAD1",
-     "LEAD2")))
+    ("`default` against `ar` alone at the code of the run above (bb03bba: only results and this script changed "
+     "since), in three rounds with the methods' order reversed every other round, to judge the one cell of the run "
+     "above below 1.0 (N = 8, T = 0.6).",
+     "How to read it. `default` ran 1.19x / 1.06x `ar` at N = 1 (T = 0 / 0.6), 1.02x / 1.00x at N = 2, 1.01x / "
+     "0.93x at N = 4 and 0.99x / 1.02x at N = 8. The cell of the run above (0.90x) is 1.02x [0.98, 1.06] here, and "
+     "this run's lowest cell, N = 4 at T = 0.6 (0.93x [0.86, 1.00]: `default` 95.5, 105.4 and 104.8 tokens/s in its "
+     "rounds against `ar`'s 109.5, 109.0 and 109.6), was 0.97x in the run above: the low cells move from run to run. "
+     "With several requests in flight `default` is within a few percent of `ar`, drafting in few steps (the table "
+     "below), and gains no more than that: a drafted row costs about 1.9 ms beside a 14 ms step of two sequences "
+     "(`python scripts/experiments/linear_avx512.py`: a forward of two sequences of one row 14.1 ms, of three rows "
+     "21.6), and the head is right 0.52 of the time at depth 1. Greedy text is identical to the "
+     "one-at-a-time loop for every request at every N.")))
 
 
 def earlier_loops(figs: Path) -> list[str]:
