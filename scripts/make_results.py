@@ -1321,15 +1321,14 @@ EARLIER_LOOPS = (  # closed-loop runs after the first two, oldest first: (run, p
 )
 
 
-
 # the newest closed loops (issue 25), shown first, the first one explaining methods and columns: (run, plot tag,
 # heading, lead) each
 LATEST_LOOPS = ((
     "concurrency_avx512", "_avx512",
     "Many requests at once on an AVX-512 CPU (float32), the 512-bit linear kernel, beside every peer",
     ("The closed loops of \"Many requests at once on an AVX-512 CPU (float32): `default` against `ar` in three "
-     "rounds, after the kernel and head changes\" (the last closed loops in Earlier runs) on the same machine at 73500e6, after "
-     "linear.cpp got a build with 512-bit paths (f1afceb: up to 16 rows against the GGUF blocks in one pass, the "
+     "rounds, after the kernel and head changes\" (the last closed loops in Earlier runs) on the same machine at "
+     "73500e6, after linear.cpp got a build with 512-bit paths (f1afceb: up to 16 rows against the GGUF blocks in one pass, the "
      "same logits bit for bit; design.md, \"The default model's weights stream from their GGUF blocks\"), beside "
      "every peer but transformers' continuous batching (measured in the AVX2 runs below; its code has not "
      "changed): Hugging Face `generate` on static batches of N prompts, llama-cpp-python serving one request at a "
