@@ -9,11 +9,11 @@ the split over threads cannot change a sum). A measurement, not the benchmark.
 
 from __future__ import annotations
 
-import statistics
-import time
+import functools
 
 import torch
 
+from forward_turns import forwards_in_turns  # this folder's helper (scripts/experiments/forward_turns.py)
 from verispec import load
 from verispec.backends import native
 
@@ -28,26 +28,10 @@ def main() -> None:
     target = load("smollm2-135m", dtype="bfloat16")
     lean = target._lean
     for n_seq in (1, 8):
-        pool = target.state_pool(n_seq, 1024)
-        states = [pool.acquire() for _ in range(n_seq)]
-        for i, s in enumerate(states):
-            target.prefill(s, list(range(100 + i, 600 + i)))
-        tokens = [torch.tensor([7, 8, 9]) for _ in states]
-        attend = [torch.ones(3, 3, dtype=torch.bool).tril() for _ in states]
-        logits, times = {}, {name: [] for name in builds}
-        for r in range(40):
-            for name in (list(builds) if r % 2 else list(builds)[::-1]):
-                lean.native = builds[name]
-                positions = [s.committed + torch.arange(3) for s in states]
-                t0 = time.perf_counter()
-                out = target.forward_batch(states, tokens, positions, attend)
-                times[name].append(time.perf_counter() - t0)
-                logits[name] = [o.logits for o in out]
-                for s in states:
-                    target.commit(s, [])
-        same = all(torch.equal(a, b) for a, b in zip(logits["serial"], logits["openmp"]))
-        print(f"{n_seq} sequences x 3 rows, 500 entries: serial {statistics.median(times['serial'][5:]) * 1e3:.1f} ms, "
-              f"openmp {statistics.median(times['openmp'][5:]) * 1e3:.1f} ms (medians of 35), logits equal: {same}")
+        ways = {name: functools.partial(setattr, lean, "native", build) for name, build in builds.items()}
+        ms, same = forwards_in_turns(target, ways, n_seq, 3, context=500, turns=40, skip=5)
+        print(f"{n_seq} sequences x 3 rows, 500 entries: serial {ms['serial']:.1f} ms, "
+              f"openmp {ms['openmp']:.1f} ms (medians of 35), logits equal: {same}")
 
 
 if __name__ == "__main__":

@@ -10,12 +10,14 @@ default's load-aware plan rarely drafts there), the builds taking turns. A measu
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from forward_turns import forwards_in_turns  # this folder's helper (scripts/experiments/forward_turns.py)
 from verispec import load
 from verispec.backends import native
 from verispec.bench.concurrency import verispec_loop
@@ -52,25 +54,9 @@ def main() -> None:
 
     try:
         for seqs, rows in ((1, 1), (1, 6), (2, 3), (4, 2), (8, 1), (8, 2)):
-            pool = target.state_pool(seqs, 1024)
-            states = [pool.acquire() for _ in range(seqs)]
-            for i, s in enumerate(states):
-                target.prefill(s, list(range(100 + i, 500 + i)))
-            tokens = [torch.arange(7, 7 + rows) for _ in states]
-            attend = [torch.ones(rows, rows, dtype=torch.bool).tril() for _ in states]
-            times, logits = {n: [] for n in builds}, {}
-            for r in range(30):
-                for name in (list(builds) if r % 2 else list(builds)[::-1]):
-                    switch(name)
-                    positions = [s.committed + torch.arange(rows) for s in states]
-                    t0 = time.perf_counter()
-                    out = target.forward_batch(states, tokens, positions, attend)
-                    times[name].append(time.perf_counter() - t0)
-                    logits[name] = [o.logits for o in out]
-                    for s in states:
-                        target.commit(s, [])
-            same = all(torch.equal(a, b) for a, b in zip(logits["before"], logits["after"]))
-            b, a = (statistics.median(times[n][4:]) * 1e3 for n in ("before", "after"))
+            ms, same = forwards_in_turns(target, {name: functools.partial(switch, name) for name in builds}, seqs,
+                                         rows)
+            b, a = ms["before"], ms["after"]
             print(f"{seqs} sequences x {rows} rows, 400 entries: before {b:.1f} ms, after {a:.1f} ms "
                   f"({b / a:.2f}x), logits equal: {same}", flush=True)
         drafter = build_drafter("auto", target)

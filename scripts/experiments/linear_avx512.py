@@ -11,11 +11,13 @@ not the benchmark.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
 import torch
 
+from forward_turns import forwards_in_turns  # this folder's helper (scripts/experiments/forward_turns.py)
 from verispec import load
 from verispec.backends import native
 from verispec.bench.concurrency import verispec_loop
@@ -65,25 +67,9 @@ def main() -> None:
             print(f"  {rows:3d} rows: 256-bit {a:6.1f}, 512-bit {b:6.1f} ({a / b:.2f}x)", flush=True)
 
         for seqs, rows in ((1, 1), (1, 3), (2, 1), (2, 3), (4, 2), (8, 1), (8, 2)):
-            pool = target.state_pool(seqs, 1024)
-            states = [pool.acquire() for _ in range(seqs)]
-            for i, s in enumerate(states):
-                target.prefill(s, list(range(100 + i, 500 + i)))
-            tokens = [torch.arange(7, 7 + rows) for _ in states]
-            attend = [torch.ones(rows, rows, dtype=torch.bool).tril() for _ in states]
-            times, logits = {n: [] for n in builds}, {}
-            for r in range(30):
-                for name in turns(r):
-                    switch(name)
-                    positions = [s.committed + torch.arange(rows) for s in states]
-                    t0 = time.perf_counter()
-                    out = target.forward_batch(states, tokens, positions, attend)
-                    times[name].append(time.perf_counter() - t0)
-                    logits[name] = [o.logits for o in out]
-                    for s in states:
-                        target.commit(s, [])
-            same = all(torch.equal(a, b) for a, b in zip(*logits.values()))
-            a, b = (median_ms(times[n], 4) for n in builds)
+            ms, same = forwards_in_turns(target, {name: functools.partial(switch, name) for name in builds}, seqs,
+                                         rows)
+            a, b = ms.values()
             print(f"forward, {seqs} sequences x {rows} rows, 400 entries: 256-bit {a:.1f} ms, 512-bit {b:.1f} ms "
                   f"({a / b:.2f}x), logits equal: {same}", flush=True)
 
