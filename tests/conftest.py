@@ -40,6 +40,22 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, vocab: int =
     return CausalLM(hf, tokenizer=None, name=f"tiny-{kind}-{seed}")
 
 
+def gguf_weight(kind: str, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """A weight as GGUF de-quantisation computes it from Q4_1 blocks, ``(d * q) + m`` in float32, or Q8_0 blocks,
+    ``q * d`` (float16 d and m; in each block the quantiser gives the smallest weight q = 0 and the largest q = 15, or
+    the largest magnitude q = 127)."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(rows, cols // 32, 1, generator=g) * 0.01 + 1e-4).half().float()
+    if kind == "q8_0":
+        q = torch.randint(-127, 128, (rows, cols // 32, 32), generator=g).float()
+        q[..., 0] = 127
+        return (q * d).reshape(rows, cols)
+    m = (-torch.rand(rows, cols // 32, 1, generator=g) * 0.08).half().float()
+    q = torch.randint(0, 16, (rows, cols // 32, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15
+    return ((d * q) + m).reshape(rows, cols)
+
+
 FORWARDS = ["lean", "stock", "lean-native", "lean-bf16", "lean-bf16-native"]  # the forwards a batch can run on
 
 

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from conftest import VOCAB, tiny_model
+from conftest import VOCAB, gguf_weight, tiny_model
 
 from verispec.tree import Tree
 
@@ -231,22 +231,6 @@ def test_the_kernel_plan_computes_what_a_linear_layer_does():
             assert "forward" not in layer.__dict__
 
 
-def _gguf_weight(kind: str, rows: int, cols: int, seed: int) -> torch.Tensor:
-    """A weight as GGUF de-quantisation computes it from Q4_1 blocks, ``(d * q) + m`` in float32, or Q8_0 blocks,
-    ``q * d`` (float16 d and m; in each block the quantiser gives the smallest weight q = 0 and the largest q = 15, or
-    the largest magnitude q = 127)."""
-    g = torch.Generator().manual_seed(seed)
-    d = (torch.rand(rows, cols // 32, 1, generator=g) * 0.01 + 1e-4).half().float()
-    if kind == "q8_0":
-        q = torch.randint(-127, 128, (rows, cols // 32, 32), generator=g).float()
-        q[..., 0] = 127
-        return (q * d).reshape(rows, cols)
-    m = (-torch.rand(rows, cols // 32, 1, generator=g) * 0.08).half().float()
-    q = torch.randint(0, 16, (rows, cols // 32, 32), generator=g).float()
-    q[..., 0], q[..., 1] = 0, 15
-    return ((d * q) + m).reshape(rows, cols)
-
-
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_a_weight_of_gguf_blocks_runs_from_its_blocks_with_the_float32_panels_results_bit_for_bit(kind, monkeypatch):
     """The default model's layers are de-quantised Q4_1 blocks and its output head Q8_0: the native kernel packs
@@ -258,7 +242,7 @@ def test_a_weight_of_gguf_blocks_runs_from_its_blocks_with_the_float32_panels_re
     kernel = native.linear()
     if kernel is None:
         pytest.skip("the native linear kernel cannot be built here (a C++ compiler, ninja, AVX2, FMA and F16C)")
-    weight = _gguf_weight(kind, 40, 96, seed=1)  # 40 outputs: a last panel of 8 columns
+    weight = gguf_weight(kind, 40, 96, seed=1)  # 40 outputs: a last panel of 8 columns
     bias = torch.randn(40)
     exact, plain = kernel.pack_exact(weight), kernel.pack(weight)
     assert exact.dtype == torch.uint8 and exact.numel() < plain.numel() * 4 / 3  # at most a third of the bytes
@@ -293,7 +277,7 @@ def test_the_512_bit_build_of_the_linear_kernel_gives_the_256_bit_builds_results
         pytest.skip("needs a CPU with AVX-512 (F, BW, VL, DQ), AVX2, FMA and F16C, a C++ compiler and ninja")
     assert native.linear() is wide and native.linear_name() == native.LINEAR512_NAME
     torch.manual_seed(3)
-    weights = {kind: _gguf_weight(kind, 40, 96, seed=4) for kind in ("q4_1", "q8_0")}
+    weights = {kind: gguf_weight(kind, 40, 96, seed=4) for kind in ("q4_1", "q8_0")}
     panels = {kind: narrow.pack_exact(w) for kind, w in weights.items()}
     assert all(p.dtype == torch.uint8 and p.numel() for p in panels.values())
     other = torch.randn(40, 96)
@@ -316,7 +300,7 @@ def test_a_layer_allowed_float16_reads_gguf_blocks_unrounded_and_anything_else_i
     kernel = native.linear()
     if kernel is None:
         pytest.skip("the native linear kernel cannot be built here (a C++ compiler, ninja, AVX2, FMA and F16C)")
-    blocks, other = _gguf_weight("q8_0", 48, 96, seed=2), torch.randn(48, 96)
+    blocks, other = gguf_weight("q8_0", 48, 96, seed=2), torch.randn(48, 96)
     vocab = torch.tensor([3, 0, 47, 20, 9])
     x = torch.randn(3, 96)
     for weight in (blocks, other):

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import gguf_weight, tiny_model
 
 from verispec import NgramDrafter, generate, get_verifier
 from verispec.backends import CausalLM
@@ -213,3 +213,65 @@ def test_the_float32_attention_kernel_is_softmax_attention_and_a_rows_result_ign
                                          limits[s:s + 1].contiguous(), 0.125), out[s:s + 1])
         assert torch.equal(kernel.attend(q[s:s + 1].contiguous(), keys[s:s + 1], values[s:s + 1], wide,
                                          limits[s:s + 1].contiguous(), 0.125), out[s:s + 1])
+
+
+def _forward_everything(model, pool) -> list[torch.Tensor]:
+    """Logits and features of three sequences of one pool: their prompts' prefills, then steps of 1, 3 and 17 rows
+    (a pooled batch, trees, prompt-sized chunks), each step's rows committed."""
+    g = torch.Generator().manual_seed(1)
+    states = [pool.acquire() for _ in range(3)]
+    outs = [model.prefill_output(s, torch.randint(3, 90, (9 + 7 * j,), generator=g).tolist(), features=FEATURES)
+            for j, s in enumerate(states)]
+    outs = [t for o in outs for t in (o.logits, o.hidden)]
+    for n in (1, 3, 17):
+        tokens = [torch.randint(3, 90, (n,), generator=g) for _ in states]
+        got = model.forward_batch(states, tokens, [s.committed + torch.arange(n) for s in states],
+                                  [torch.ones(n, n, dtype=torch.bool).tril()] * 3, features=FEATURES)
+        outs += [t for o in got for t in (o.logits, o.hidden)]
+        for s in states:
+            model.commit(s, list(range(n)))
+    for s in states:
+        pool.release(s)
+    return outs
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_layers_linear_layers_run_as_four_native_calls_with_each_layers_own_results_bit_for_bit(kind, monkeypatch):
+    """In float32 the lean forward runs a decoder layer's seven linear layers as four calls of the native kernel: q, k
+    and v stacked as one weight (Qwen2's biases stacked too), o, gate and up as one, down (``_native_calls``). Logits
+    and features equal those of the layers run one by one, bit for bit, for prompts, trees and pooled batches; after a
+    weight changes in place the calls follow it; a group whose weights are GGUF blocks of different formats keeps a
+    call per layer (stacked, they would lose their blocks); a layer without the plan runs them all one by one."""
+    from verispec.backends import lean as lean_module
+    from verispec.backends import native
+
+    if native.linear() is None:
+        pytest.skip("the native linear kernel cannot be built here (a C++ compiler, ninja, AVX2, FMA and F16C)")
+    model, _ = pair(kind)
+    lean = model._lean
+    pool = model.state_pool(3, 64)
+    one_by_one = lean_module.LeanLlama._native_calls
+    with torch.inference_mode():
+        joint = _forward_everything(model, pool)
+        assert all(len(group) == 1 for layer in lean._calls for group in layer)  # four calls a layer
+        assert [group[0][3] for group in lean._calls[0]] == [(32, 16, 16), (32,), (64, 64), (32,)]
+        assert (lean._calls[0][0][0][2] is not None) == (kind == "qwen2")  # the stacked bias
+        monkeypatch.setattr(lean_module.LeanLlama, "_native_calls", lambda self, parts, rows: None)
+        alone = _forward_everything(model, pool)
+        assert len(joint) == len(alone) == 24
+        assert all(torch.equal(a, b) for a, b in zip(joint, alone))
+
+        first = model.hf.model.layers[0]
+        first.self_attn.k_proj.weight.mul_(1.5)  # changed in place: the stacked panels are made again
+        first.self_attn.q_proj.weight.copy_(gguf_weight("q8_0", 32, 32, seed=5))  # and q, k of two block formats
+        first.self_attn.k_proj.weight.copy_(gguf_weight("q4_1", 16, 32, seed=6))
+        alone = _forward_everything(model, pool)
+        monkeypatch.setattr(lean_module.LeanLlama, "_native_calls", one_by_one)
+        changed = _forward_everything(model, pool)
+        assert not torch.equal(changed[0], joint[0])
+        assert all(torch.equal(a, b) for a, b in zip(changed, alone))
+        assert len(lean._calls[0][0]) == 3 and lean._calls[0][0][0][0].dtype == torch.uint8  # q from its blocks
+        assert all(len(group) == 1 for layer in lean._calls[1:] for group in layer)
+
+        first.mlp.up_proj._verispec_plan = (0,) * 18  # a layer on another plan (the stock kernel): one by one
+        assert lean._native_calls(lean._parts(), 1) is None

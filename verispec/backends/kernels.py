@@ -98,11 +98,71 @@ def native_rows(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     return kernel.linear(x.contiguous(), panels, module.weight.shape[0], module.bias)
 
 
+def native_calls(groups: list[tuple[nn.Module, ...]]) -> list[list[tuple]] | None:
+    """The native kernel's calls for groups of float32 linear layers, the layers of a group reading the same rows:
+    per group, a list of calls ``(panels, N, bias, widths)``. One call where the group's weights stack as one (its
+    output, cut at ``widths``, is each layer's: every output column is its own chain of multiply-adds over its own
+    panel, so bit for bit what the layer's own call gives); one call per layer where stacking would lose their GGUF
+    blocks (layers of different block formats) or some have a bias and some not. A lone layer's panels are its own
+    (``native_rows``'). None unless every layer is an ``nn.Linear`` of float32 weights under one plan
+    (``use_fast_linear``'s) with one kind of panels (float16 ones or not) and the native kernel builds: the caller
+    then runs the layers one by one as before."""
+    kernel = native.linear()
+    layers = [m for g in groups for m in g]
+    plan = layers[0].__dict__.get("_verispec_plan") if layers else None
+    half = bool(layers[0].__dict__.get("_verispec_half")) if layers else False
+    if kernel is None or plan is None or any(
+            type(m) is not nn.Linear or m.__dict__.get("_verispec_plan") is not plan or m.weight.dtype != torch.float32
+            or bool(m.__dict__.get("_verispec_half")) != half for m in layers):
+        return None
+    pack = functools.partial(_pack_exact, half=half)
+    kind = "native-half" if half else "native"
+    out = []
+    for group in groups:
+        biased = {m.bias is not None for m in group}
+        if len(group) > 1 and len(biased) == 1:
+            panels = pack(torch.cat([m.weight.detach() for m in group]))
+            if panels.dtype == torch.uint8 or _prepacked(group[0], pack, kind).dtype != torch.uint8:
+                bias = torch.cat([m.bias.detach() for m in group]) if biased == {True} else None
+                out.append([(panels, sum(m.weight.shape[0] for m in group), bias,
+                             tuple(m.weight.shape[0] for m in group))])
+                continue
+        out.append([(_prepacked(m, pack, kind), m.weight.shape[0], m.bias, (m.weight.shape[0],)) for m in group])
+    return out
+
+
+def plan_entry(plan: tuple[int, ...], rows: int) -> int:
+    """What ``plan`` runs for ``rows`` rows."""
+    return plan[rows] if rows <= MAX_ROWS else plan[-1]
+
+
+def native_stamp(modules: list[nn.Module]) -> tuple:
+    """What ``native_calls``' panels were made from: each layer (the module itself), its weight and bias (their
+    storage and version), plan and kind of panels; they are made again when it changes."""
+    out = []
+    for m in modules:
+        d, p = m.__dict__, m._parameters
+        w, b = p["weight"], p.get("bias")
+        out += (m, w.data_ptr(), w._version, d.get("_verispec_plan"), d.get("_verispec_half"),
+                None if b is None else b.data_ptr(), None if b is None else b._version)
+    return tuple(out)
+
+
+def run_native(calls: list[tuple], x: torch.Tensor) -> list[torch.Tensor]:
+    """The outputs of one group's calls (``native_calls``) on rows ``x [n, K]``, one per layer."""
+    kernel = native.linear()
+    x = x.contiguous()
+    outs = []
+    for panels, n, bias, widths in calls:
+        y = kernel.linear(x, panels, n, bias)
+        outs += y.split(widths, 1) if len(widths) > 1 else (y,)
+    return outs
+
+
 def rows_forward(x: torch.Tensor, module: nn.Linear, plan: tuple[int, ...]) -> torch.Tensor:
     """A layer on rows ``x [n, K]`` under ``plan`` (inference only: the caller checks; a layer cast to another
     dtype after its plan was set runs the stock kernel where the plan says ``NATIVE``)."""
-    rows = x.shape[0]
-    width = plan[rows] if rows <= MAX_ROWS else plan[-1]
+    width = plan_entry(plan, x.shape[0])
     if width == NATIVE:
         if module.weight.dtype == torch.float32:
             return native_rows(x, module)

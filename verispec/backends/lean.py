@@ -13,8 +13,10 @@ flat loop over the decoder layers:
 * the key/value buffers of ``new_cache``'s layers (``KVBuffer``), without the ``DynamicCache`` around them;
 * the linear layers through ``kernels``' plan for the row count (as ``verispec.backends.load`` sets it), straight
   to ``kernels.rows_forward`` without the module call and its checks (measured: 2-3 ms of a 40 ms forward); the
-  model's parameters stay where they are and nothing is copied. A bfloat16 model's layers run on ``kernels``'
-  prepacked weights instead;
+  model's parameters stay where they are. A bfloat16 model's layers run on ``kernels``' prepacked weights instead.
+  Where the plan runs the native kernel (float32), a layer's seven linear layers are four of its calls: q, k and v
+  stacked as one weight, o, gate and up as one, down (``_native_calls``; the same results bit for bit, in fewer calls
+  and without the Python between a module and the kernel; the stacked panels are a copy, in place of the layers' own);
 * in bfloat16, transformers' own arithmetic where it differs: norms with float32 statistics, rotary tables computed
   in float32 and then cast. Attention runs in float32 (the keys, values and queries are bfloat16 values, so the
   upcast is exact): torch's fused CPU attention is several times slower in bfloat16 here. Where the native kernels
@@ -122,7 +124,7 @@ def _linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
 class LeanLlama:
     """The forward of a Llama-architecture ``transformers`` model (see ``supports``) over explicit KV buffers."""
 
-    REVISION = 6  # raised when its arithmetic or its costs change: measured step costs are cached under it
+    REVISION = 7  # raised when its arithmetic or its costs change: measured step costs are cached under it
 
     TABLE = 8192  # rotary rows computed up front; positions beyond are computed per call
 
@@ -145,6 +147,7 @@ class LeanLlama:
         self.fused = native.attention_f32() if self.dtype == torch.float32 and self.head_dim == 64 else None
         # float32 rotary positions in one native call where it builds (``native.rope``: torch's roundings)
         self.rotary = native.rope() if self.dtype == torch.float32 else None
+        self._calls, self._stamp = None, None  # ``_native_calls``
         self.cos, self.sin = self._rotary(torch.arange(min(self.TABLE, int(cfg.max_position_embeddings or self.TABLE))))
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,6 +250,37 @@ class LeanLlama:
         keys, values = layer._kbuf[None, :, :width], layer._vbuf[None, :, :width]
         o = self._grouped_attention(qb[None], keys, values, visible[None, None], limits)
         return o[0, :, :e - s].transpose(0, 1).reshape(e - s, self.heads * self.head_dim)
+
+    def _parts(self) -> list[tuple[nn.Module, ...]]:
+        """Per decoder layer, the modules the forward reads, read from the modules' own tables (``nn.Module``'s
+        attribute lookup costs about a microsecond, and a forward makes some 300): the input norm, q, k, v and o, the
+        norm after attention, gate, up and down."""
+        out = []
+        for layer in self.base.layers._modules.values():
+            mods = layer._modules
+            a, m = mods["self_attn"]._modules, mods["mlp"]._modules
+            out.append((mods["input_layernorm"], a["q_proj"], a["k_proj"], a["v_proj"], a["o_proj"],
+                        mods["post_attention_layernorm"], m["gate_proj"], m["up_proj"], m["down_proj"]))
+        return out
+
+    def _native_calls(self, parts: list[tuple[nn.Module, ...]], rows: int) -> list[list[list[tuple]]] | None:
+        """Per decoder layer (``parts``), its linear layers as the native kernel's calls (``kernels.native_calls``) in
+        four groups: q, k and v as one weight, o, gate and up as one, down; bit for bit what each layer's own call
+        gives, in fewer calls, each without the module's Python. Made on first use and again whenever a layer, weight,
+        bias, plan or kind of panels changes (``kernels.native_stamp``); None where the plan does not run the native
+        kernel for ``rows`` rows or the layers do not all run it (a bfloat16 model, no native kernel,
+        ``VERISPEC_STOCK_LINEAR``): the layers then run one by one (``_linear``)."""
+        if self.dtype != torch.float32:
+            return None
+        linears = [m for p in parts for m in p if m is not p[0] and m is not p[5]]
+        stamp = kernels.native_stamp(linears)
+        if stamp != self._stamp:
+            flat = kernels.native_calls([g for p in parts for g in (p[1:4], p[4:5], p[6:8], p[8:9])])
+            self._calls = None if flat is None else [flat[i:i + 4] for i in range(0, len(flat), 4)]
+            self._stamp = stamp
+        if self._calls is None or kernels.plan_entry(linears[0].__dict__["_verispec_plan"], rows) != kernels.NATIVE:
+            return None
+        return self._calls
 
     @staticmethod
     def _plain_causal(visible: torch.Tensor) -> bool:
@@ -371,12 +405,18 @@ class LeanLlama:
             native_any = self.native is not None or self.fused is not None
             pooled["limits"] = self._limits(pooled["mask"]) if native_any else None
             pooled["visible"] = pooled["mask"][:, 0].contiguous() if self.fused is not None else None
-        for i, layer in enumerate(self.base.layers):
-            a, m = layer.self_attn, layer.mlp
-            h = self._rms(x, layer.input_layernorm)
-            q = self._rope(_linear(h, a.q_proj).view(rows, heads, hd), cos, sin)
-            k = self._rope(_linear(h, a.k_proj).view(rows, kv, hd), cos, sin)
-            v = _linear(h, a.v_proj).view(rows, kv, hd)
+        parts = self._parts()
+        calls = self._native_calls(parts, rows)
+        for i, (norm_in, q_proj, k_proj, v_proj, o_proj, norm_post, gate_proj, up_proj, down_proj) in enumerate(parts):
+            h = self._rms(x, norm_in)
+            if calls is None:
+                q, k, v = _linear(h, q_proj), _linear(h, k_proj), _linear(h, v_proj)
+            else:  # the rotary kernel rotates a contiguous query or key in place
+                q, k, v = kernels.run_native(calls[i][0], h)
+                q, k = q.contiguous(), k.contiguous()
+            q = self._rope(q.view(rows, heads, hd), cos, sin)
+            k = self._rope(k.view(rows, kv, hd), cos, sin)
+            v = v.view(rows, kv, hd)
             if self.dtype != torch.float32:  # attention in float32 (exact upcasts; the module docstring)
                 q = q.float()
                 if self.native is None:  # the cache too, where no native kernel reads bfloat16
@@ -392,9 +432,15 @@ class LeanLlama:
                 attended[idx] = self._pooled_attention(i, q[idx], k[idx], v[idx], pooled)
                 for b, o in zip(alone, outs):
                     attended[spans[b][0]:spans[b][1]] = o
-            x = x + _linear(attended.to(self.dtype), a.o_proj)
-            h = self._rms(x, layer.post_attention_layernorm)
-            x = x + _linear(F.silu(_linear(h, m.gate_proj)) * _linear(h, m.up_proj), m.down_proj)
+            if calls is None:
+                x = x + _linear(attended.to(self.dtype), o_proj)
+                h = self._rms(x, norm_post)
+                x = x + _linear(F.silu(_linear(h, gate_proj)) * _linear(h, up_proj), down_proj)
+            else:
+                x = x + kernels.run_native(calls[i][1], attended)[0]
+                h = self._rms(x, norm_post)
+                gate, up = kernels.run_native(calls[i][2], h)
+                x = x + kernels.run_native(calls[i][3], F.silu(gate) * up)[0]
             if i + 1 in want and i + 1 < self.n_layers:
                 kept[i + 1] = x
         if pooled is not None:
