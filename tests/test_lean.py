@@ -215,6 +215,51 @@ def test_the_float32_attention_kernel_is_softmax_attention_and_a_rows_result_ign
                                          limits[s:s + 1].contiguous(), 0.125), out[s:s + 1])
 
 
+def test_the_float32_kernel_writes_a_steps_keys_then_attends_as_attend_does_bit_for_bit():
+    """``append_attend`` (what the lean float32 forward calls): a step's rows of several slots, a slot's rows
+    consecutive, fewer rows for some slots than others, values in a strided view; it writes each row's key and value
+    at its slot and position, and each row's result is ``attend``'s on the written buffers, bit for bit. Rows out of
+    range, or a slot's rows apart, are refused."""
+    from verispec.backends import native
+
+    kernel = native.attention_f32()
+    if kernel is None:
+        pytest.skip("the native float32 attention cannot be built here (a C++ compiler, ninja, AVX2 and FMA)")
+    g = torch.Generator().manual_seed(2)
+    slots, kv, group, cap = 3, 2, 3, 128
+    heads, counts, lengths = kv * group, (2, 1, 3), (40, 7, 90)  # rows and cached entries of each slot
+    n, span = max(counts), max(lengths) + max(counts)
+    keys, values = torch.randn(2, slots + 1, kv, cap, 64, generator=g)  # one more slot than the step uses
+    slot = torch.tensor([s for s, c in enumerate(counts) for _ in range(c)], dtype=torch.int32)
+    row = torch.tensor([r for c in counts for r in range(c)], dtype=torch.int32)
+    pos = torch.tensor([lengths[s] + r for s, r in zip(slot.tolist(), row.tolist())], dtype=torch.int32)
+    visible = torch.zeros(slots, n, span, dtype=torch.bool)
+    for s, (c, length) in enumerate(zip(counts, lengths)):
+        visible[s, :, :length] = torch.rand(n, length, generator=g) > 0.3
+        visible[s, :, 0] = True
+        visible[s, :c, length:length + c] = torch.ones(c, c, dtype=torch.bool).tril()
+    limits = (visible * torch.arange(1, span + 1, dtype=torch.int32)).amax(-1).to(torch.int32)
+    q = 3 * torch.randn(len(slot), heads, 64, generator=g)
+    k_new = torch.randn(len(slot), kv, 64, generator=g)
+    v_new = torch.randn(len(slot), 2 * kv, 64, generator=g)[:, kv:]  # a strided view, as the stacked v
+    kb, vb = keys.clone(), values.clone()
+    out = kernel.append_attend(q, k_new, v_new, kb, vb, slot, pos, row, visible, limits, span, 0.125)
+    written_k, written_v = keys.clone(), values.clone()
+    written_k[slot.long(), :, pos.long()] = k_new
+    written_v[slot.long(), :, pos.long()] = v_new
+    assert torch.equal(kb, written_k) and torch.equal(vb, written_v)  # nothing else written
+    padded = torch.zeros(slots, heads, n, 64)
+    padded[slot.long(), :, row.long()] = q
+    qg = padded.reshape(slots, kv, group * n, 64)  # attend's layout: a key/value head's query heads as its rows
+    want = kernel.attend(qg, kb[:slots, :, :span], vb[:slots, :, :span], visible, limits, 0.125)
+    assert torch.equal(out, want.view(slots, heads, n, 64)[slot.long(), :, row.long()])
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernel.append_attend(q, k_new, v_new, kb, vb, slot, pos + span, row, visible, limits, span, 0.125)
+    apart = torch.tensor([0, 1, 0, 2, 2, 2], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="consecutive"):
+        kernel.append_attend(q, k_new, v_new, kb, vb, apart, pos, row, visible, limits, span, 0.125)
+
+
 def _forward_everything(model, pool) -> list[torch.Tensor]:
     """Logits and features of three sequences of one pool: their prompts' prefills, then steps of 1, 3 and 17 rows
     (a pooled batch, trees, prompt-sized chunks), each step's rows committed."""

@@ -54,8 +54,17 @@ class KVBuffer:
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the new entries; returns all keys and values so far (views of the buffers)."""
-        n = key_states.shape[-2]
-        need = self._len + n
+        need = self.room(key_states, value_states.shape[-1])
+        self._kbuf[..., self._len:need, :] = key_states
+        self._vbuf[..., self._len:need, :] = value_states
+        self._set_length(need)
+        return self.keys, self.values
+
+    def room(self, key_states: torch.Tensor, value_dim: int) -> int:
+        """Make the buffers hold the entries so far and ``key_states``' (``[..., n, head dim]``; their values have
+        ``value_dim``), reallocating as ``append`` does, without writing them; returns that length (the caller writes
+        the entries and sets it)."""
+        need = self._len + key_states.shape[-2]
         if self.fixed and need > self._kbuf.shape[-2]:
             raise VerispecError(f"this sequence's cache holds {self._kbuf.shape[-2]} entries and needs {need}: "
                                 "its batch was sized for shorter sequences")
@@ -63,15 +72,12 @@ class KVBuffer:
             cap = whole_blocks(max(need + 64, 2 * (0 if self._kbuf is None else self._kbuf.shape[-2])))
             # the spare entries are zeros (finite): the lean forward's attention reads them as masked padding
             kbuf = key_states.new_zeros(*key_states.shape[:-2], cap, key_states.shape[-1])
-            vbuf = value_states.new_zeros(*value_states.shape[:-2], cap, value_states.shape[-1])
+            vbuf = key_states.new_zeros(*key_states.shape[:-2], cap, value_dim)
             if self._len:
                 kbuf[..., : self._len, :] = self._kbuf[..., : self._len, :]
                 vbuf[..., : self._len, :] = self._vbuf[..., : self._len, :]
             self._kbuf, self._vbuf = kbuf, vbuf
-        self._kbuf[..., self._len:need, :] = key_states
-        self._vbuf[..., self._len:need, :] = value_states
-        self._set_length(need)
-        return self.keys, self.values
+        return need
 
     @property
     def keys(self) -> torch.Tensor | None:

@@ -23,8 +23,10 @@ flat loop over the decoder layers:
   build (``native.attention``) they read a bfloat16 cache directly; elsewhere the cache is float32;
 * in float32, where the native kernel builds (``native.attention_f32``, AVX2), the attention of every sequence of
   at most ``POOLED_ROWS`` rows in one call that reads each sequence's keys and values once for all its rows and each
-  row only up to its last visible key, with a row's result independent of its batch; elsewhere, and for prompt
-  chunks, torch's fused kernel;
+  row only up to its last visible key, with a row's result independent of its batch; the same call writes the
+  step's new keys and values into the buffers first and computes the batch's real rows only, in the layout the
+  linear layers give and take (``append_attend``: no padded queries, transposes or key writes in Python); elsewhere,
+  and for prompt chunks, torch's fused kernel;
 * the attention of a pooled batch whose trees have several rows, where no native kernel runs, as two batched
   products (``_grouped_attention``) instead of torch's fused kernel, which costs about the rows times one row's there.
 
@@ -227,16 +229,19 @@ class LeanLlama:
 
     def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: tuple[int, int],
                    cache: LeanCache, visible: torch.Tensor, limits: torch.Tensor | None = None,
-                   causal: bool = False) -> torch.Tensor:
+                   causal: bool = False, fill: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         """Layer ``i``'s attention for one sequence's rows ``span`` of the batch, on its own cache; ``causal``: the
-        rows are the whole sequence and ``visible`` is the causal mask (``_plain_causal``)."""
+        rows are the whole sequence and ``visible`` is the causal mask (``_plain_causal``); ``fill``: where the
+        float32 kernel runs, its rows' slot (0), positions and mask rows (``_fill``)."""
         s, e = span
         layer = cache.layers[i]
+        if fill is not None:  # the float32 kernel (``fused``): it writes the new entries into the buffer itself
+            need = layer.room(k[s:e].transpose(0, 1), self.head_dim)
+            o = self.fused.append_attend(q[s:e], k[s:e], v[s:e], layer._kbuf[None], layer._vbuf[None], *fill,
+                                         visible[None], limits, need, self.head_dim ** -0.5)
+            layer._set_length(need)
+            return o.view(e - s, self.heads * self.head_dim)
         keys, values = layer.append(k[s:e].transpose(0, 1), v[s:e].transpose(0, 1))
-        if limits is not None and not self.invariant:  # the float32 kernel (``fused``), on the buffer's view
-            o = self._fused_attention(q[s:e].transpose(0, 1)[None], layer._kbuf[None], layer._vbuf[None],
-                                      visible[None], limits, keys.shape[-2])
-            return o[0].transpose(0, 1).reshape(e - s, self.heads * self.head_dim)
         qb = q[s:e].transpose(0, 1).contiguous()  # a strided query: a slow kernel
         if not self.invariant:
             mask = None if causal else visible
@@ -301,6 +306,10 @@ class LeanLlama:
         into their slots, the queries into a padded ``[slots, heads, rows, head dim]``, one masked attention over the
         used slots; the rows of the output back in batch order ``[R, heads x head dim]``."""
         keys, values = plan["pool"].keys[i], plan["pool"].values[i]
+        if self.fused is not None:  # one call: the new entries written into their slots, every row's attention
+            o = self.fused.append_attend(q, k, v, keys, values, *plan["fill"], plan["visible"], plan["limits"],
+                                         plan["span"], self.head_dim ** -0.5)
+            return o.view(q.shape[0], self.heads * self.head_dim)
         slot, pos, row = plan["slot"], plan["pos"], plan["row"]
         keys[slot, :, pos] = k
         values[slot, :, pos] = v
@@ -311,24 +320,20 @@ class LeanLlama:
             qp[slot, :, row] = q
         used, span = plan["used"], plan["span"]
         k, v, mask = keys[:used, :, :span], values[:used, :, :span], plan["mask"]
-        if self.fused is not None:
-            o = self._fused_attention(qp, keys[:used], values[:used], plan["visible"], plan["limits"], span)
-        elif plan["n_max"] == 1 and not self.invariant:
+        if plan["n_max"] == 1 and not self.invariant:
             o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, enable_gqa=True)
         else:
             o = self._grouped_attention(qp, k, v, mask, plan["limits"])
         picked = o[:, :, 0] if plan["direct"] else o[slot, :, row]
         return picked.reshape(q.shape[0], self.heads * self.head_dim)
 
-    def _fused_attention(self, q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, visible: torch.Tensor,
-                         limits: torch.Tensor, span: int) -> torch.Tensor:
-        """Attention of ``q [slots, heads, n, head dim]`` over the first ``span`` entries of the buffers ``[slots, kv
-        heads, capacity, head dim]`` in the float32 kernel, with ``visible [slots, n, span]``."""
-        slots, heads, n, hd = q.shape
-        kv = kbuf.shape[1]
-        qg = q.reshape(slots, kv, heads // kv * n, hd)  # query heads of key/value head h stacked as its rows
-        o = self.fused.attend(qg.contiguous(), kbuf[:, :, :span], vbuf[:, :, :span], visible, limits, hd ** -0.5)
-        return o.view(slots, heads, n, hd)
+    @staticmethod
+    def _fill(cache: LeanCache, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Slot, positions and mask rows (int32 ``[n]``) of a sequence's ``n`` new rows in its own cache (slot 0 of its
+        buffers), for the float32 kernel's ``append_attend``: the same for every layer, made once per forward."""
+        length = cache.layers[0]._len
+        return (torch.zeros(n, dtype=torch.int32), torch.arange(length, length + n, dtype=torch.int32),
+                torch.arange(n, dtype=torch.int32))
 
     @staticmethod
     def _limits(mask: torch.Tensor) -> torch.Tensor:
@@ -401,10 +406,14 @@ class LeanLlama:
         limits = {b: self._limits(masks[b][None, None]) if kernel[b] else None for b in alone}
         masks = {b: m.contiguous() if kernel[b] else m for b, m in masks.items()}
         causal = {b: not kernel[b] and not self.invariant and self._plain_causal(visible[b]) for b in alone}
+        fill = {b: self._fill(caches[b], sizes[b]) if kernel[b] and self.fused is not None and not self.invariant
+                else None for b in alone}
         if pooled is not None:
             native_any = self.native is not None or self.fused is not None
             pooled["limits"] = self._limits(pooled["mask"]) if native_any else None
-            pooled["visible"] = pooled["mask"][:, 0].contiguous() if self.fused is not None else None
+            if self.fused is not None:
+                pooled["visible"] = pooled["mask"][:, 0].contiguous()
+                pooled["fill"] = tuple(pooled[name].to(torch.int32) for name in ("slot", "pos", "row"))
         parts = self._parts()
         calls = self._native_calls(parts, rows)
         for i, (norm_in, q_proj, k_proj, v_proj, o_proj, norm_post, gate_proj, up_proj, down_proj) in enumerate(parts):
@@ -421,7 +430,8 @@ class LeanLlama:
                 q = q.float()
                 if self.native is None:  # the cache too, where no native kernel reads bfloat16
                     k, v = k.float(), v.float()
-            outs = [self._attention(i, q, k, v, spans[b], caches[b], masks[b], limits[b], causal[b]) for b in alone]
+            outs = [self._attention(i, q, k, v, spans[b], caches[b], masks[b], limits[b], causal[b], fill[b])
+                    for b in alone]
             if pooled is None:
                 attended = outs[0] if len(outs) == 1 else torch.cat(outs)
             elif not alone:  # every sequence pooled: its rows are the batch's, in order

@@ -41,7 +41,7 @@ DISABLE = "VERISPEC_NO_NATIVE"  # set (to anything) to run the pure-torch paths
 NAME = "verispec_attention_v3"  # raised with attention.cpp's interface or flags, so that an older build is never loaded
 LINEAR_NAME = "verispec_linear_v6"  # the same for linear.cpp
 LINEAR512_NAME = "verispec_linear512_v1"  # the same for linear.cpp's build with its 512-bit paths
-ATTENTION_F32_NAME = "verispec_attention_f32_v1"  # the same for attention_f32.cpp
+ATTENTION_F32_NAME = "verispec_attention_f32_v2"  # the same for attention_f32.cpp
 ROPE_NAME = "verispec_rope_v1"  # the same for rope.cpp
 STALE_LOCK_S = 300  # a build takes about 30 s here: a lock file older than this was left by a build that was killed
 

@@ -170,6 +170,87 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
   return out;
 }
 
+// ``attend`` for a step's new rows as the lean forward makes them, with the step's keys and values written first:
+// row r's keys and values ``k_new``, ``v_new`` [R, KV, 64] (rows of 64 in a row's stride) go into the buffers ``kbuf``,
+// ``vbuf`` [S, KV, capacity, 64] at [slot[r], :, pos[r]]; then each row's query heads ``q`` [R, H, 64] attend to the
+// first ``span`` entries of their slot's buffers with its mask row ``visible[slot[r], row[r]]`` ([S, n, span]) and
+// ``limits`` [S, n]. Returns [R, H, 64]: each row's result is ``attend``'s for that row, bit for bit (the same
+// ``attend_row`` on the same inputs), without a padded query tensor, the queries' and results' transposes, or the
+// Python that writes the keys. The rows of a slot are consecutive; the work is split as ``attend`` splits it: a
+// (slot, key/value head) pair's query rows one after another on a thread.
+torch::Tensor append_attend(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new,
+                            torch::Tensor kbuf, torch::Tensor vbuf, const torch::Tensor& slot,
+                            const torch::Tensor& pos, const torch::Tensor& row, const torch::Tensor& visible,
+                            const torch::Tensor& limits, int64_t span, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == HD && q.scalar_type() == torch::kFloat && q.is_contiguous(),
+              "queries: contiguous float32 [rows, heads, 64]");
+  const int64_t R = q.size(0), H = q.size(1);
+  TORCH_CHECK(kbuf.dim() == 4 && kbuf.scalar_type() == torch::kFloat && kbuf.is_contiguous() && kbuf.size(3) == HD &&
+              vbuf.sizes() == kbuf.sizes() && vbuf.scalar_type() == torch::kFloat && vbuf.is_contiguous(),
+              "buffers: contiguous float32 [slots, kv heads, capacity, 64]");
+  const int64_t S = kbuf.size(0), KV = kbuf.size(1), cap = kbuf.size(2);
+  TORCH_CHECK(KV > 0 && H % KV == 0 && span > 0 && span <= cap, "heads, span");
+  for (const torch::Tensor* t : {&k_new, &v_new})
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == R && t->size(1) == KV && t->size(2) == HD && t->stride(2) == 1 &&
+                t->stride(1) == HD && t->scalar_type() == torch::kFloat, "new keys and values: float32 [rows, kv, 64]");
+  for (const torch::Tensor* t : {&slot, &pos, &row})
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == R && t->scalar_type() == torch::kInt && t->is_contiguous(),
+                "slot, pos, row: int32 [rows]");
+  TORCH_CHECK(visible.dim() == 3 && visible.size(2) == span && visible.scalar_type() == torch::kBool &&
+              visible.is_contiguous() && visible.size(0) <= S, "visible: bool [slots, rows, span]");
+  const int64_t n = visible.size(1), used = visible.size(0);
+  TORCH_CHECK(limits.dim() == 2 && limits.size(0) == used && limits.size(1) == n &&
+              limits.scalar_type() == torch::kInt && limits.is_contiguous(), "limits: int32 [slots, rows]");
+  const int32_t* sd = slot.data_ptr<int32_t>();
+  const int32_t* pd = pos.data_ptr<int32_t>();
+  const int32_t* rd = row.data_ptr<int32_t>();
+  float* kd = kbuf.data_ptr<float>();
+  float* vd = vbuf.data_ptr<float>();
+  const float* knd = k_new.data_ptr<float>();
+  const float* vnd = v_new.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(sd[r] >= 0 && sd[r] < used && pd[r] >= 0 && pd[r] < span && rd[r] >= 0 && rd[r] < n,
+                "a row's slot, position or mask row is out of range");
+    TORCH_CHECK(r == 0 || sd[r] == sd[r - 1] || std::find(sd, sd + r, sd[r]) == sd + r,
+                "a slot's rows are consecutive");
+    for (int64_t h = 0; h < KV; ++h) {
+      std::copy_n(knd + r * k_new.stride(0) + h * HD, HD, kd + ((sd[r] * KV + h) * cap + pd[r]) * HD);
+      std::copy_n(vnd + r * v_new.stride(0) + h * HD, HD, vd + ((sd[r] * KV + h) * cap + pd[r]) * HD);
+    }
+  }
+  // the work items in ``attend``'s order: per run of a slot's rows, per key/value head, its query heads' rows
+  const int64_t G = H / KV;
+  std::vector<int64_t> items;  // row * H + query head
+  items.reserve(R * H);
+  for (int64_t r0 = 0; r0 < R;) {
+    int64_t r1 = r0 + 1;
+    while (r1 < R && sd[r1] == sd[r0]) ++r1;
+    for (int64_t h = 0; h < KV; ++h)
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t r = r0; r < r1; ++r) items.push_back(r * H + h * G + g);
+    r0 = r1;
+  }
+  auto out = torch::empty({R, H, HD}, q.options());
+  const float* qd = q.data_ptr<float>();
+  const bool* md = visible.data_ptr<bool>();
+  const int32_t* ld = limits.data_ptr<int32_t>();
+  float* od = out.data_ptr<float>();
+  const float s = static_cast<float>(scale);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf((span + 7) / 8 * 8 + 8);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t item = items[i], r = item / H, head = item % H, h = head / G;
+      const int64_t at = sd[r] * n + rd[r];
+      const int64_t stop = std::min<int64_t>(span, ld[at]);
+      TORCH_CHECK(stop > 0, "a query row sees no key");
+      const int64_t pair = (sd[r] * KV + h) * cap * HD;
+      attend_row(qd + item * HD, kd + pair, vd + pair, md + at * span, span, stop, s, buf.data(), od + item * HD);
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "softmax(scale * q . k + mask) . v over a float32 cache, per row in a fixed order");
+  m.def("append_attend", &append_attend, "a step's new keys and values written into their buffers, then attend");
 }
