@@ -141,6 +141,16 @@ SPEED_AVX512_LEAD = (
     "here against 26.6 / 26.4 in the run above: its one-row products run on verispec's linear kernel as well, and "
     "this CPU is faster.",
 )
+# the same machine after the lean forward's fewer calls (fbafde5: a layer's seven linear layers as four native calls;
+# c1f8867: one native call writes a step's keys and attends), with llama-cpp-python installed this time
+RUNS["speed_calls"] = speed_run()
+SPEED_CALLS_HEADING = "## Speed of the defaults on an AVX-512 CPU, after the forward's fewer calls (2026-12-06)"
+SPEED_CALLS_LEAD = (
+    "The speed run of the first section on the AVX-512 EPYC of the section above, at c1f8867 (compare within each "
+    "run only): after a decoder layer's seven linear layers became four calls of the native kernel (fbafde5) and "
+    "a step's attention one call that also writes its keys and values (c1f8867), the same logits bit for bit "
+    "(design.md, \"Fewer calls a layer\"). llama-cpp-python is installed this time: llama.cpp is back in the run.",
+)
 
 
 def hybrid_run() -> list[str]:
@@ -279,6 +289,8 @@ RUNS["concurrency_avx512"] = ["--methods", "ar", "default", "hf-generate", "llam
 # `default` against `ar` alone at the same code in three rounds (the two rounds of the run above left one cell below
 # 1.0 that loop_split.py did not repeat)
 RUNS["concurrency_rounds3"] = RUNS["concurrency_rounds"]
+# the same three rounds after the lean forward's fewer calls (fbafde5, c1f8867: the same logits bit for bit)
+RUNS["concurrency_calls"] = RUNS["concurrency_rounds"]
 RUNS["serving_n8_bf16"] = [*RUNS["serving_n8"], "--dtype", "bfloat16"]
 RUNS["serving_bf16"] = [*serving_run(), "--dtype", "bfloat16"]
 # ResiSpec Table 3 shape (a cell costs ~30 s here): one run per temperature and tree group, two at a time share the
@@ -1362,7 +1374,13 @@ LATEST_LOOPS = ((
      "below), and gains no more than that: a drafted row costs about 1.9 ms beside a 14 ms step of two sequences "
      "(`python scripts/experiments/linear_avx512.py`: a forward of two sequences of one row 14.1 ms, of three rows "
      "21.6), and the head is right 0.52 of the time at depth 1. Greedy text is identical to the "
-     "one-at-a-time loop for every request at every N.")))
+     "one-at-a-time loop for every request at every N.")), (
+    "concurrency_calls", "_calls",
+    "Many requests at once on an AVX-512 CPU (float32), after the forward's fewer calls: `default` against `ar` in "
+    "three rounds",
+    ("The three rounds of the run above at c1f8867, on the same machine: after a decoder layer's seven linear "
+     "layers became four native calls (fbafde5) and a step's attention one call that also writes its keys and "
+     "values (c1f8867), the same logits bit for bit (design.md, \"Fewer calls a layer\").",)))
 
 
 def earlier_loops(figs: Path) -> list[str]:
@@ -1398,6 +1416,9 @@ def render() -> str:
     if path("speed_avx512").exists():
         out += speed_section(Results.load(path("speed_avx512")), figs, SPEED_AVX512_HEADING, SPEED_AVX512_LEAD,
                              tag="_avx512")
+    if path("speed_calls").exists():
+        out += speed_section(Results.load(path("speed_calls")), figs, SPEED_CALLS_HEADING, SPEED_CALLS_LEAD,
+                             tag="_calls")
     for i, (run_name, tag, heading, lead) in enumerate(LATEST_LOOPS):
         if path(run_name).exists():
             out += concurrency_section(Results.load(path(run_name)), figs, heading, lead, tag=tag, explain=i == 0)
