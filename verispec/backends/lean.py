@@ -275,7 +275,11 @@ class LeanLlama:
         bias, plan or kind of panels changes (``kernels.native_stamp``); None where the plan does not run the native
         kernel for ``rows`` rows or the layers do not all run it (a bfloat16 model, no native kernel,
         ``VERISPEC_STOCK_LINEAR``): the layers then run one by one (``_linear``)."""
-        if self.dtype != torch.float32:
+        plan = parts[0][1].__dict__.get("_verispec_plan") if parts and self.dtype == torch.float32 else None
+        if plan is None:  # no plan (any longer): no stacked panels kept either
+            self._calls = self._stamp = None
+            return None
+        if kernels.plan_entry(plan, rows) != kernels.NATIVE:
             return None
         linears = [m for p in parts for m in p if m is not p[0] and m is not p[5]]
         stamp = kernels.native_stamp(linears)
@@ -283,8 +287,6 @@ class LeanLlama:
             flat = kernels.native_calls([g for p in parts for g in (p[1:4], p[4:5], p[6:8], p[8:9])])
             self._calls = None if flat is None else [flat[i:i + 4] for i in range(0, len(flat), 4)]
             self._stamp = stamp
-        if self._calls is None or kernels.plan_entry(linears[0].__dict__["_verispec_plan"], rows) != kernels.NATIVE:
-            return None
         return self._calls
 
     @staticmethod
@@ -302,9 +304,10 @@ class LeanLlama:
         return mask.expand(2, -1) if mask.shape[0] == 1 and self.native is None else mask
 
     def _pooled_attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: dict) -> torch.Tensor:
-        """Layer ``i``'s attention for every sequence of a pooled batch in one call: the new keys and values written
-        into their slots, the queries into a padded ``[slots, heads, rows, head dim]``, one masked attention over the
-        used slots; the rows of the output back in batch order ``[R, heads x head dim]``."""
+        """Layer ``i``'s attention for every sequence of a pooled batch in one call, the rows of the output in batch
+        order ``[R, heads x head dim]``: the float32 kernel's ``append_attend``, which writes the new keys and values
+        into their slots itself; elsewhere the new keys and values written here, the queries into a padded ``[slots,
+        heads, rows, head dim]``, one masked attention over the used slots."""
         keys, values = plan["pool"].keys[i], plan["pool"].values[i]
         if self.fused is not None:  # one call: the new entries written into their slots, every row's attention
             o = self.fused.append_attend(q, k, v, keys, values, *plan["fill"], plan["visible"], plan["limits"],
@@ -406,8 +409,7 @@ class LeanLlama:
         limits = {b: self._limits(masks[b][None, None]) if kernel[b] else None for b in alone}
         masks = {b: m.contiguous() if kernel[b] else m for b, m in masks.items()}
         causal = {b: not kernel[b] and not self.invariant and self._plain_causal(visible[b]) for b in alone}
-        fill = {b: self._fill(caches[b], sizes[b]) if kernel[b] and self.fused is not None and not self.invariant
-                else None for b in alone}
+        fill = {b: self._fill(caches[b], sizes[b]) if kernel[b] and self.fused is not None else None for b in alone}
         if pooled is not None:
             native_any = self.native is not None or self.fused is not None
             pooled["limits"] = self._limits(pooled["mask"]) if native_any else None

@@ -1,0 +1,52 @@
+"""Whole forwards of the default model (float32) for a few batch shapes at the checked-out code: per shape, the median
+ms of 26 forwards of S sequences of R rows each (a causal chain) after 400 entries of cache. For comparing two
+revisions whose code cannot take turns in one process, run it in a worktree of each, alternately, and compare the
+medians of the same shape; the logits' bits are compared separately (a change that claims them equal has a test).
+A measurement, not the benchmark.
+
+    python scripts/experiments/forward_shapes.py --label new
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from verispec.backends import load
+
+SHAPES = ((1, 1), (1, 3), (2, 1), (4, 2), (8, 1), (8, 2))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--label", default="", help="printed first on the line (which revision this is)")
+    ap.add_argument("--context", type=int, default=400)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    target = load("smollm2-135m", dtype="float32")
+    out = []
+    for seqs, rows in SHAPES:
+        pool = target.state_pool(seqs, args.context + 624)
+        states = [pool.acquire() for _ in range(seqs)]
+        for i, s in enumerate(states):
+            target.prefill(s, list(range(100 + i, 100 + args.context + i)))
+        tokens = [torch.arange(7, 7 + rows) for _ in states]
+        attend = [torch.ones(rows, rows, dtype=torch.bool).tril() for _ in states]
+        times = []
+        for _ in range(30):
+            t0 = time.perf_counter()
+            target.forward_batch(states, tokens, [s.committed + torch.arange(rows) for s in states], attend)
+            times.append(time.perf_counter() - t0)
+            for s in states:
+                target.commit(s, [])
+        for s in states:
+            pool.release(s)
+        out.append(f"{seqs}x{rows}: {statistics.median(times[4:]) * 1e3:.2f}")
+    print(args.label, " | ".join(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
