@@ -122,7 +122,7 @@ def native_calls(groups: list[tuple[nn.Module, ...]]) -> list[list[tuple]] | Non
         biased = {m.bias is not None for m in group}
         if len(group) > 1 and len(biased) == 1:
             panels = pack(torch.cat([m.weight.detach() for m in group]))
-            if panels.dtype == torch.uint8 or _prepacked(group[0], pack, kind).dtype != torch.uint8:
+            if panels.dtype == torch.uint8 or pack(group[0].weight.detach()).dtype != torch.uint8:  # (a trial pack)
                 bias = torch.cat([m.bias.detach() for m in group]) if biased == {True} else None
                 out.append([(panels, sum(m.weight.shape[0] for m in group), bias,
                              tuple(m.weight.shape[0] for m in group))])
