@@ -1,8 +1,8 @@
 """Whole forwards of the default model (float32) for a few batch shapes at the checked-out code: per shape, the median
-ms of 26 forwards of S sequences of R rows each (a causal chain) after 400 entries of cache. For comparing two
-revisions whose code cannot take turns in one process, run it in a worktree of each, alternately, and compare the
-medians of the same shape; the logits' bits are compared separately (a change that claims them equal has a test).
-A measurement, not the benchmark.
+ms of 26 forwards of S sequences of R rows each (a causal chain) after 400 entries of cache
+(``forward_turns.forwards_in_turns`` with one way). For comparing two revisions whose code cannot take turns in one
+process, run it in a worktree of each, alternately, and compare the medians of the same shape; the logits' bits are
+compared separately (a change that claims them equal has a test). A measurement, not the benchmark.
 
     python scripts/experiments/forward_shapes.py --label new
 """
@@ -10,11 +10,10 @@ A measurement, not the benchmark.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
+from forward_turns import forwards_in_turns  # scripts/experiments/forward_turns.py
 from verispec.backends import load
 
 SHAPES = ((1, 1), (1, 3), (2, 1), (4, 2), (8, 1), (8, 2))
@@ -29,22 +28,8 @@ def main() -> None:
     target = load("smollm2-135m", dtype="float32")
     out = []
     for seqs, rows in SHAPES:
-        pool = target.state_pool(seqs, args.context + 624)
-        states = [pool.acquire() for _ in range(seqs)]
-        for i, s in enumerate(states):
-            target.prefill(s, list(range(100 + i, 100 + args.context + i)))
-        tokens = [torch.arange(7, 7 + rows) for _ in states]
-        attend = [torch.ones(rows, rows, dtype=torch.bool).tril() for _ in states]
-        times = []
-        for _ in range(30):
-            t0 = time.perf_counter()
-            target.forward_batch(states, tokens, [s.committed + torch.arange(rows) for s in states], attend)
-            times.append(time.perf_counter() - t0)
-            for s in states:
-                target.commit(s, [])
-        for s in states:
-            pool.release(s)
-        out.append(f"{seqs}x{rows}: {statistics.median(times[4:]) * 1e3:.2f}")
+        ms, _ = forwards_in_turns(target, {args.label: lambda: None}, seqs, rows, args.context)
+        out.append(f"{seqs}x{rows}: {ms[args.label]:.2f}")
     print(args.label, " | ".join(out), flush=True)
 
 

@@ -11,18 +11,12 @@ A measurement, not the benchmark.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
-from forward_turns import forwards_in_turns  # this folder's helper (scripts/experiments/forward_turns.py)
+from forward_turns import forwards_in_turns, loops_in_turns  # scripts/experiments/forward_turns.py
 from verispec import load
 from verispec.backends import lean
-from verispec.bench.concurrency import verispec_loop
-from verispec.datasets import spec_bench_problems
-from verispec.drafters import build_drafter
-from verispec.methods import resolve
 
 WAYS = ("one by one", "four calls")
 
@@ -50,26 +44,8 @@ def main() -> None:
             print(f"forward, {seqs} sequences x {rows} rows, 400 entries: one by one {a:.2f} ms, four calls {b:.2f} ms "
                   f"({a / b:.3f}x), logits equal: {same}", flush=True)
 
-        drafter = build_drafter("auto", target)
-        problems = spec_bench_problems(args.limit)
-        ids = [target.encode_prompt(p.prompt, chat=p.chat) for p in problems]
-        for method in args.methods:
-            plan = resolve(method, temperature=0.0)
-            for n in args.concurrency:
-                verispec_loop(target, plan, drafter, problems[:n], ids[:n], n, 0.0, 0, 16)  # warm: costs, kernels
-                rates: dict[str, list[float]] = {name: [] for name in WAYS}
-                texts = {}
-                for r in range(args.rounds):
-                    for name in (WAYS if r % 2 == 0 else WAYS[::-1]):
-                        switch(name)
-                        t0 = time.perf_counter()
-                        reqs = verispec_loop(target, plan, drafter, problems, ids, n, 0.0, 0, args.max_new_tokens)
-                        rates[name].append(sum(len(q.token_ids) for q in reqs) / (time.perf_counter() - t0))
-                        texts[name] = [q.token_ids for q in reqs]
-                a, b = (statistics.mean(rates[name]) for name in WAYS)
-                print(f"{method}, N = {n}, T = 0: one by one {a:.1f}, four calls {b:.1f} tokens/s ({b / a:.3f}x; "
-                      f"rounds {[round(x, 1) for x in rates[WAYS[0]]]} / {[round(x, 1) for x in rates[WAYS[1]]]}), "
-                      f"same tokens: {texts[WAYS[0]] == texts[WAYS[1]]}", flush=True)
+        loops_in_turns(target, {name: lambda name=name: switch(name) for name in WAYS}, args.methods,
+                       args.concurrency, args.limit, args.max_new_tokens, args.rounds)
     finally:
         lean.LeanLlama._native_calls = joint
 

@@ -17,13 +17,9 @@ import time
 
 import torch
 
-from forward_turns import forwards_in_turns  # this folder's helper (scripts/experiments/forward_turns.py)
+from forward_turns import forwards_in_turns, loops_in_turns  # scripts/experiments/forward_turns.py
 from verispec import load
 from verispec.backends import native
-from verispec.bench.concurrency import verispec_loop
-from verispec.datasets import spec_bench_problems
-from verispec.drafters import build_drafter
-from verispec.methods import resolve
 
 
 def median_ms(times: list[float], skip: int = 0) -> float:
@@ -73,26 +69,8 @@ def main() -> None:
             print(f"forward, {seqs} sequences x {rows} rows, 400 entries: 256-bit {a:.1f} ms, 512-bit {b:.1f} ms "
                   f"({a / b:.2f}x), logits equal: {same}", flush=True)
 
-        drafter = build_drafter("auto", target)
-        problems = spec_bench_problems(args.limit)
-        ids = [target.encode_prompt(p.prompt, chat=p.chat) for p in problems]
-        for method in args.methods:
-            plan = resolve(method, temperature=0.0)
-            for n in args.concurrency:
-                verispec_loop(target, plan, drafter, problems[:n], ids[:n], n, 0.0, 0, 16)  # warm: costs, kernels
-                rates: dict[str, list[float]] = {name: [] for name in builds}
-                texts = {}
-                for r in range(2):
-                    for name in turns(r):
-                        switch(name)
-                        t0 = time.perf_counter()
-                        reqs = verispec_loop(target, plan, drafter, problems, ids, n, 0.0, 0, args.max_new_tokens)
-                        rates[name].append(sum(len(q.token_ids) for q in reqs) / (time.perf_counter() - t0))
-                        texts[name] = [q.token_ids for q in reqs]
-                a, b = (statistics.mean(rates[name]) for name in builds)
-                print(f"{method}, N = {n}, T = 0: 256-bit {a:.1f}, 512-bit {b:.1f} tokens/s ({b / a:.3f}x; rounds "
-                      f"{[round(x, 1) for x in rates['256-bit']]} / {[round(x, 1) for x in rates['512-bit']]}), "
-                      f"same tokens: {texts['256-bit'] == texts['512-bit']}", flush=True)
+        loops_in_turns(target, {name: functools.partial(switch, name) for name in builds}, args.methods,
+                       args.concurrency, args.limit, args.max_new_tokens)
     finally:
         native.linear = use
 
