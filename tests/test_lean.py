@@ -320,3 +320,65 @@ def test_a_layers_linear_layers_run_as_four_native_calls_with_each_layers_own_re
 
         first.mlp.up_proj._verispec_plan = (0,) * 18  # a layer on another plan (the stock kernel): one by one
         assert lean._native_calls(lean._parts(), 1) is None
+
+
+def _own_cache_steps(model) -> list[torch.Tensor]:
+    """Logits and features of one sequence on its own cache (no pool): its prompt, then trees of 1, 4 and 2 rows."""
+    g = torch.Generator().manual_seed(2)
+    state = model.new_state()
+    out = model.prefill_output(state, torch.randint(3, 90, (12,), generator=g).tolist(), features=FEATURES)
+    outs = [out.logits, out.hidden]
+    for tree in (Tree.root_only(), Tree.chain(3), Tree.chain(1)):
+        tokens = torch.randint(3, 90, (tree.size,), generator=g)
+        (got,) = model.forward_batch([state], [tokens], [state.committed + torch.tensor(tree.depths)],
+                                     [tree.ancestors_mask()], features=FEATURES)
+        outs += [got.logits, got.hidden]
+        model.commit(state, [0, 1] if tree.size > 1 else [0])
+    return outs
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_every_decoder_layer_runs_in_one_native_call_bit_for_bit_as_the_python_loop(kind):
+    """In float32, where the float32 attention kernel serves every sequence of a forward (a pooled batch of short
+    sequences, or one sequence on its own cache), the lean forward runs all its decoder layers in one native call
+    (``native.layer``): logits and features equal the Python loop's bit for bit, for prompts, trees and pooled batches;
+    a prompt chunk beyond the pooled rows, and a group whose weights are GGUF blocks of different formats, keep the
+    loop; after a weight changes in place the call follows it."""
+    from verispec.backends import native
+
+    if native.layer() is None:
+        pytest.skip("the native decoder layer kernel cannot be built here (a C++ compiler, ninja, AVX2, FMA and F16C)")
+    model, _ = pair(kind, head_dim=64)
+    lean = model._lean
+    kernel, ran = lean.layers_kernel, []
+
+    class Spy:
+        def layers(self, x, *rest):
+            ran.append(x.shape[0])
+            return kernel.layers(x, *rest)
+
+    def both():
+        lean.layers_kernel = Spy()
+        ran.clear()
+        pool = model.state_pool(3, 96)
+        fused = _forward_everything(model, pool) + _own_cache_steps(model)
+        calls = list(ran)
+        lean.layers_kernel = None
+        loop = _forward_everything(model, pool) + _own_cache_steps(model)
+        lean.layers_kernel = kernel
+        assert len(fused) == len(loop) == 32
+        assert all(torch.equal(a, b) for a, b in zip(fused, loop))
+        return fused, calls
+
+    with torch.inference_mode():
+        fused, calls = both()
+        # the prompts of 9 and 16 rows, steps of 3 x 1 and 3 x 3 rows pooled; alone: a prompt of 12, trees of 1, 4, 2
+        assert calls == [9, 16, 3, 9, 12, 1, 4, 2]
+        first = model.hf.model.layers[0]
+        first.self_attn.k_proj.weight.mul_(1.5)  # changed in place: the call reads the new panels
+        changed, calls = both()
+        assert not torch.equal(changed[0], fused[0]) and len(calls) == 8
+        first.self_attn.q_proj.weight.copy_(gguf_weight("q8_0", 256, 256, seed=5))  # q, k of two block formats
+        first.self_attn.k_proj.weight.copy_(gguf_weight("q4_1", 128, 256, seed=6))
+        _, calls = both()
+        assert calls == []

@@ -126,7 +126,7 @@ def _linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
 class LeanLlama:
     """The forward of a Llama-architecture ``transformers`` model (see ``supports``) over explicit KV buffers."""
 
-    REVISION = 7  # raised when its arithmetic or its costs change: measured step costs are cached under it
+    REVISION = 8  # raised when its arithmetic or its costs change: measured step costs are cached under it
 
     TABLE = 8192  # rotary rows computed up front; positions beyond are computed per call
 
@@ -150,6 +150,9 @@ class LeanLlama:
         # float32 rotary positions in one native call where it builds (``native.rope``: torch's roundings)
         self.rotary = native.rope() if self.dtype == torch.float32 else None
         self._calls, self._stamp = None, None  # ``_native_calls``
+        # float32 decoder layers in one native call where it builds (``native.layer``: the loop below, bit for bit)
+        self.layers_kernel = native.layer() if self.dtype == torch.float32 and self.head_dim == 64 else None
+        self._layer_args = None  # ``_native_calls``: the panels, biases and widths ``layers_kernel`` takes
         self.cos, self.sin = self._rotary(torch.arange(min(self.TABLE, int(cfg.max_position_embeddings or self.TABLE))))
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,7 +280,7 @@ class LeanLlama:
         ``VERISPEC_STOCK_LINEAR``): the layers then run one by one (``_linear``)."""
         plan = parts[0][1].__dict__.get("_verispec_plan") if parts and self.dtype == torch.float32 else None
         if plan is None:  # no plan (any longer): no stacked panels kept either
-            self._calls = self._stamp = None
+            self._calls = self._stamp = self._layer_args = None
             return None
         if kernels.plan_entry(plan, rows) != kernels.NATIVE:
             return None
@@ -287,7 +290,41 @@ class LeanLlama:
             flat = kernels.native_calls([g for p in parts for g in (p[1:4], p[4:5], p[6:8], p[8:9])])
             self._calls = None if flat is None else [flat[i:i + 4] for i in range(0, len(flat), 4)]
             self._stamp = stamp
+            # ``layers_kernel`` takes one call a group (a group of GGUF blocks of several formats makes more)
+            none = torch.empty(0)
+            self._layer_args = None if flat is None or any(len(g) != 1 for g in flat) else (
+                [g[0][0] for g in flat], [none if g[0][2] is None else g[0][2] for g in flat],
+                [w for g in flat for w in g[0][3]])
         return self._calls
+
+    def _run_layers(self, x: torch.Tensor, parts: list, caches: list[LeanCache], pooled: dict | None, alone,
+                    fill: dict, masks: dict, limits: dict, cos: torch.Tensor, sin: torch.Tensor,
+                    keep: list[int]) -> list[torch.Tensor] | None:
+        """Every decoder layer in one call of ``layers_kernel`` (after ``_native_calls`` made its arguments), where the
+        float32 kernel attends for every sequence: a pooled batch of short sequences, or one sequence on its own
+        cache. Returns x after each layer in ``keep``, then after the last; None elsewhere (the Python loop runs)."""
+        if self.layers_kernel is None or self._layer_args is None:
+            return None
+        if pooled is not None and not alone:
+            bufs = (pooled["pool"].keys, pooled["pool"].values)
+            attend = (*pooled["fill"], pooled["visible"], pooled["limits"], pooled["span"])
+            after = None
+        elif pooled is None and len(caches) == 1 and fill[0] is not None:
+            layers = caches[0].layers
+            probe = x.new_empty(self.kv_heads, x.shape[0], self.head_dim)  # the new keys' shape, for the room
+            need = [layer.room(probe, self.head_dim) for layer in layers][0]
+            bufs = ([layer._kbuf for layer in layers], [layer._vbuf for layer in layers])
+            attend = (*fill[0], masks[0][None], limits[0], need)
+            after = need
+        else:
+            return None
+        norms = [p[k]._parameters["weight"] for p in parts for k in (0, 5)]
+        outs = self.layers_kernel.layers(x, norms, self.eps, *self._layer_args, self.heads, self.kv_heads, cos, sin,
+                                         *bufs, *attend, self.head_dim ** -0.5, keep)
+        if after is not None:
+            for layer in caches[0].layers:
+                layer._set_length(after)
+        return outs
 
     @staticmethod
     def _plain_causal(visible: torch.Tensor) -> bool:
@@ -418,7 +455,14 @@ class LeanLlama:
                 pooled["fill"] = tuple(pooled[name].to(torch.int32) for name in ("slot", "pos", "row"))
         parts = self._parts()
         calls = self._native_calls(parts, rows)
-        for i, (norm_in, q_proj, k_proj, v_proj, o_proj, norm_post, gate_proj, up_proj, down_proj) in enumerate(parts):
+        keep = sorted(i for i in want if 0 < i < self.n_layers)
+        ran = None if calls is None else self._run_layers(x, parts, caches, pooled, alone, fill, masks, limits, cos,
+                                                          sin, keep)
+        if ran is not None:
+            kept.update(zip(keep, ran))
+            x = ran[-1]
+        for i, (norm_in, q_proj, k_proj, v_proj, o_proj, norm_post, gate_proj, up_proj, down_proj) in \
+                enumerate(parts if ran is None else ()):
             h = self._rms(x, norm_in)
             if calls is None:
                 q, k, v = _linear(h, q_proj), _linear(h, k_proj), _linear(h, v_proj)

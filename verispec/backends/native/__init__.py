@@ -29,6 +29,7 @@ same results bit for bit, 4 to 16 rows faster.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
 import sys
@@ -43,6 +44,9 @@ LINEAR_NAME = "verispec_linear_v6"  # the same for linear.cpp
 LINEAR512_NAME = "verispec_linear512_v1"  # the same for linear.cpp's build with its 512-bit paths
 ATTENTION_F32_NAME = "verispec_attention_f32_v2"  # the same for attention_f32.cpp
 ROPE_NAME = "verispec_rope_v1"  # the same for rope.cpp
+# layer.cpp compiles linear.cpp, attention_f32.cpp and rope.cpp into itself: its builds are named by the four files'
+# contents (``layer_name``), so that a change to any of them builds it again
+LAYER_SOURCES = ("layer.cpp", "linear.cpp", "attention_f32.cpp", "rope.cpp")
 STALE_LOCK_S = 300  # a build takes about 30 s here: a lock file older than this was left by a build that was killed
 
 
@@ -129,3 +133,22 @@ def rope():
     """The built rotary kernel (``rope_``: float32 rotary positions in place, torch's roundings), or None where it
     cannot be built here."""
     return _build(ROPE_NAME, "rope.cpp", set(), ["-ffp-contract=off"], "rotary kernel")
+
+
+def layer_name() -> str:
+    """The name of ``layer()``'s build for this CPU (512-bit paths or not) and the sources it is made of."""
+    digest = hashlib.sha256(b"".join(Path(__file__).with_name(f).read_bytes() for f in LAYER_SOURCES)).hexdigest()
+    return f"verispec_layer{'512' if linear_avx512() is not None else ''}_{digest[:12]}"
+
+
+@functools.lru_cache(maxsize=None)
+def layer():
+    """The built float32 decoder layers (``layers``: a model's decoder layers in one call, the lean forward's Python
+    loop over the linear, rotary and attention kernels above and torch's norms bit for bit), built with the flags of
+    ``linear()``'s build; None where any of those kernels cannot be built or run here."""
+    if linear() is None or attention_f32() is None or rope() is None:
+        return None
+    wide = linear_avx512() is not None
+    flags = {"avx2", "fma", "f16c", *(AVX512 if wide else ())}
+    return _build(layer_name(), "layer.cpp", flags, ["-mavx2", "-mfma", "-mf16c", *(f"-m{f}" for f in AVX512 if wide),
+                                                    "-fopenmp"], "decoder layer kernel")

@@ -250,7 +250,9 @@ torch::Tensor append_attend(const torch::Tensor& q, const torch::Tensor& k_new, 
   return out;
 }
 
+#ifndef VERISPEC_NO_MODULE  // layer.cpp includes this file for its functions, under its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "softmax(scale * q . k + mask) . v over a float32 cache, per row in a fixed order");
   m.def("append_attend", &append_attend, "a step's new keys and values written into their buffers, then attend");
 }
+#endif

@@ -616,6 +616,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, int64_
   return y;
 }
 
+#ifndef VERISPEC_NO_MODULE  // layer.cpp includes this file for its functions, under its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "w [N, K] float32 -> panels [ceil(N/16), K, 16]");
   m.def("pack_half", &pack_half, "w [N, K] float32 -> float16 panels [ceil(N/16), K, 16] (rounded once)");
@@ -623,3 +624,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "w [N, K] float32 -> uint8 panels of Q4_1 or Q8_0 blocks giving w bit for bit, or an empty tensor");
   m.def("linear", &linear, "x [M, K] @ w^T + bias from pack()'s, pack_half()'s or pack_exact()'s panels");
 }
+#endif

@@ -40,6 +40,8 @@ void rope_(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin) 
   }
 }
 
+#ifndef VERISPEC_NO_MODULE  // layer.cpp includes this file for its functions, under its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "x * cos + rotate(x) * sin in place, as torch computes it");
 }
+#endif
