@@ -162,6 +162,15 @@ SPEED_CALLS_LEAD = (
     "1.11x [0.96, 1.24] / 1.09x [0.96, 1.19], `default` 1.30x [1.13, 1.45] / 1.14x [1.02, 1.23].",
 )
 
+# the same machine after the decoder layers ran in one native call (5ed62f4)
+RUNS["speed_layers"] = speed_run()
+SPEED_LAYERS_HEADING = "## Speed of the defaults on an AVX-512 CPU, after the decoder layers in one call (2026-12-06)"
+SPEED_LAYERS_LEAD = (
+    "The speed run of the first section on the same AVX-512 EPYC, at REV: after a float32 model's decoder layers "
+    "ran in one native call wherever the float32 attention kernel serves every sequence of a forward (5ed62f4; the "
+    "same logits bit for bit: design.md, \"The decoder layers in one call\"); the same head and tree.",
+)
+
 
 def hybrid_run() -> list[str]:
     """The default's draft against prompt lookup and the two switched per step (``hybrid``), all under ``auto``."""
@@ -1442,6 +1451,9 @@ def render() -> str:
     if path("speed_calls").exists():
         out += speed_section(Results.load(path("speed_calls")), figs, SPEED_CALLS_HEADING, SPEED_CALLS_LEAD,
                              tag="_calls")
+    if path("speed_layers").exists():
+        out += speed_section(Results.load(path("speed_layers")), figs, SPEED_LAYERS_HEADING, SPEED_LAYERS_LEAD,
+                             tag="_layers")
     for i, (run_name, tag, heading, lead) in enumerate(LATEST_LOOPS):
         if path(run_name).exists():
             out += concurrency_section(Results.load(path(run_name)), figs, heading, lead, tag=tag, explain=i == 0)

@@ -27,6 +27,9 @@ flat loop over the decoder layers:
   step's new keys and values into the buffers first and computes the batch's real rows only, in the layout the
   linear layers give and take (``append_attend``: no padded queries, transposes or key writes in Python); elsewhere,
   and for prompt chunks, torch's fused kernel;
+* in float32, where the float32 attention kernel serves every sequence of the forward (a pooled batch of short
+  sequences, or one on its own cache), all decoder layers in one native call (``native.layer``: the loop's kernels
+  and torch's norms, SiLU and sums in the loop's order, bit for bit, without its Python);
 * the attention of a pooled batch whose trees have several rows, where no native kernel runs, as two batched
   products (``_grouped_attention``) instead of torch's fused kernel, which costs about the rows times one row's there.
 

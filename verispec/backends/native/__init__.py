@@ -24,6 +24,10 @@ native_linear.py``): 1 row 20.7 ms against MKL's 33.2, 8 rows 24.9 against 50.8,
 (a prompt chunk beside 8 decoding rows) 178 against 210. On an AVX-512 CPU the same file is built with its 512-bit
 paths as well (``linear_avx512``; docs/design.md, "The default model's weights stream from their GGUF blocks"): the
 same results bit for bit, 4 to 16 rows faster.
+
+``layer()``: a float32 model's decoder layers in one call (``layer.cpp``, built with ``linear()``'s flags): the files
+above compiled into it and torch's norms, SiLU and sums called as the lean forward's Python loop calls them, so the
+same results bit for bit without some 20 Python calls a layer (docs/design.md, "The decoder layers in one call").
 """
 
 from __future__ import annotations
