@@ -1434,8 +1434,23 @@ LATEST_LOOPS = ((
     "concurrency_layers", "_layers",
     "Many requests at once on an AVX-512 CPU (float32), after the decoder layers in one call: `default` against "
     "`ar` in three rounds",
-    ("The three rounds of the run above at REV, on the same machine: after a float32 model's decoder layers ran in "
-     "one native call (5ed62f4; the same logits bit for bit: design.md, \"The decoder layers in one call\").",)))
+    ("The three rounds of the run above at aa33b54 (the code of 5ed62f4), on the same machine: after a float32 "
+     "model's decoder layers ran in one native call (5ed62f4; the same logits bit for bit: design.md, \"The decoder "
+     "layers in one call\").",
+     "How to read it. Not paired with the run above (another run, and the machine drifts between runs: Hugging "
+     "Face `generate` ran 12 % slower in this session's speed run than in the last one's). At N = 1 both loops got "
+     "faster, `ar` 69.4 -> 76.7 tokens/s and `default` 82.0 -> 84.7 at T = 0 (66.4 -> 69.9 and 69.3 -> 71.8 at "
+     "T = 0.6); at N = 8 neither did (`ar` 127.6 -> 123.0, `default` 126.5 -> 123.1), where a step's forward is "
+     "dearer and the prompts' prefill, which the change leaves alone, weighs more. `default` ran 1.10x [1.02, 1.21] "
+     "/ 1.03x [0.97, 1.09] `ar` at N = 1 (T = 0 / 0.6), 1.02x / 0.97x at N = 2, 0.94x [0.91, 0.97] / 0.89x "
+     "[0.82, 0.98] at N = 4 and 1.00x / 1.00x at N = 8, and 1.45x / 1.67x its own N = 1 at N = 8. The N = 4 cells "
+     "are below 1.0 in every round here (T = 0.6: `default` 108.1, 105.2, 102.1 against `ar`'s 114.2, 122.8, "
+     "116.0 tokens/s) and were in the run above too (0.90x at T = 0.6), but not outside the bench: alternated at "
+     "69858ba (`python scripts/experiments/ab_concurrency.py --methods ar default --concurrency 4 --temperature 0.6 "
+     "--pairs 4 --dtype float32`) per round 0.97, 1.02, 0.95, 1.10, so 1.01x [0.96, 1.06]; and one loop each at "
+     "aa33b54 (`python scripts/experiments/loop_split.py --concurrency 4 --temperature 0.6 --dtype float32`) "
+     "110.5 and 108.1 tokens/s (0.98x), its steps with all 4 in flight 17.1 against 17.7 ms for 4.00 and 4.05 "
+     "tokens. Greedy text is identical to the one-at-a-time loop for every request at every N.",)))
 
 
 def earlier_loops(figs: Path) -> list[str]:
