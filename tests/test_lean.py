@@ -382,3 +382,26 @@ def test_every_decoder_layer_runs_in_one_native_call_bit_for_bit_as_the_python_l
         first.self_attn.k_proj.weight.copy_(gguf_weight("q4_1", 128, 256, seed=6))
         _, calls = both()
         assert calls == []
+
+
+def test_the_native_rms_norm_is_a_rows_own_and_torchs_within_float_rounding():
+    """Where the decoder layer kernel builds, the lean forward's float32 RMS norm is its own (a fixed order of sums,
+    the same on the 256- and 512-bit builds): each row's result does not depend on the rows beside it, it is within
+    float rounding of torch's ``F.rms_norm``, and the loop and the one-call layers use it alike."""
+    from verispec.backends import native
+
+    kernel = native.layer()
+    if kernel is None:
+        pytest.skip("the native decoder layer kernel cannot be built here (a C++ compiler, ninja, AVX2, FMA and F16C)")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 576, generator=g) * torch.logspace(-3, 2, 37)[:, None]
+    w = torch.randn(576, generator=g)
+    out = kernel.rms_norm(x, w, 1e-5)
+    want = torch.nn.functional.rms_norm(x.double(), (576,), w.double(), 1e-5)
+    assert torch.allclose(out.double(), want, rtol=2e-6, atol=1e-6)
+    assert all(torch.equal(kernel.rms_norm(x[i:i + 1].clone(), w, 1e-5), out[i:i + 1]) for i in range(37))
+    assert not torch.equal(out, kernel.rms_norm(x, w, 1e-3))  # eps counts
+    model, _ = pair("llama", head_dim=64)
+    assert model._lean.norm_kernel is kernel
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        kernel.rms_norm(torch.ones(2, 12), torch.ones(12), 1e-5)

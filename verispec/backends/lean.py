@@ -29,7 +29,8 @@ flat loop over the decoder layers:
   and for prompt chunks, torch's fused kernel;
 * in float32, where the float32 attention kernel serves every sequence of the forward (a pooled batch of short
   sequences, or one on its own cache), all decoder layers in one native call (``native.layer``: the loop's kernels
-  and torch's norms, SiLU and sums in the loop's order, bit for bit, without its Python);
+  and norm, and torch's SiLU and sums in the loop's order, bit for bit, without its Python); where it builds, its RMS
+  norm serves the loop as well (a fixed order of sums, a row's own: within float rounding of torch's);
 * the attention of a pooled batch whose trees have several rows, where no native kernel runs, as two batched
   products (``_grouped_attention``) instead of torch's fused kernel, which costs about the rows times one row's there.
 
@@ -129,7 +130,7 @@ def _linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
 class LeanLlama:
     """The forward of a Llama-architecture ``transformers`` model (see ``supports``) over explicit KV buffers."""
 
-    REVISION = 8  # raised when its arithmetic or its costs change: measured step costs are cached under it
+    REVISION = 9  # raised when its arithmetic or its costs change: measured step costs are cached under it
 
     TABLE = 8192  # rotary rows computed up front; positions beyond are computed per call
 
@@ -155,6 +156,8 @@ class LeanLlama:
         self._calls, self._stamp = None, None  # ``_native_calls``
         # float32 decoder layers in one native call where it builds (``native.layer``: the loop below, bit for bit)
         self.layers_kernel = native.layer() if self.dtype == torch.float32 and self.head_dim == 64 else None
+        # its float32 RMS norm, in the loop too (``_rms``): one arithmetic for a row whichever way it goes
+        self.norm_kernel = self.layers_kernel if cfg.hidden_size % 8 == 0 else None
         self._layer_args = None  # ``_native_calls``: the panels, biases and widths ``layers_kernel`` takes
         self.cos, self.sin = self._rotary(torch.arange(min(self.TABLE, int(cfg.max_position_embeddings or self.TABLE))))
 
@@ -170,6 +173,8 @@ class LeanLlama:
         return LeanCache(self.n_layers)
 
     def _rms(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.norm_kernel is not None:  # the one the decoder layers' call runs
+            return self.norm_kernel.rms_norm(x, norm._parameters["weight"], self.eps)
         if x.dtype == torch.float32:  # one call, transformers' arithmetic: equal bit for bit (measured), no faster
             return F.rms_norm(x, (x.shape[-1],), norm.weight, self.eps)
         f = x.float()  # as transformers' RMSNorm: the statistics in float32, the product in the model's dtype
@@ -306,7 +311,7 @@ class LeanLlama:
         """Every decoder layer in one call of ``layers_kernel`` (after ``_native_calls`` made its arguments), where the
         float32 kernel attends for every sequence: a pooled batch of short sequences, or one sequence on its own
         cache. Returns x after each layer in ``keep``, then after the last; None elsewhere (the Python loop runs)."""
-        if self.layers_kernel is None or self._layer_args is None:
+        if self.layers_kernel is None or self.norm_kernel is None or self._layer_args is None:
             return None
         if pooled is not None and not alone:
             bufs = (pooled["pool"].keys, pooled["pool"].values)

@@ -51,7 +51,9 @@ ROPE_NAME = "verispec_rope_v1"  # the same for rope.cpp
 # layer.cpp compiles linear.cpp, attention_f32.cpp and rope.cpp into itself: its builds are named by the four files'
 # contents (``layer_name``), so that a change to any of them builds it again
 LAYER_SOURCES = ("layer.cpp", "linear.cpp", "attention_f32.cpp", "rope.cpp")
-STALE_LOCK_S = 300  # a build takes about 30 s here: a lock file older than this was left by a build that was killed
+# a build takes 30-120 s here (``layer()``'s the longest): a lock file older than this was left by a build that was
+# killed
+STALE_LOCK_S = 300
 
 
 def clear_stale_lock(build_dir: Path, now: float) -> bool:
@@ -68,7 +70,7 @@ def clear_stale_lock(build_dir: Path, now: float) -> bool:
     return True
 
 
-def _build(name: str, source: str, flags: set[str], cflags: list[str], what: str):
+def _build(name: str, source: str, flags: set[str], cflags: list[str], what: str, seconds: int = 30):
     """The extension ``name`` built from ``source`` (next to this file), or None where this CPU lacks ``flags``, there
     is no compiler or ninja, the build fails or ``VERISPEC_NO_NATIVE`` is set."""
     if os.environ.get(DISABLE) or not flags <= cpu_flags() or shutil.which("ninja") is None \
@@ -80,7 +82,7 @@ def _build(name: str, source: str, flags: set[str], cflags: list[str], what: str
         build_dir = Path(_get_build_directory(name, False))
         clear_stale_lock(build_dir, time.time())
         if not list(build_dir.glob(f"{name}*.so")):
-            print(f"verispec: building the native {what} (once, about 30 s)", file=sys.stderr, flush=True)
+            print(f"verispec: building the native {what} (once, about {seconds} s)", file=sys.stderr, flush=True)
         return load(name, [str(Path(__file__).with_name(source))], extra_cflags=["-O3", *cflags],
                     extra_ldflags=[f for f in cflags if f == "-fopenmp"], verbose=False)
     except Exception:  # noqa: BLE001 - any failure to build means the pure-torch path
@@ -155,4 +157,4 @@ def layer():
     wide = linear_avx512() is not None
     flags = {"avx2", "fma", "f16c", *(AVX512 if wide else ())}
     return _build(layer_name(), "layer.cpp", flags, ["-mavx2", "-mfma", "-mf16c", *(f"-m{f}" for f in AVX512 if wide),
-                                                    "-fopenmp"], "decoder layer kernel")
+                                                    "-fopenmp"], "decoder layer kernel", seconds=120)

@@ -3,10 +3,10 @@
 // call, the rotary positions of the queries and keys, the step's keys and values written and every row's attention,
 // o and the residual, the second norm, gate and up as one call, SiLU times up, down and the residual. The same
 // functions on the same tensors as the Python loop it replaces (``LeanLlama.forward_batch`` with ``_native_calls``):
-// the linear, attention and rotary kernels are those files' own code, compiled into this one, and the norms, SiLU,
-// products and sums are torch's own operators, called as the loop calls them (``at::rms_norm`` is what
-// ``F.rms_norm`` runs; a strided view stays strided). So the results are the loop's bit for bit, without the Python
-// of some 20 operations a layer, and with the interpreter's lock released while it runs.
+// the linear, attention and rotary kernels are those files' own code, compiled into this one; the norms are this
+// file's ``rms_norm``, which the loop calls too; SiLU, products and sums are torch's own operators, called as the
+// loop calls them (a strided view stays strided). So the results are the loop's bit for bit, without the Python of
+// some 20 operations a layer, and with the interpreter's lock released while it runs.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -40,7 +40,40 @@ Tensor linear(const Tensor& x, const Tensor& panels, int64_t n, const Tensor& bi
   return vs_linear::linear(x, panels, n, bias.numel() ? c10::optional<Tensor>(bias) : c10::nullopt);
 }
 
+// One row's norm: (x * r) * w with r = 1 / sqrt(sum(x * x) / D + eps). The sum of squares runs in eight lanes, lane
+// j summing elements j, j + 8, ... in order with fused multiply-adds, the lanes then added as ((0 + 1) + (2 + 3)) +
+// ((4 + 5) + (6 + 7)): the same result on every CPU this file builds for, whatever rows come with it.
+inline void rms_row(const float* x, const float* w, float* y, int64_t D, float eps) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < D; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  alignas(32) float lane[8];
+  _mm256_store_ps(lane, acc);
+  const float sum = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+  const __m256 r = _mm256_set1_ps(1.0f / std::sqrt(sum / static_cast<float>(D) + eps));
+  for (int64_t i = 0; i < D; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), r), _mm256_loadu_ps(w + i)));
+}
+
 }  // namespace
+
+// The lean forward's float32 RMS norm of every row of ``x`` [R, D] (contiguous float32, D a multiple of 8) with the
+// weight ``w`` [D] (``rms_row``): in the layers below and in the Python loop alike, so both give the same results.
+Tensor rms_norm(const Tensor& x, const Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.size(1) % 8 == 0,
+              "x: contiguous float32 [R, D], D a multiple of 8");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.scalar_type() == torch::kFloat && w.is_contiguous(),
+              "w: contiguous float32 [D]");
+  const int64_t R = x.size(0), D = x.size(1);
+  auto y = torch::empty_like(x);
+  const float* xd = x.data_ptr<float>();
+  const float* wd = w.data_ptr<float>();
+  float* yd = y.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) rms_row(xd + r * D, wd, yd + r * D, D, static_cast<float>(eps));
+  return y;
+}
 
 // ``x`` [R, D] float32 (contiguous) through L decoder layers. Per layer l: ``norms`` [2l], [2l + 1] the input and
 // post-attention norms' weights; ``panels`` [4l .. 4l + 3] the native kernel's panels of q, k and v stacked, o, gate
@@ -66,7 +99,7 @@ std::vector<Tensor> layers(Tensor x, const std::vector<Tensor>& norms, double ep
     const int64_t* w = widths.data() + 7 * l;
     TORCH_CHECK(w[0] == heads * vs_attention::HD && w[1] == kv_heads * vs_attention::HD && w[2] == w[1],
                 "q, k and v: heads x 64 wide");
-    Tensor h = at::rms_norm(x, {D}, norms[2 * l], eps);
+    Tensor h = rms_norm(x, norms[2 * l], eps);
     std::vector<Tensor> qkv = linear(h, panels[4 * l], w[0] + w[1] + w[2], biases[4 * l]).split({w[0], w[1], w[2]}, 1);
     Tensor q = qkv[0].contiguous().view({R, heads, vs_attention::HD});
     Tensor k = qkv[1].contiguous().view({R, kv_heads, vs_attention::HD});
@@ -77,7 +110,7 @@ std::vector<Tensor> layers(Tensor x, const std::vector<Tensor>& norms, double ep
     Tensor vb = vbufs[l].dim() == 3 ? vbufs[l].unsqueeze(0) : vbufs[l];
     Tensor o = vs_attention::append_attend(q, k, v, kb, vb, slot, pos, row, visible, limits, span, scale);
     x = x + linear(o.view({R, heads * vs_attention::HD}), panels[4 * l + 1], w[3], biases[4 * l + 1]);
-    h = at::rms_norm(x, {D}, norms[2 * l + 1], eps);
+    h = rms_norm(x, norms[2 * l + 1], eps);
     std::vector<Tensor> gu = linear(h, panels[4 * l + 2], w[4] + w[5], biases[4 * l + 2]).split({w[4], w[5]}, 1);
     x = x + linear(at::silu(gu[0]) * gu[1], panels[4 * l + 3], w[6], biases[4 * l + 3]);
     if (next < keep.size() && keep[next] == l + 1) {
@@ -90,6 +123,7 @@ std::vector<Tensor> layers(Tensor x, const std::vector<Tensor>& norms, double ep
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "the lean forward's float32 RMS norm of each row, in a fixed order");
   m.def("layers", &layers, "float32 decoder layers: norms, linear calls, rotary positions, attention, residuals",
         py::call_guard<py::gil_scoped_release>());
 }
