@@ -187,6 +187,15 @@ SPEED_LAYERS_LEAD = (
     "78.1 against 85.7, so tokens/s compare within a run only.",
 )
 
+# the same machine after the lean forward's own RMS norm (5d18cb3)
+RUNS["speed_norm"] = speed_run()
+SPEED_NORM_HEADING = "## Speed of the defaults on an AVX-512 CPU, after the lean forward's own norm (2026-12-06)"
+SPEED_NORM_LEAD = (
+    "The speed run of the first section on the same AVX-512 EPYC, at REV: after the lean forward's float32 RMS norm "
+    "became its own (5d18cb3: new roundings, within float rounding of torch's; design.md, \"The lean forward's own "
+    "RMS norm\"); the same head and tree.",
+)
+
 
 def hybrid_run() -> list[str]:
     """The default's draft against prompt lookup and the two switched per step (``hybrid``), all under ``auto``."""
@@ -1492,6 +1501,9 @@ def render() -> str:
     if path("speed_layers").exists():
         out += speed_section(Results.load(path("speed_layers")), figs, SPEED_LAYERS_HEADING, SPEED_LAYERS_LEAD,
                              tag="_layers")
+    if path("speed_norm").exists():
+        out += speed_section(Results.load(path("speed_norm")), figs, SPEED_NORM_HEADING, SPEED_NORM_LEAD,
+                             tag="_norm")
     for i, (run_name, tag, heading, lead) in enumerate(LATEST_LOOPS):
         if path(run_name).exists():
             out += concurrency_section(Results.load(path(run_name)), figs, heading, lead, tag=tag, explain=i == 0)
