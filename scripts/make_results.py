@@ -1520,18 +1520,12 @@ def render() -> str:
     for run_name in ("speed", "speed_bf16"):
         if path(run_name).exists():
             out += speed_section(Results.load(path(run_name)), figs)
-    if path("speed_avx512").exists():
-        out += speed_section(Results.load(path("speed_avx512")), figs, SPEED_AVX512_HEADING, SPEED_AVX512_LEAD,
-                             tag="_avx512")
-    if path("speed_calls").exists():
-        out += speed_section(Results.load(path("speed_calls")), figs, SPEED_CALLS_HEADING, SPEED_CALLS_LEAD,
-                             tag="_calls")
-    if path("speed_layers").exists():
-        out += speed_section(Results.load(path("speed_layers")), figs, SPEED_LAYERS_HEADING, SPEED_LAYERS_LEAD,
-                             tag="_layers")
-    if path("speed_norm").exists():
-        out += speed_section(Results.load(path("speed_norm")), figs, SPEED_NORM_HEADING, SPEED_NORM_LEAD,
-                             tag="_norm")
+    for run_name, heading, lead in (("speed_avx512", SPEED_AVX512_HEADING, SPEED_AVX512_LEAD),
+                                     ("speed_calls", SPEED_CALLS_HEADING, SPEED_CALLS_LEAD),
+                                     ("speed_layers", SPEED_LAYERS_HEADING, SPEED_LAYERS_LEAD),
+                                     ("speed_norm", SPEED_NORM_HEADING, SPEED_NORM_LEAD)):  # the AVX-512 EPYC's runs
+        if path(run_name).exists():
+            out += speed_section(Results.load(path(run_name)), figs, heading, lead, tag=run_name[len("speed"):])
     for i, (run_name, tag, heading, lead) in enumerate(LATEST_LOOPS):
         if path(run_name).exists():
             out += concurrency_section(Results.load(path(run_name)), figs, heading, lead, tag=tag, explain=i == 0)
