@@ -88,7 +88,7 @@ std::vector<Tensor> layers(Tensor x, const std::vector<Tensor>& norms, double ep
                            const std::vector<Tensor>& vbufs, const Tensor& slot, const Tensor& pos, const Tensor& row,
                            const Tensor& visible, const Tensor& limits, int64_t span, double scale,
                            const std::vector<int64_t>& keep) {
-  const int64_t L = static_cast<int64_t>(kbufs.size()), R = x.size(0), D = x.size(1);
+  const int64_t L = static_cast<int64_t>(kbufs.size()), R = x.size(0);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous float32 [R, D]");
   TORCH_CHECK(static_cast<int64_t>(vbufs.size()) == L && static_cast<int64_t>(norms.size()) == 2 * L &&
               static_cast<int64_t>(panels.size()) == 4 * L && static_cast<int64_t>(biases.size()) == 4 * L &&
