@@ -405,3 +405,34 @@ def test_the_native_rms_norm_is_a_rows_own_and_torchs_within_float_rounding():
     assert model._lean.norm_kernel is kernel
     with pytest.raises(RuntimeError, match="multiple of 8"):
         kernel.rms_norm(torch.ones(2, 12), torch.ones(12), 1e-5)
+
+
+def test_the_native_silu_times_up_is_a_rows_own_and_torchs_within_float_rounding():
+    """Where the decoder layer kernel builds, the lean forward's float32 SiLU(gate) * up is its own (a fixed
+    arithmetic, the same on the 256- and 512-bit builds): within float rounding of the exact value over the range
+    activations take, each row's result its own, views of one output read as they are, and a width that is not a
+    multiple of eight computed as the rest."""
+    from verispec.backends import native
+
+    kernel = native.layer()
+    if kernel is None:
+        pytest.skip("the native decoder layer kernel cannot be built here (a C++ compiler, ninja, AVX2, FMA and F16C)")
+    g = torch.Generator().manual_seed(5)
+    gate = torch.randn(37, 1536, generator=g) * torch.logspace(-3, 1.5, 37)[:, None]
+    up = torch.randn(37, 1536, generator=g)
+    out = kernel.silu_mul(gate, up)
+    exact = torch.nn.functional.silu(gate.double()) * up.double()
+    assert ((out.double() - exact).abs() <= 4e-7 * exact.abs() + 1e-30).all()
+    sweep = torch.linspace(-80, 80, 100_001)[None]
+    exact = torch.nn.functional.silu(sweep.double())
+    assert ((kernel.silu_mul(sweep, torch.ones_like(sweep)).double() - exact).abs() <= 4e-7 * exact.abs()).all()
+    assert all(torch.equal(kernel.silu_mul(gate[i:i + 1].clone(), up[i:i + 1].clone()), out[i:i + 1])
+               for i in range(37))
+    both = torch.cat([gate, up], dim=1)  # gate and up as views of one output, as the linear kernel gives them
+    assert torch.equal(kernel.silu_mul(*both.split(1536, dim=1)), out)
+    odd = kernel.silu_mul(gate[:, :13].contiguous(), up[:, :13].contiguous())
+    assert torch.equal(odd[:, :8], out[:, :8]) and torch.equal(odd, kernel.silu_mul(gate[:, :13], up[:, :13]))
+    assert torch.allclose(odd[:, 8:].double(), torch.nn.functional.silu(gate[:, 8:13].double()) * up[:, 8:13].double(),
+                          rtol=4e-7, atol=1e-30)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        kernel.silu_mul(gate.t(), up.t())

@@ -130,7 +130,7 @@ def _linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
 class LeanLlama:
     """The forward of a Llama-architecture ``transformers`` model (see ``supports``) over explicit KV buffers."""
 
-    REVISION = 9  # raised when its arithmetic or its costs change: measured step costs are cached under it
+    REVISION = 10  # raised when its arithmetic or its costs change: measured step costs are cached under it
 
     TABLE = 8192  # rotary rows computed up front; positions beyond are computed per call
 
@@ -179,6 +179,13 @@ class LeanLlama:
             return F.rms_norm(x, (x.shape[-1],), norm.weight, self.eps)
         f = x.float()  # as transformers' RMSNorm: the statistics in float32, the product in the model's dtype
         return norm.weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    def _act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) * up: the float32 arithmetic of the decoder layers' call where it builds, so that a row has one
+        arithmetic whichever way it goes; else torch's."""
+        if gate.dtype == torch.float32 and self.norm_kernel is not None:
+            return self.norm_kernel.silu_mul(gate, up)
+        return F.silu(gate) * up
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x [R, heads, head dim]`` at the rows' rotary ``cos`` and ``sin`` ``[R, head dim]``; a fresh float32 ``x``
@@ -499,12 +506,12 @@ class LeanLlama:
             if calls is None:
                 x = x + _linear(attended.to(self.dtype), o_proj)
                 h = self._rms(x, norm_post)
-                x = x + _linear(F.silu(_linear(h, gate_proj)) * _linear(h, up_proj), down_proj)
+                x = x + _linear(self._act(_linear(h, gate_proj), _linear(h, up_proj)), down_proj)
             else:
                 x = x + kernels.run_native(calls[i][1], attended)[0]
                 h = self._rms(x, norm_post)
                 gate, up = kernels.run_native(calls[i][2], h)
-                x = x + kernels.run_native(calls[i][3], F.silu(gate) * up)[0]
+                x = x + kernels.run_native(calls[i][3], self._act(gate, up))[0]
             if i + 1 in want and i + 1 < self.n_layers:
                 kept[i + 1] = x
         if pooled is not None:

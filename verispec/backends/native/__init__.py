@@ -26,9 +26,9 @@ paths as well (``linear_avx512``; docs/design.md, "The default model's weights s
 same results bit for bit, 4 to 16 rows faster.
 
 ``layer()``: a float32 model's decoder layers in one call (``layer.cpp``, built with ``linear()``'s flags): the files
-above compiled into it, its own RMS norm (``rms_norm``, which the lean forward's Python loop calls too) and torch's
-SiLU and sums called as the loop calls them, so the loop's results bit for bit without some 20 Python calls a layer
-(docs/design.md, "The decoder layers in one call", "The lean forward's own RMS norm").
+above compiled into it, its own RMS norm and SiLU(gate) * up (``rms_norm``, ``silu_mul``, which the lean forward's
+Python loop calls too) and the residual sums in place, so the loop's results bit for bit without some 20 Python calls
+a layer (docs/design.md, "The decoder layers in one call", "The lean forward's own RMS norm").
 """
 
 from __future__ import annotations
@@ -151,7 +151,8 @@ def layer_name() -> str:
 @functools.lru_cache(maxsize=None)
 def layer():
     """The built float32 decoder layers (``layers``: a model's decoder layers in one call, the lean forward's Python
-    loop over the linear, rotary and attention kernels above bit for bit; ``rms_norm``: the float32 norm both use),
+    loop over the linear, rotary and attention kernels above bit for bit; ``rms_norm`` and ``silu_mul``: the float32
+    norm and SiLU(gate) * up both use),
     built with the flags of ``linear()``'s build; None where any of those kernels cannot be built or run here."""
     if linear() is None or attention_f32() is None or rope() is None:
         return None

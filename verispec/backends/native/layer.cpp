@@ -3,10 +3,11 @@
 // call, the rotary positions of the queries and keys, the step's keys and values written and every row's attention,
 // o and the residual, the second norm, gate and up as one call, SiLU times up, down and the residual. The same
 // functions on the same tensors as the Python loop it replaces (``LeanLlama.forward_batch`` with ``_native_calls``):
-// the linear, attention and rotary kernels are those files' own code, compiled into this one; the norms are this
-// file's ``rms_norm``, which the loop calls too; SiLU, products and sums are torch's own operators, called as the
-// loop calls them (a strided view stays strided). So the results are the loop's bit for bit, without the Python of
-// some 20 operations a layer, and with the interpreter's lock released while it runs.
+// the linear, attention and rotary kernels are those files' own code, compiled into this one; the norms and SiLU
+// times up are this file's ``rms_norm`` and ``silu_mul``, which the loop calls too; the residual sums are IEEE sums
+// in place, torch's ``x + y`` bit for bit. So the results are the loop's bit for bit, without the Python of some 20
+// operations a layer nor torch's operators between the kernels, and with the interpreter's lock released while it
+// runs.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -57,7 +58,81 @@ inline void rms_row(const float* x, const float* w, float* y, int64_t D, float e
     _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), r), _mm256_loadu_ps(w + i)));
 }
 
+// x += y for contiguous float32 tensors of one shape: IEEE sums, the same bits as torch's ``x + y``.
+void add_into(Tensor& x, const Tensor& y) {
+  TORCH_CHECK(y.is_contiguous() && y.sizes() == x.sizes(), "a residual of the stream's shape");
+  float* xd = x.data_ptr<float>();
+  const float* yd = y.data_ptr<float>();
+  for (int64_t i = 0, n = x.numel(); i < n; ++i) xd[i] += yd[i];
+}
+
 }  // namespace
+
+// SiLU of the gate times up, e^-g by a fixed arithmetic (below) without contraction: the same results on the 256- and
+// 512-bit builds and for a row whatever rows come with it.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+namespace {
+
+// e^x for x in [-87.3, 88.3] (inputs beyond are clamped there): n = round(x log2 e), r = x - n ln 2 in two parts, e^r
+// by Cephes' degree-7 polynomial, times 2^n built in the exponent bits. Within 2 units in the last place of e^x.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// Eight gates g and ups u: g / (1 + e^-g) * u.
+inline __m256 silu_mul8(__m256 g, __m256 u) {
+  const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
+}
+
+// Rows of F gates and ups (``g``, ``u`` with row strides ``gs``, ``us``) into ``y`` [R, F]; a tail of fewer than eight
+// runs through the same eight-wide arithmetic on a padded copy.
+void silu_mul_rows(const float* g, int64_t gs, const float* u, int64_t us, float* y, int64_t R, int64_t F) {
+  const int64_t whole = F - F % 8;
+  for (int64_t r = 0; r < R; ++r) {
+    const float* gr = g + r * gs;
+    const float* ur = u + r * us;
+    float* yr = y + r * F;
+    for (int64_t i = 0; i < whole; i += 8)
+      _mm256_storeu_ps(yr + i, silu_mul8(_mm256_loadu_ps(gr + i), _mm256_loadu_ps(ur + i)));
+    if (whole < F) {
+      alignas(32) float a[8] = {0}, b[8] = {0}, c[8];
+      std::memcpy(a, gr + whole, (F - whole) * sizeof(float));
+      std::memcpy(b, ur + whole, (F - whole) * sizeof(float));
+      _mm256_store_ps(c, silu_mul8(_mm256_load_ps(a), _mm256_load_ps(b)));
+      std::memcpy(yr + whole, c, (F - whole) * sizeof(float));
+    }
+  }
+}
+
+}  // namespace
+#pragma GCC pop_options
+
+// The lean forward's float32 SiLU(gate) * up (``silu_mul_rows``) of ``gate``, ``up`` [R, F] (float32, each row
+// contiguous; views of one output are fine): in the layers below and in the Python loop alike.
+Tensor silu_mul(const Tensor& gate, const Tensor& up) {
+  TORCH_CHECK(gate.dim() == 2 && up.sizes() == gate.sizes() && gate.scalar_type() == torch::kFloat &&
+              up.scalar_type() == torch::kFloat && gate.stride(1) == 1 && up.stride(1) == 1,
+              "gate, up: float32 [R, F] with contiguous rows");
+  auto y = torch::empty(gate.sizes(), gate.options());
+  silu_mul_rows(gate.data_ptr<float>(), gate.stride(0), up.data_ptr<float>(), up.stride(0), y.data_ptr<float>(),
+                gate.size(0), gate.size(1));
+  return y;
+}
 
 // The lean forward's float32 RMS norm of every row of ``x`` [R, D] (contiguous float32, D a multiple of 8) with the
 // weight ``w`` [D] (``rms_row``): in the layers below and in the Python loop alike, so both give the same results.
@@ -93,6 +168,10 @@ std::vector<Tensor> layers(Tensor x, const std::vector<Tensor>& norms, double ep
   TORCH_CHECK(static_cast<int64_t>(vbufs.size()) == L && static_cast<int64_t>(norms.size()) == 2 * L &&
               static_cast<int64_t>(panels.size()) == 4 * L && static_cast<int64_t>(biases.size()) == 4 * L &&
               static_cast<int64_t>(widths.size()) == 7 * L, "per layer: 2 norms, 4 panels and biases, 7 widths");
+  for (int64_t l = 0; l < L; ++l)
+    TORCH_CHECK(widths[7 * l + 4] == widths[4] && widths[7 * l + 5] == widths[4], "every gate and up as wide");
+  x = x.clone();  // the residual stream, added into in place (the caller's x stays as it was)
+  Tensor act = torch::empty({R, L ? widths[4] : 0}, x.options());  // SiLU(gate) * up, every layer's in turn
   std::vector<Tensor> out;
   size_t next = 0;
   for (int64_t l = 0; l < L; ++l) {
@@ -109,12 +188,14 @@ std::vector<Tensor> layers(Tensor x, const std::vector<Tensor>& norms, double ep
     Tensor kb = kbufs[l].dim() == 3 ? kbufs[l].unsqueeze(0) : kbufs[l];
     Tensor vb = vbufs[l].dim() == 3 ? vbufs[l].unsqueeze(0) : vbufs[l];
     Tensor o = vs_attention::append_attend(q, k, v, kb, vb, slot, pos, row, visible, limits, span, scale);
-    x = x + linear(o.view({R, heads * vs_attention::HD}), panels[4 * l + 1], w[3], biases[4 * l + 1]);
+    add_into(x, linear(o.view({R, heads * vs_attention::HD}), panels[4 * l + 1], w[3], biases[4 * l + 1]));
     h = rms_norm(x, norms[2 * l + 1], eps);
-    std::vector<Tensor> gu = linear(h, panels[4 * l + 2], w[4] + w[5], biases[4 * l + 2]).split({w[4], w[5]}, 1);
-    x = x + linear(at::silu(gu[0]) * gu[1], panels[4 * l + 3], w[6], biases[4 * l + 3]);
+    const Tensor gu = linear(h, panels[4 * l + 2], w[4] + w[5], biases[4 * l + 2]);
+    silu_mul_rows(gu.data_ptr<float>(), w[4] + w[5], gu.data_ptr<float>() + w[4], w[4] + w[5],
+                  act.data_ptr<float>(), R, w[4]);
+    add_into(x, linear(act, panels[4 * l + 3], w[6], biases[4 * l + 3]));
     if (next < keep.size() && keep[next] == l + 1) {
-      out.push_back(x);
+      out.push_back(x.clone());
       ++next;
     }
   }
@@ -124,6 +205,7 @@ std::vector<Tensor> layers(Tensor x, const std::vector<Tensor>& norms, double ep
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "the lean forward's float32 RMS norm of each row, in a fixed order");
+  m.def("silu_mul", &silu_mul, "the lean forward's float32 SiLU(gate) * up, in a fixed arithmetic");
   m.def("layers", &layers, "float32 decoder layers: norms, linear calls, rotary positions, attention, residuals",
         py::call_guard<py::gil_scoped_release>());
 }
