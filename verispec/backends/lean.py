@@ -28,9 +28,10 @@ flat loop over the decoder layers:
   linear layers give and take (``append_attend``: no padded queries, transposes or key writes in Python); elsewhere,
   and for prompt chunks, torch's fused kernel;
 * in float32, where the float32 attention kernel serves every sequence of the forward (a pooled batch of short
-  sequences, or one on its own cache), all decoder layers in one native call (``native.layer``: the loop's kernels
-  and norm, and torch's SiLU and sums in the loop's order, bit for bit, without its Python); where it builds, its RMS
-  norm serves the loop as well (a fixed order of sums, a row's own: within float rounding of torch's);
+  sequences, or one on its own cache), all decoder layers in one native call (``native.layer``: the loop's kernels,
+  norm and SiLU(gate) * up, and the residual sums in place, bit for bit, without its Python); where it builds, its
+  RMS norm and SiLU(gate) * up serve the loop as well (fixed arithmetic, a row's own: within float rounding of
+  torch's);
 * the attention of a pooled batch whose trees have several rows, where no native kernel runs, as two batched
   products (``_grouped_attention``) instead of torch's fused kernel, which costs about the rows times one row's there.
 
