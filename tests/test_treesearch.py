@@ -85,3 +85,32 @@ def test_tune_tree_runs_on_a_tiny_model(monkeypatch):
         tree = Tree.parse(report["best"]["tree"])
         assert tree.size - 1 == report["best"]["nodes"] <= 8 and report["best"]["accepted"] >= 1.0
         assert len(report["conditional_acceptance"]) == 2 and report["target_forward_s"]["1"] > 0
+        costs = report["step_costs"]
+        assert report["step_costs_from"] == "loop" and len(costs) == 5 and costs[0] == 1.0
+        assert all(b >= a for a, b in zip(costs, costs[1:])) and len(report["step_costs_by_parts"]) == 5
+
+
+def test_loop_step_costs_are_whole_steps_by_drafted_depth(monkeypatch):
+    """The auto policy's step costs as the loop pays them: the mean whole step (draft, target, verification) at each
+    drafted depth over the plain one, steps that drafted less than asked and each prompt's first step left out, never
+    decreasing; None where a depth ran no step of its own."""
+    import verispec.tune as tune
+    from verispec.engine import StepRecord
+
+    def step(depth, seconds):
+        return StepRecord(drafted=depth, draft_depth=depth, accepted_length=1, accepted_ranks=(), tested=(),
+                          emitted=(1,), draft_s=seconds / 2, target_s=seconds / 4, verify_s=seconds / 4, source=None,
+                          batch=1)
+
+    runs = {0: [50.0, 1.0, 1.0, 1.0], 1: [50.0, 1.5, 1.7, step(0, 1.0)], 2: [50.0, 1.4, 1.4]}  # seconds a step
+
+    def fake(target, drafter, verifier, prompt, *, tree, **kw):
+        d = tree.max_depth
+        assert kw["policy"] == "fixed" and tree.is_chain
+        return type("Out", (), {"steps": [s if isinstance(s, StepRecord) else step(d, s) for s in runs[d]]})()
+
+    monkeypatch.setattr(tune, "generate", fake)
+    costs = tune.loop_step_costs(None, None, None, [[1, 2]], 0.0, "topk", 2, 8)
+    assert costs == pytest.approx([1.0, 1.6, 1.6])  # depth 2 measured 1.4: never cheaper deeper
+    runs[2] = [50.0, step(1, 1.4)]
+    assert tune.loop_step_costs(None, None, None, [[1, 2]], 0.0, "topk", 2, 8) is None

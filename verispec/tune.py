@@ -40,6 +40,26 @@ def draft_cost_model(drafter, context: list[int], sampling: Sampling, children: 
     return max(a, 0.0), max(b, 0.0)
 
 
+def loop_step_costs(target, drafter, verifier, prompts: list[list[int]], temperature: float, children: str,
+                    max_depth: int, max_new_tokens: int) -> list[float] | None:
+    """What a decoding step that drafts a chain of d tokens costs against a plain step, d = 0..``max_depth``, as the
+    loop pays it: the mean of whole steps (the draft with its catch-up on the tokens the last step committed, the
+    target's forward, verification) of ``generate`` with a fixed chain of each depth on the same prompts, the depths
+    taking turns prompt by prompt, over the steps that drafted that deep; a prompt's first step (the draft's catch-up
+    on the whole prompt) left out. Never decreasing; None where some depth ran no such step."""
+    seconds: dict[int, list[float]] = {d: [] for d in range(max_depth + 1)}
+    for i, prompt in enumerate(prompts):
+        for d in range(max_depth + 1):
+            out = generate(target, drafter, verifier, prompt, tree=Tree.chain(d) if d else Tree.root_only(),
+                           children=children, policy="fixed", max_new_tokens=max_new_tokens,
+                           temperature=temperature, seed=i)
+            seconds[d] += [s.draft_s + s.target_s + s.verify_s for s in out.steps[1:] if s.draft_depth == d]
+    if not all(seconds.values()):
+        return None
+    plain = statistics.fmean(seconds[0])
+    return list(itertools.accumulate((statistics.fmean(seconds[d]) / plain for d in range(max_depth + 1)), max))
+
+
 def tune_tree(target, drafter, *, temperature: float = 0.0, children: str = "iid", prompts: int = 4,
               max_new_tokens: int = 48, width: int = 4, max_nodes: int = 48, max_depth: int = 8, log=print,
               calibrate_kernels: bool = True) -> dict:
@@ -78,10 +98,19 @@ def tune_tree(target, drafter, *, temperature: float = 0.0, children: str = "iid
         return fwd_cost(n + 1) + a * d + b * n
 
     best, choices = best_shape(p, step_cost, max_nodes=max_nodes, max_depth=max_depth)
-    # a chain of d drafted tokens costs this much against a plain step (what the auto policy weighs depths by)
-    step_costs = list(itertools.accumulate((step_cost(d, d) / fwd_cost(1) if d else 1.0 for d in range(max_depth + 1)),
-                                           max))  # never cheaper to draft deeper (timing noise aside)
+    # a chain of d drafted tokens against a plain step by the parts above (never cheaper deeper, timing noise aside)
+    model_costs = list(itertools.accumulate((step_cost(d, d) / fwd_cost(1) if d else 1.0
+                                             for d in range(max_depth + 1)), max))
+    # and as whole steps of the loop cost it: what the auto policy weighs depths by (the parts above leave out the
+    # verification, the draft's catch-up and the loop's own work, a third of a plain step at depth 2 for the EAGLE
+    # head here: docs/design.md, "Step costs as the loop pays them")
+    log("measuring whole decoding steps by drafted depth ...")
+    step_costs = loop_step_costs(target, drafter, get_verifier(VERIFIER_FOR[children]), ids, temperature, children,
+                                 max_depth, max_new_tokens)
     chain = max((c for c in choices if c.tree.is_chain or c.nodes == 0), key=lambda c: c.tokens_per_cost)
+    if step_costs:
+        log(f"a step drafting 1..{max_depth} tokens costs {[round(c, 2) for c in step_costs[1:]]} plain steps "
+            f"(by parts: {[round(c, 2) for c in model_costs[1:]]})")
     log(f"per-candidate acceptance {[round(x, 3) for x in conditional]}; best tree {best.nodes} nodes, depth "
         f"{best.depth}: {best.accepted:.2f} tokens per step, predicted {best.tokens_per_cost / (1 / fwd[1]):.2f}x "
         f"plain decoding (best chain: {chain.nodes} tokens, {chain.tokens_per_cost / (1 / fwd[1]):.2f}x)")
@@ -93,7 +122,8 @@ def tune_tree(target, drafter, *, temperature: float = 0.0, children: str = "iid
                  "predicted_speedup": best.tokens_per_cost * fwd[1]},
         "best_chain": {"tree": tree_spec(chain.tree), "accepted": chain.accepted,
                        "predicted_speedup": chain.tokens_per_cost * fwd[1]},
-        "step_costs": step_costs,
+        "step_costs": step_costs or model_costs, "step_costs_from": "loop" if step_costs else "parts",
+        "step_costs_by_parts": model_costs,
         "kernel_plan": None if kernel is None else kernel["plan"],
         "kernel_ms": None if kernel is None else kernel["ms"],
     }
