@@ -208,6 +208,17 @@ SPEED_NORM_LEAD = (
     "[1.35, 1.67] / 1.33x [1.23, 1.41].",
 )
 
+# the same machine after the head's step costs were measured as the loop pays them (d21f7b3) and SiLU times up moved
+# into the one call (ec02b29)
+RUNS["speed_loopcosts"] = speed_run()
+SPEED_LOOPCOSTS_HEADING = ("## Speed of the defaults on an AVX-512 CPU, the head's step costs as the loop pays them "
+                           "(2026-12-06)")
+SPEED_LOOPCOSTS_LEAD = (
+    "The speed run of the first section on the same AVX-512 EPYC (compare within each run only): the draft head's "
+    "step costs, which the `auto` policy weighs its depths by, measured by `tune-tree` as whole steps of the loop "
+    "(design.md, \"Step costs as the loop pays them\"), and SiLU times up inside the one call (ec02b29).",
+)
+
 
 def hybrid_run() -> list[str]:
     """The default's draft against prompt lookup and the two switched per step (``hybrid``), all under ``auto``."""
@@ -1523,7 +1534,8 @@ def render() -> str:
     for run_name, heading, lead in (("speed_avx512", SPEED_AVX512_HEADING, SPEED_AVX512_LEAD),
                                      ("speed_calls", SPEED_CALLS_HEADING, SPEED_CALLS_LEAD),
                                      ("speed_layers", SPEED_LAYERS_HEADING, SPEED_LAYERS_LEAD),
-                                     ("speed_norm", SPEED_NORM_HEADING, SPEED_NORM_LEAD)):  # the AVX-512 EPYC's runs
+                                     ("speed_norm", SPEED_NORM_HEADING, SPEED_NORM_LEAD),
+                                     ("speed_loopcosts", SPEED_LOOPCOSTS_HEADING, SPEED_LOOPCOSTS_LEAD)):  # AVX-512
         if path(run_name).exists():
             out += speed_section(Results.load(path(run_name)), figs, heading, lead, tag=run_name[len("speed"):])
     for i, (run_name, tag, heading, lead) in enumerate(LATEST_LOOPS):
