@@ -217,6 +217,21 @@ SPEED_LOOPCOSTS_LEAD = (
     "The speed run of the first section on the same AVX-512 EPYC (compare within each run only): the draft head's "
     "step costs, which the `auto` policy weighs its depths by, measured by `tune-tree` as whole steps of the loop "
     "(design.md, \"Step costs as the loop pays them\"), and SiLU times up inside the one call (ec02b29).",
+    "How to read it. `default` ran 2.24x [2.03, 2.53] / 2.08x [1.82, 2.35] Hugging Face `generate` at T = 0 / 0.6 "
+    "(2.11x / 2.08x in the run above) and `ar` 2.01x / 2.09x (1.92x / 2.11x). With the costs as paid the policy "
+    "stopped drafting the head two deep: 14 / 8 such steps against 238 / 247 in the run above, where they had "
+    "cost 9.39 / 10.05 ms a token against a plain step's 9.10 / 9.43 (`python "
+    "scripts/experiments/step_costs_in_loop.py results/speed_loopcosts.jsonl.gz`). Speculation's own share did not "
+    "move: `default` against `ar` 1.11x [1.06, 1.20] / 1.00x [0.92, 1.05] (1.10x / 0.99x above; goals 1.6x / "
+    "1.35x), since the head's steps of one token still pay little: 7.53 / 8.39 ms a token against 8.06 / 8.60 for "
+    "a plain step, its first depth costing about 2 ms (median) and verification 0.5 ms beside a 1.5-token gain. "
+    "The lowest category against `generate` is summarization at T = 0, 1.83x [1.75, 1.95]; at T = 0.6 rag, 1.18x "
+    "[0.34, 1.70], where one of its three answers ended after 15 tokens against the 128 of plain decoding's draw, "
+    "so its tokens/s are mostly its prefill's (goal 1.3x). With the hybrid draft `default` made 95.6 / 81.2 "
+    "tokens/s, with prompt lookup alone 94.9 / 84.1 (goal for the head's share: 1.25x). Against Hugging Face's "
+    "assisted generation with prompt lookup, `default` ran 2.22x [1.99, 2.49] / 2.91x [2.56, 3.25] (goal 1.8x); "
+    "against llama-cpp-python decoding one request, `ar` 1.35x [1.22, 1.48] / 1.34x [1.21, 1.44] and `default` "
+    "1.50x [1.35, 1.65] / 1.33x [1.22, 1.42].",
 )
 
 
@@ -1086,6 +1101,13 @@ def head_section(figs: Path) -> list[str]:
                 f"a node's children, each given the ones before it were rejected); tuned tree "
                 f"`{tune['best']['tree']}` (predicted {tune['best']['accepted']:.2f} tokens per step, "
                 f"{tune['best']['predicted_speedup']:.2f}x over plain decoding).", ""]
+        if tune.get("step_costs_from") == "loop":
+            costs, parts = tune["step_costs"][1:], tune["step_costs_by_parts"][1:]
+            out += [f"A step drafting a chain of 1..{len(costs)} tokens costs {', '.join(f'{c:.2f}' for c in costs)} "
+                    "plain steps as the loop pays it (whole steps of `generate` with a fixed chain of each depth: "
+                    "what the sidecar keeps and the `auto` policy weighs depths by), against "
+                    f"{', '.join(f'{c:.2f}' for c in parts)} from the parts above (design.md, \"Step costs as the "
+                    "loop pays them\").", ""]
     return out
 
 
