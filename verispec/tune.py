@@ -102,8 +102,7 @@ def tune_tree(target, drafter, *, temperature: float = 0.0, children: str = "iid
     model_costs = list(itertools.accumulate((step_cost(d, d) / fwd_cost(1) if d else 1.0
                                              for d in range(max_depth + 1)), max))
     # and as whole steps of the loop cost it: what the auto policy weighs depths by (the parts above leave out the
-    # verification, the draft's catch-up and the loop's own work, a third of a plain step at depth 2 for the EAGLE
-    # head here: docs/design.md, "Step costs as the loop pays them")
+    # verification, the draft's catch-up and the loop's own work: docs/design.md, "Step costs as the loop pays them")
     log("measuring whole decoding steps by drafted depth ...")
     step_costs = loop_step_costs(target, drafter, get_verifier(VERIFIER_FOR[children]), ids, temperature, children,
                                  max_depth, max_new_tokens)
