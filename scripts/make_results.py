@@ -77,6 +77,16 @@ CURVE_CORPUS = ("verispec train-draft --until corpus --rounds 128 --gen-batch 12
                 "--out data/corpus/smollm2-135m")
 CURVE_TRAIN = ("verispec train-draft --corpus data/corpus/smollm2-135m --out runs/curve-rR --rounds R --gen-batch 128 "
                "--feature-layers 3,15,27 --depths 3 --epochs 2 --patience 4 --checkpoint-every 150")
+CURVE_5M = ROOT / "results" / "head_curve_5m"  # the same kind of reports: `bash scripts/head_curve.sh` (issue 27)
+CURVE_5M_TEXT = (
+    "Heads of one recipe trained on the first N response tokens of the committed corpus's training rounds "
+    "(its 119 rounds, 5.04M response tokens in all, 5 % of the rounds of each task shape held out), one epoch each, "
+    "each the checkpoint best on the held-out rounds; agreement per drafted depth on the held-out Spec-Bench answers "
+    "as in the table above. Made by `bash scripts/head_curve.sh` (features, training and reports, resumably): "
+    "`verispec train-draft --corpus data/corpus/smollm2-135m --rounds 119 --gen-batch 128 --feature-layers 3,15,27 "
+    "--depths 3 --epochs 1 --precision bfloat16 --patience 4 --checkpoint-every 150 --max-tokens N --out "
+    "runs/curve5-N` (N = 0: every training round), then `verispec eval-draft --draft eagle:runs/curve5-N/head.pt "
+    "--per-group 10 --depths 3 --corpus data/corpus/smollm2-135m --json`.")
 CAPACITY = ROOT / "results" / "head_capacity"  # `verispec eval-draft --json` reports of heads differing in decoder layers
 CAPACITY_TRAIN = ("verispec train-draft --corpus data/corpus/smollm2-135m --out runs/cap-LN --rounds 32 --gen-batch 128 "
                   "--feature-layers 3,15,27 --depths 3 --epochs 1 --patience 4 --checkpoint-every 150 "
@@ -849,12 +859,13 @@ def variants_section(variants: dict, figs: Path) -> list[str]:
             *lines, "", fig(path), ""]
 
 
-def curve_section(figs: Path) -> list[str]:
+def curve_section(figs: Path, folder: Path = CURVE, heading: str = "The head against the data it was trained on",
+                  text: str | None = None, name: str = "head_curve") -> list[str]:
     """Agreement on held-out Spec-Bench questions against the response tokens a head was trained on (one report a
-    head, ``results/head_curve/*.json``), beside the shipped head's."""
+    head, ``folder/*.json``: ``results/head_curve`` by default, with its own ``text``), beside the shipped head's."""
     from verispec.bench.plots import _pyplot
 
-    reports = sorted((json.loads(p.read_text()) for p in CURVE.glob("*.json")),
+    reports = sorted((json.loads(p.read_text()) for p in folder.glob("*.json")),
                      key=lambda r: r["training"]["response_tokens"])
     if not reports:
         return []
@@ -886,11 +897,13 @@ def curve_section(figs: Path) -> list[str]:
     ax.set_ylabel("agreement on held-out Spec-Bench")
     ax.legend(fontsize=8)
     figure.tight_layout()
-    path = figs / "head_curve.png"
+    path = figs / f"{name}.png"
     figure.savefig(path, dpi=110)
     plt.close(figure)
-    made = "; ".join(provenance(CURVE, "verispec eval-draft --json", r) for r in reports)
-    return ["### The head against the data it was trained on", "",
+    made = "; ".join(provenance(folder, "verispec eval-draft --json", r) for r in reports)
+    if text is not None:
+        return [f"### {heading}", "", f"Made by {made}.", "", text, "", *lines, "", fig(path), ""]
+    return [f"### {heading}", "",
             f"Made by {made}.", "",
             "Heads of one recipe trained on the first rounds of one self-written corpus, each the checkpoint best on "
             "the corpus's held-out rounds; agreement per drafted depth on the held-out Spec-Bench answers as in the "
@@ -1075,6 +1088,8 @@ def head_section(figs: Path) -> list[str]:
                                     for k, (a, b, n) in enumerate(zip(c["in_loop"], c["teacher_forced"], c["positions"]))
                                     if n) + f"; decisions that differ: {c['mismatches']}.", ""]
     out += curve_section(figs)
+    out += curve_section(figs, CURVE_5M, "The head against five million tokens of its own text", CURVE_5M_TEXT,
+                         "head_curve_5m")
     out += capacity_section()
     out += epochs_section()
     if VARIANTS.exists():
