@@ -589,6 +589,12 @@ def test_verify_costs_are_measured_once_per_verifier_and_cached(tmp_path, monkey
     for name, got in measured.items():
         assert verify_mod.verify_costs(VERIFIERS[name], sampling, 300, measure=False) == got
     assert verify_mod.verify_costs(VERIFIERS["chain"], sampling, 301, measure=False) is None  # another vocabulary
+    threads = torch.get_num_threads()
+    try:  # measured with other threads: another entry
+        torch.set_num_threads(threads + 1)
+        assert verify_mod.verify_costs(VERIFIERS["chain"], sampling, 300, measure=False) is None
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_draft_costs_are_measured_once_per_draft_and_cached(tmp_path, monkeypatch):

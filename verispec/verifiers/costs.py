@@ -4,10 +4,10 @@ A sequence with nothing drafted takes its token from the target's logits of one 
 or one law and a draw). One that drafted turns every row of its share of the forward into a law over the whole
 vocabulary and runs its verifier over them (``base.step_verdict``): at 49,152 tokens that is 0.5-1 ms a sequence
 on two cores, which a batch of 8 drafting sequences pays 8 times in a step of 50 ms. ``verify_costs`` times it
-(``step_verdict`` itself, on chains of random laws of the target's vocabulary) once per machine, verifier and kind of
-sampling, and keeps it in the on-disk cache beside the forward's and the drafts' costs (``verispec.cache``, kind
-``costs``), so that a batch's plan (``verispec.engine``) can charge each drafting sequence for it without reading
-a run's timing noise.
+(``step_verdict`` itself, on chains of random laws of the target's vocabulary) once per machine, verifier, kind of
+sampling and number of torch threads, and keeps it in the on-disk cache beside the forward's and the drafts' costs
+(``verispec.cache``, kind ``costs``), so that a batch's plan (``verispec.engine``) can charge each drafting
+sequence for it without reading a run's timing noise.
 """
 
 from __future__ import annotations
@@ -89,7 +89,9 @@ def verify_costs(spec: VerifierSpec, sampling: Sampling, vocab: int, repeats: in
     ``measure`` is False, or for a verifier whose children must be drawn otherwise than independently (it is timed
     on independent chains only; its verification then goes uncharged)."""
     key = cost_key(spec, sampling)
-    entry = cache.key("verify", REVISION, *key, vocab, platform.machine(), os.cpu_count())
+    # torch's threads too (its operators on vocabulary-sized rows use them), as the forward's and drafts' costs carry
+    # them in their ids: the tests' workers (one thread each, beside each other) never write a benchmark's entry
+    entry = cache.key("verify", REVISION, *key, vocab, platform.machine(), os.cpu_count(), torch.get_num_threads())
     got = cache.read("costs", entry)
     if got and "first" in got:
         return VerifyCosts(got["first"], got["further"])
