@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The default model's draft head against the data it is trained on (issue 27), on this CPU, resumably: the features
 # of the committed corpus (data/corpus/smollm2-135m, teacher forcing, ~3.5 h on two cores), then one head per data
-# size of one recipe (the first N response tokens of the corpus's training rounds, one epoch each: every round first,
-# the candidate to ship, ~1.8 h; then 0.5M, 1M and 2M, ~1.3 h), then each head's agreement on held-out Spec-Bench questions and the corpus's held-out
-# rounds (`verispec eval-draft --json`, into results/head_curve_5m/). Every stage skips what is done and resumes what
+# size of one recipe (the first N response tokens of the corpus's training rounds, one epoch each, about 720 corpus
+# tokens a second, prompts included: 0.5M, 1M and 2M first, ~25 min, ~50 min and ~1.7 h, so that the curve's slope
+# is known before the longest run; then every round, the candidate to ship, ~3.9 h), then each head's agreement on
+# held-out Spec-Bench questions and the corpus's held-out rounds (`verispec eval-draft --json`, into
+# results/head_curve_5m/). Every stage skips what is done and resumes what
 # was stopped (features a round at a time, training from its last checkpoint), so run it again after a stop:
 #
 #   nohup bash scripts/head_curve.sh > runs/head_curve.log 2>&1 &
@@ -15,7 +17,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 CORPUS=data/corpus/smollm2-135m
 ROUNDS=$(find "$CORPUS/text" -name '*.jsonl.gz' | wc -l)
-SIZES=${SIZES:-0 500000 1000000 2000000}
+SIZES=${SIZES:-500000 1000000 2000000 0}
 OUT=results/head_curve_5m
 RECIPE=(--corpus "$CORPUS" --rounds "$ROUNDS" --gen-batch 128 --feature-layers 3,15,27 --depths 3 --epochs 1
         --precision bfloat16 --patience 4 --checkpoint-every 150)
