@@ -4,7 +4,9 @@ drafts a chain of D tokens with ``propose``, as one sequence's step does. Per (K
 and the mean of its parts: the committed pairs' inputs (``target_inputs``: the fused features and ``fc``), the
 drafted pairs' inputs (``draft_inputs``), the head's forwards (its one layer, norm and restricted output layer),
 ``full_logits`` (the restricted logits back over the whole vocabulary), and the rest (the tree's growth: laws,
-children, the draft's vocabulary-sized rows). A measurement, not the benchmark: run it on a quiet machine.
+children, the draft's vocabulary-sized rows). Drafting asks a control that reads no laws, as the ``auto`` policy's
+(``--read-laws``: one that does, as the entropy and confidence policies'). A measurement, not the benchmark: run it
+on a quiet machine.
 
     python scripts/experiments/head_split.py --catch-up 1 2 4 --depths 1 2 3
 """
@@ -20,6 +22,7 @@ import torch
 
 from verispec import load
 from verispec.drafters import build_drafter
+from verispec.drafters.base import DraftControl
 from verispec.eagle.head import EagleHead
 from verispec.probs import Sampling
 from verispec.rng import TorchRandomness
@@ -33,6 +36,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=60)
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--read-laws", action="store_true", help="a control that reads the draft's laws at each depth")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target = load("smollm2-135m", dtype="float32")
@@ -57,6 +61,7 @@ def main() -> None:
     timed(EagleHead, "full_logits", "full_logits")
     timed(type(lm), "forward", "head forwards")  # its prefills of the committed pairs call it too
     rng, sampling = TorchRandomness(0), Sampling(0.0)
+    control = DraftControl(lambda *a, **kw: True, reads_laws=args.read_laws)
     for k in args.catch_up:
         for d in args.depths:
             context = list(range(1000, 1000 + args.context))
@@ -71,7 +76,7 @@ def main() -> None:
                 context += [1500 + r % 7] * k
                 drafter.observe(torch.randn(k, width))
                 t = time.perf_counter()
-                draft = drafter.propose(context, tree, sampling, "topk", rng)
+                draft = drafter.propose(context, tree, sampling, "topk", rng, control)
                 if r >= 5:
                     whole.append(time.perf_counter() - t)
                 drafter.commit(draft, [])
