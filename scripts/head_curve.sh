@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The default model's draft head against the data it is trained on (issue 27), on this CPU, resumably: the features
-# of the committed corpus (data/corpus/smollm2-135m, teacher forcing, ~3.5 h on two cores), then one head per data
-# size of one recipe (the first N response tokens of the corpus's training rounds, one epoch each, about 720 corpus
-# tokens a second, prompts included: 0.5M, 1M and 2M first, ~25 min, ~50 min and ~1.7 h, so that the curve's slope
-# is known before the longest run; then every round, the candidate to ship, ~3.9 h), then each head's agreement on
-# held-out Spec-Bench questions and the corpus's held-out rounds (`verispec eval-draft --json`, into
-# results/head_curve_5m/). Every stage skips what is done and resumes what
-# was stopped (features a round at a time, training from its last checkpoint), so run it again after a stop:
+# The default model's draft head against the data it is trained on (issue 27), on this CPU, resumably: one head per
+# data size of one recipe (the first N response tokens of the committed corpus's training rounds, data/corpus/
+# smollm2-135m, one epoch each, about 720 corpus tokens a second, prompts included: 0.5M, 1M and 2M first, ~25 min,
+# ~50 min and ~1.7 h, so that the curve's slope is known before the longest run; then every round, the candidate to
+# ship, ~3.9 h), then each head's agreement on held-out Spec-Bench questions and the corpus's held-out rounds
+# (`verispec eval-draft --json`, into results/head_curve_5m/). Each training first computes the features of the
+# rounds it reads where missing (teacher forcing, about 950 tokens a second: the small heads read 19-55 of the 119
+# rounds, the last all of them, ~3.2 h from a fresh checkout). Every stage skips what is done and resumes what was
+# stopped (features a round at a time, training from its last checkpoint), so run it again after a stop:
 #
 #   nohup bash scripts/head_curve.sh > runs/head_curve.log 2>&1 &
 #
@@ -23,10 +24,6 @@ RECIPE=(--corpus "$CORPUS" --rounds "$ROUNDS" --gen-batch 128 --feature-layers 3
         --precision bfloat16 --patience 4 --checkpoint-every 150)
 say() { echo "[$(date -u '+%F %T')] $*"; }
 
-say "features of the corpus's $ROUNDS rounds (those missing)"
-"$PY" -m verispec train-draft --until corpus --rounds "$ROUNDS" --gen-batch 128 --feature-layers 3,15,27 --depths 3 \
-    --out "$CORPUS"
-git checkout -q -- "$CORPUS/config.json"  # the command above rewrites it with its own options
 mkdir -p "$OUT"
 for n in $SIZES; do
     name=$([[ $n == 0 ]] && echo all || echo "$n")

@@ -213,7 +213,14 @@ def test_heads_train_on_another_folders_corpus_and_on_the_first_max_tokens(tmp_p
     train(t, tmp_path / "corpus", cfg, until="corpus", progress=False, log=lambda m: None)
     text = sorted((tmp_path / "corpus" / "text").iterdir())
     kept = [p.read_bytes() for p in text]
+    for rnd in range(4):  # the corpus as a checkout has it: text without features
+        corpus_mod.features_path(tmp_path / "corpus", rnd).unlink()
     small = TrainConfig(**{**cfg.__dict__, "max_tokens": 300})
+    have = lambda: {rnd for rnd in range(4) if corpus_mod.features_path(tmp_path / "corpus", rnd).is_file()}  # noqa
+    train(t, tmp_path / "head", small, progress=False, log=lambda m: None, corpus_dir=tmp_path / "corpus",
+          until="features")  # the CLI's first stage, in the writer's dtype
+    assert not (tmp_path / "head" / "head.pt").exists()
+    first = have()
     path = train(t, tmp_path / "head", small, progress=False, log=lambda m: None, corpus_dir=tmp_path / "corpus")
     assert not (tmp_path / "head" / "text").exists()
     assert sorted((tmp_path / "corpus" / "text").iterdir()) == text and [p.read_bytes() for p in text] == kept
@@ -222,6 +229,10 @@ def test_heads_train_on_another_folders_corpus_and_on_the_first_max_tokens(tmp_p
     train_idx, _ = train_mod._split(records, cfg)
     sizes = [sum(b - a for a, b in records[i].spans) for i in train_idx[:meta["sequences"]]]
     assert sum(sizes) >= 300 > sum(sizes[:-1]) and meta["response_tokens"] == sum(sizes)
+    # a small head computes the features of the rounds it reads only (its training and validation rounds)
+    small_idx, val_idx = train_mod._training_split(records, small)
+    reads = {records[i].round for i in small_idx + val_idx}
+    assert reads < set(range(4)) and first == have() == reads
     with pytest.raises(Exception, match="4 complete corpus rounds, fewer than --rounds 5"):
         train(t, tmp_path / "other", TrainConfig(**{**cfg.__dict__, "rounds": 5}), progress=False,
               corpus_dir=tmp_path / "corpus")

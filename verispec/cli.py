@@ -593,8 +593,8 @@ def cmd_train_draft(args) -> int:
         print(train(load(args.target, device=args.device), out, config, until=args.until, **options))
         return 0
     target = load(args.target, dtype=args.dtype)  # the corpus's writer (and its features' where they are missing)
-    if target.dtype != torch.float32 and not (out / "head.pt").exists():
-        path = train(target, out, config, until="corpus", **options)
+    if target.dtype != torch.float32 and not (out / "head.pt").exists():  # the features this training reads
+        path = train(target, out, config, until=args.until or "features", **options)
         if args.until == "corpus":
             print(path)
             return 0

@@ -400,6 +400,19 @@ def _split(records: list[Record], config: TrainConfig) -> tuple[list[int], list[
     return train, val
 
 
+def _training_split(records: list[Record], config: TrainConfig) -> tuple[list[int], list[int]]:
+    """``_split``'s (training, validation) indices with the training ones cut to the first that hold
+    ``config.max_tokens`` response tokens (when set)."""
+    train_idx, val_idx = _split(records, config)
+    if config.max_tokens:
+        n, total_tokens = 0, 0
+        while n < len(train_idx) and total_tokens < config.max_tokens:
+            total_tokens += _response_tokens(records, train_idx[n:n + 1])
+            n += 1
+        train_idx = train_idx[:n]
+    return train_idx, val_idx
+
+
 def _response_tokens(records: list[Record], idx) -> int:
     """Tokens the target wrote as the assistant in the records ``idx``."""
     return sum(b - a for i in idx for a, b in records[i].spans)
@@ -478,7 +491,9 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
     with checkpoints (``checkpoint.pt``) and a log (``log.jsonl``), then ``head.pt`` (the checkpoint that did best on
     the held-out rounds). Each stage resumes.
 
-    ``until="corpus"`` stops after the corpus. ``store_layers`` keeps features of more layers than the head reads (a
+    ``until="corpus"`` stops after the corpus and every round's features, ``until="features"`` after the corpus and
+    the features of the rounds this training reads (its training and held-out rounds: the writer's dtype computes
+    them, the CLI's first stage). ``store_layers`` keeps features of more layers than the head reads (a
     superset of ``feature_layers``), so that heads reading other subsets train on the same corpus. ``corpus_dir``
     trains on the corpus of another run folder (read only; it must hold ``config.rounds`` complete rounds), so that
     several heads (other options, other data sizes) train on one corpus.
@@ -486,9 +501,11 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
     The head trains where the target is (``target.device``: a GPU with ``train-draft --device cuda``, which also
     writes new rounds there, text only with ``generate``, and computes their features by teacher forcing).
     ``max_minutes`` stops training at the first checkpoint past that time and writes ``head.pt`` from the best
-    checkpoint so far; with ``until="corpus"`` it begins no corpus round after that time instead. The same command
-    resumes either later."""
+    checkpoint so far; with ``until="corpus"`` (or ``"features"``) it begins no corpus round after that time instead.
+    The same command resumes either later."""
     config.validate()
+    if until not in (None, "corpus", "features"):
+        raise VerispecError(f"until must be 'corpus', 'features' or None, got {until!r}")
     if max_minutes is not None and not max_minutes > 0:
         raise VerispecError(f"--max-minutes must be > 0, got {max_minutes}")
     out = Path(out_dir)
@@ -533,7 +550,7 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
             bar.set_postfix_str(f"{new[0].shape if new else '-'}: {len(new)} sequences, {written[0]:,} response tokens")
             bar.update(1)
 
-        deadline = t_start + 60 * max_minutes if max_minutes and until == "corpus" else None
+        deadline = t_start + 60 * max_minutes if max_minutes and until in ("corpus", "features") else None
         records = write_corpus(target, source, CorpusConfig(config.rounds, config.gen_batch, config.seed,
                                                                  layers=tuple(info["layers"]), top_k=info["top_k"]),
                                on_round=tick, deadline=deadline)
@@ -546,27 +563,30 @@ def train(target, out_dir: str | Path, config: TrainConfig, *, resume: bool = Tr
     records = config.selects(records)
     log(f"corpus: {len(records)} sequences, {sum(len(r.tokens) for r in records):,} tokens, "
         f"{_response_tokens(records, range(len(records))):,} written by the target")
-    fill_features(target, source, records, tuple(info["layers"]), info["top_k"], progress)  # a checkout's corpus
-    if until == "corpus":
+    if until == "corpus":  # every round's features (a checkout's corpus comes without them)
+        fill_features(target, source, records, tuple(info["layers"]), info["top_k"], progress)
+        return source
+    # those of the rounds this training reads, so that a data-size curve's small heads wait for no other round's
+    # (whole rounds: a features file holds its round's every record)
+    train_idx, val_idx = _training_split(records, config)
+    reads = {records[i].round for i in train_idx + val_idx[:VALIDATION]}
+    fill_features(target, source, [r for r in records if r.round in reads], tuple(info["layers"]), info["top_k"],
+                  progress)
+    if until == "features":
         return source
 
     with torch.device(target.device):  # every tensor of training made where the head is
-        return _fit(target, out, config, records, source, info, resume=resume, progress=progress, log=log,
-                    max_steps=max_steps, max_minutes=max_minutes, t_start=t_start)
+        return _fit(target, out, config, records, (train_idx, val_idx), source, info, resume=resume,
+                    progress=progress, log=log, max_steps=max_steps, max_minutes=max_minutes, t_start=t_start)
 
 
-def _fit(target, out: Path, config: TrainConfig, records: list[Record], source: Path, info: dict, *, resume: bool,
-         progress: bool, log, max_steps: int | None, max_minutes: float | None, t_start: float) -> Path:
+def _fit(target, out: Path, config: TrainConfig, records: list[Record], split: tuple[list[int], list[int]],
+         source: Path, info: dict, *, resume: bool, progress: bool, log, max_steps: int | None,
+         max_minutes: float | None, t_start: float) -> Path:
     """Stage 2 of ``train``: the head trained on the corpus's features, with checkpoints, then ``head.pt``. The
     target's own weights stay frozen: only the head's are trained."""
     response = lambda idx: _response_tokens(records, idx)  # noqa: E731
-    train_idx, val_idx = _split(records, config)
-    if config.max_tokens:
-        n, total_tokens = 0, 0
-        while n < len(train_idx) and total_tokens < config.max_tokens:
-            total_tokens += response(train_idx[n:n + 1])
-            n += 1
-        train_idx = train_idx[:n]
+    train_idx, val_idx = split
     layers = config.layers()
     feats = _Features(source, records, info, layers, config.top_k, target.config.hidden_size, target.num_layers,
                       target.device)
