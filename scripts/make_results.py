@@ -860,9 +860,12 @@ def variants_section(variants: dict, figs: Path) -> list[str]:
 
 
 def curve_section(figs: Path, folder: Path = CURVE, heading: str = "The head against the data it was trained on",
-                  text: str | None = None, name: str = "head_curve") -> list[str]:
+                  text: str | None = None, name: str = "head_curve",
+                  reference: tuple[str, Path] = ("EAGLE-1 head", AGREEMENT["EAGLE-1 head (shipped until 2026-12-03)"])
+                  ) -> list[str]:
     """Agreement on held-out Spec-Bench questions against the response tokens a head was trained on (one report a
-    head, ``folder/*.json``: ``results/head_curve`` by default, with its own ``text``), beside the shipped head's."""
+    head, ``folder/*.json``: ``results/head_curve`` by default, with its own ``text``), beside the depth-1 agreement
+    of the ``reference`` head (a label and its report)."""
     from verispec.bench.plots import _pyplot
 
     reports = sorted((json.loads(p.read_text()) for p in folder.glob("*.json")),
@@ -883,14 +886,24 @@ def curve_section(figs: Path, folder: Path = CURVE, heading: str = "The head aga
                      + " | ".join(f"{x:.3f}" for x in st["chain_acceptance"]) + " | "
                      + (f"{own['agreement'][0]:.3f}" if own else "-") + " |")
     plt = _pyplot()
-    figure, ax = plt.subplots(figsize=(6.4, 4.0))
+    curves = [r for r in reports if r["training"].get("curve") and r["training"].get("batch")]
+    if curves:  # beside it, each head's held-out curve: what more passes over its data could still give
+        figure, (ax, right) = plt.subplots(1, 2, figsize=(11.0, 4.0))
+        for r in curves:
+            tr = r["training"]
+            seen = [c["step"] * tr["batch"] * tr["response_tokens"] / tr["sequences"] for c in tr["curve"]]
+            right.plot(seen, [c["val_top1_1"] for c in tr["curve"]], label=f"{tr['response_tokens'] / 1e6:.1f}M")
+        right.set_xlabel("response tokens seen in training")
+        right.set_ylabel("depth-1 agreement, held-out corpus rounds")
+        right.legend(fontsize=8, title="head trained on", title_fontsize=8)
+    else:
+        figure, ax = plt.subplots(figsize=(6.4, 4.0))
     x = [r["training"]["response_tokens"] for r in reports]
     for k in range(min(depths, 3)):
         ax.plot(x, [r["sets"][spec]["agreement"][k] for r in reports], marker="o", label=f"depth {k + 1}")
-    shipped = AGREEMENT["EAGLE-1 head (shipped until 2026-12-03)"]
-    if shipped.exists():
-        ax.axhline(json.loads(shipped.read_text())["sets"][spec]["agreement"][0], color="grey", linestyle="--",
-                   label="EAGLE-1 head, depth 1")
+    if reference[1].exists():
+        ax.axhline(json.loads(reference[1].read_text())["sets"][spec]["agreement"][0], color="grey", linestyle="--",
+                   label=f"{reference[0]}, depth 1")
     ax.axhline(0.5, color="grey", linestyle=":", label="goal, depth 1")
     ax.set_xscale("log")
     ax.set_xlabel("response tokens trained on")
@@ -1089,7 +1102,7 @@ def head_section(figs: Path) -> list[str]:
                                     if n) + f"; decisions that differ: {c['mismatches']}.", ""]
     out += curve_section(figs)
     out += curve_section(figs, CURVE_5M, "The head against five million tokens of its own text", CURVE_5M_TEXT,
-                         "head_curve_5m")
+                         "head_curve_5m", ("shipped head (6 epochs, rounds 0-52)", EPOCHS / "e6.json"))
     out += capacity_section()
     out += epochs_section()
     if VARIANTS.exists():

@@ -202,6 +202,8 @@ def test_training_streams_rounds_and_ships_the_best_checkpoint(tmp_path, monkeyp
     assert steps == [1, 2, 3, 4] and any("stopping at step 4" in x for x in lines)
     head = EagleHead.load(path, t)
     assert head.meta["best_step"] == 2
+    # its file keeps the held-out curve: every checkpoint's validation, as the log has it
+    assert [(c["step"], c["val_chain_1"]) for c in head.meta["curve"]] == [(1, 0.1), (2, 0.5), (3, 0.3), (4, 0.2)]
     best = states[2]
     got = head.head_state()
     assert all(torch.allclose(got[k].float(), best[k].half().float()) for k in best)

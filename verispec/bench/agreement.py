@@ -164,11 +164,12 @@ def _held_out(head: EagleHead, folder: Path) -> tuple[TrainConfig, list[Record],
 
 
 def training_record(head: EagleHead) -> dict:
-    """What a head's file says of its training: data sizes, steps, minutes, and the corpus rounds it trained with
-    (None for heads written before that was kept)."""
+    """What a head's file says of its training: data sizes, steps, minutes, the corpus rounds it trained with and its
+    held-out curve (``held_out_curve``; None for heads written before that was kept)."""
     return {**{k: head.meta.get(k) for k in ("response_tokens", "corpus_tokens", "sequences", "steps", "best_step",
-                                             "session_s")},
+                                             "session_s", "curve")},
             "rounds": (head.meta.get("config") or {}).get("rounds"),
+            "batch": (head.meta.get("config") or {}).get("batch"),  # sequences a step
             "first_round": (head.meta.get("config") or {}).get("first_round", 0)}
 
 

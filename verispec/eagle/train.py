@@ -357,6 +357,20 @@ def evaluate(head: EagleHead, data: list[dict], depths: int = 1) -> dict[str, fl
     return acc
 
 
+def held_out_curve(run: Path) -> list[dict]:
+    """The held-out validation at each checkpoint of a training run (``run/log.jsonl``'s checkpoint rows, the last
+    of each step where a resumed run logged it again): the step and the ``val_`` statistics, kept in the head's file
+    so that its curve outlives the run folder."""
+    rows: dict[int, dict] = {}
+    path = run / "log.jsonl"
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if "val_chain_tokens" in rec:
+                rows[rec["step"]] = {"step": rec["step"], **{k: v for k, v in rec.items() if k.startswith("val_")}}
+    return [rows[k] for k in sorted(rows)]
+
+
 # ---------------------------------------------------------------- the pipeline
 
 VALIDATION = 200  # held-out sequences a checkpoint is judged on
@@ -683,7 +697,7 @@ def _fit(target, out: Path, config: TrainConfig, records: list[Record], split: t
         meta = {"target": target.name, "config": asdict(config), "corpus": info, "sequences": len(train_idx),
                 "corpus_tokens": sum(len(records[i].tokens) for i in train_idx), "response_tokens": response(train_idx),
                 "validation": evaluate(head, val, max(config.depths, 4)), "steps": step, "best_step": best["step"],
-                "session_s": time.time() - t_start, "device": target.device.type,
+                "session_s": time.time() - t_start, "device": target.device.type, "curve": held_out_curve(out),
                 **({"stopped_early": why} if why else {})}
         head.save(final, meta)
         log(f"wrote {final} (step {best['step']}): validation {meta['validation']}")
