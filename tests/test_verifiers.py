@@ -55,6 +55,34 @@ def test_unknown_method_is_a_clear_error():
         get_verifier("nope")
 
 
+@pytest.mark.parametrize("name", sorted(n for n, spec in VERIFIERS.items() if spec.greedy_prefix))
+def test_greedy_prefix_verdict_is_the_verifiers_own_at_a_greedy_target(name):
+    # step_verdict reads a chain's verdict off the argmaxes at temperature 0 (verifiers.base.greedy_prefix_verdict):
+    # the verifier's own on the greedy laws, on random chains with ties, masked tokens, drafted tokens that the
+    # target agrees with, and iid drafts whose law gives the drafted token no mass
+    from verispec.probs import Sampling, logits_to_probs
+    from verispec.verifiers.base import greedy_prefix_verdict, step_verdict
+
+    spec, gen = VERIFIERS[name], torch.Generator().manual_seed(0)
+    for case in range(400):
+        g, vocab = 1 + case % 4, 5
+        logits = torch.randint(0, 3, (g + 1, vocab), generator=gen).float()  # small integers: ties
+        logits[torch.rand(g + 1, vocab, generator=gen) < 0.2] = float("-inf")
+        logits[:, 0] = 2.5 * (torch.rand(g + 1, generator=gen) < 0.3).float()  # sometimes a lone maximum at 0
+        best = logits.argmax(-1)
+        guess = torch.randint(0, vocab, (g,), generator=gen)
+        x = torch.where(torch.rand(g, generator=gen) < 0.6, best[:g], guess)
+        children = "topk" if case % 2 else "iid"
+        q = torch.softmax(torch.randn(g + 1, vocab, generator=gen), -1)
+        q[torch.rand(g + 1, vocab, generator=gen) < 0.15] = 0
+        draft = Draft(Tree.chain(g), torch.cat([torch.tensor([7 % vocab]), x]), q, torch.ones(g + 1), children)
+        fast = step_verdict(spec, draft, logits, Sampling(0.0), TorchRandomness(case))
+        assert fast == greedy_prefix_verdict(draft, logits)
+        slow = spec(draft, logits_to_probs(logits, Sampling(0.0)), TorchRandomness(case))
+        assert (fast.path, fast.token, fast.tested, fast.feedback) == (slow.path, slow.token, slow.tested,
+                                                                        slow.feedback), case
+
+
 @pytest.mark.parametrize("name", sorted(VERIFIERS))
 def test_with_nothing_drafted_every_verifier_draws_from_the_target(name):
     # the decoding loop relies on this to skip the verifier on steps with nothing drafted (verifiers.base.draw_root):

@@ -26,7 +26,7 @@ import torch
 
 from ..drafters.base import Draft
 from ..errors import VerispecError
-from ..probs import Sampling, greedy_index, logits_to_probs
+from ..probs import Sampling, greedy_index, logits_to_probs, point_mass
 from ..rng import Randomness
 from ..tree import DynamicTree, Tree
 
@@ -51,6 +51,23 @@ def draw_root(logits: torch.Tensor, sampling: Sampling, rng: Randomness) -> int:
     return int(rng.categorical(logits_to_probs(logits[:1], sampling)[0]))
 
 
+def greedy_prefix_verdict(draft: Draft, logits: torch.Tensor) -> Verdict:
+    """A chain's verdict where the target's law is greedy (a point mass on each row's first maximum, ``logits [g+1,
+    V]``) and the verifier's is the chain rule's: a drafted token is accepted with probability ``min(1, p(x) / q(x))``,
+    1 where it is the argmax and the draft could propose it (``q(x) > 0``; top-k children always could), else 0; after
+    the first rejection the residual of a point mass is that point mass. So the verdict is the drafted prefix that
+    equals the argmax tokens, then the argmax after it, whatever the coins: read off ``g + 1`` argmaxes, without the
+    laws, their vocabulary-sized rows or a draw (as ``draw_root`` does for a root alone)."""
+    g = draft.num_drafted
+    best = greedy_index(logits[:g + 1])
+    x = draft.tokens[1:g + 1]
+    agree = x == best[:g]
+    if draft.children != "topk":  # the chain's nodes are 0..g-1, node i's child token x[i]
+        agree &= draft.q[torch.arange(g), x] > 0
+    n = int(agree.long().cumprod(0).sum())
+    return Verdict(tuple(range(1, n + 1)), int(best[n]), (1,) * min(n + 1, g))
+
+
 def step_verdict(spec: "VerifierSpec", draft: Draft, logits: torch.Tensor, sampling: Sampling, rng: Randomness,
                  state=None) -> Verdict:
     """A decoding step's verdict from the target's ``logits [N, V]`` after the draft's nodes: ``spec``'s on their laws
@@ -58,6 +75,8 @@ def step_verdict(spec: "VerifierSpec", draft: Draft, logits: torch.Tensor, sampl
     ``draw_root``'s token."""
     if not draft.num_drafted:
         return Verdict((), draw_root(logits, sampling, rng), ())
+    if sampling.greedy and spec.greedy_prefix and draft.tree.is_chain:
+        return greedy_prefix_verdict(draft, logits)
     verdict = spec(draft, logits_to_probs(logits, sampling), rng, state)
     if state is not None:
         state.update(verdict.feedback)
@@ -79,6 +98,9 @@ class VerifierSpec:
     new_state: Callable[[], object] | None = None
     position_rule: "PositionRule | None" = None  # chain rules given per position (lossy family; exact law known)
     param: float | None = None  # the value of a parametrised rule's parameter (``fsd:0.2``)
+    # its verdict on a chain at a greedy target is ``greedy_prefix_verdict``'s (the chain rule's): ``step_verdict``
+    # computes it so, from the logits
+    greedy_prefix: bool = False
     with_param: Callable[[float], "VerifierSpec"] | None = None
 
     def __call__(self, draft: Draft, p: torch.Tensor, rng: Randomness, state=None) -> Verdict:
@@ -165,7 +187,7 @@ def first_child_law(draft: Draft, node: int) -> torch.Tensor:
     """The law the first child of ``node`` was drawn from: ``q`` for random draws, a point mass for top-k."""
     if draft.children == "topk":
         child = draft.tree.children[node][0]
-        return torch.nn.functional.one_hot(draft.tokens[child], draft.q.shape[-1]).to(draft.q.dtype)
+        return point_mass(draft.tokens[child], draft.q.shape[-1], draft.q.dtype)
     return draft.q[node]
 
 

@@ -67,7 +67,7 @@ def chain_verdict(accepted: torch.Tensor, p: torch.Tensor, fallback, rng, feedba
 
 
 @register("chain", exact=True, note="chain speculative sampling (Leviathan/Chen 2023)", chain_only=True,
-          position_rule=exact_rule)
+          position_rule=exact_rule, greedy_prefix=True)
 def chain(draft, p, rng) -> Verdict:
     """``walk_chain`` with ``exact_rule``, computed where it is used: the acceptance ratio at the drafted tokens
     only, the residual only at the first rejection (the same coins, the same laws; O(g + V) instead of O(g V), which

@@ -2,12 +2,13 @@
 
 A sequence with nothing drafted takes its token from the target's logits of one row (``base.draw_root``: an argmax,
 or one law and a draw). One that drafted turns every row of its share of the forward into a law over the whole
-vocabulary and runs its verifier over them (``base.step_verdict``): at 49,152 tokens that is 0.5-1 ms a sequence
-on two cores, which a batch of 8 drafting sequences pays 8 times in a step of 50 ms. ``verify_costs`` times it
-(``step_verdict`` itself, on chains of random laws of the target's vocabulary) once per machine, verifier, kind of
-sampling and number of torch threads, and keeps it in the on-disk cache beside the forward's and the drafts' costs
-(``verispec.cache``, kind ``costs``), so that a batch's plan (``verispec.engine``) can charge each drafting
-sequence for it without reading a run's timing noise.
+vocabulary and runs its verifier over them (``base.step_verdict``; the chain rule at a greedy target reads its
+verdict off the argmaxes instead): at 49,152 tokens that is 0.5-1 ms a sequence on two cores, which a batch of 8
+drafting sequences pays 8 times in a step of 50 ms. ``verify_costs`` times it (``step_verdict`` itself, on chains of
+random laws of the target's vocabulary) once per machine, verifier, kind of sampling and number of torch threads,
+and keeps it in the on-disk cache beside the forward's and the drafts' costs (``verispec.cache``, kind ``costs``),
+so that a batch's plan (``verispec.engine``) can charge each drafting sequence for it without reading a run's timing
+noise.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ..rng import TorchRandomness
 from ..tree import Tree
 from .base import VerifierSpec, step_verdict
 
-REVISION = 2  # of the verification code the cached costs were measured with
+REVISION = 3  # of the verification code the cached costs were measured with (3: the greedy chain off its argmaxes)
 DEEPEST = 3  # drafted rows timed: 1 and this; each further row costs a share of the difference
 WARM_UP = 3  # untimed rounds first (the first calls of a process run several times slower)
 
