@@ -244,6 +244,17 @@ SPEED_LOOPCOSTS_LEAD = (
     "1.50x [1.35, 1.65] / 1.33x [1.22, 1.42].",
 )
 
+# the same machine after the chain rule's verdict at a greedy target was read off the argmaxes (afe76f7)
+RUNS["speed_verify"] = speed_run()
+SPEED_VERIFY_HEADING = ("## Speed of the defaults on an AVX-512 CPU, the greedy chain's verdict off its argmaxes "
+                        "(2026-12-06)")
+SPEED_VERIFY_LEAD = (
+    "The speed run of the first section on the same AVX-512 EPYC (compare within each run only): at T = 0 the "
+    "chain rule's verdict read off the target's argmaxes instead of computed from point-mass laws over the "
+    "vocabulary (afe76f7; design.md, \"Exactness is the spine\"), and top-k drafts' point masses built without "
+    "`one_hot` at every temperature.",
+)
+
 
 def hybrid_run() -> list[str]:
     """The default's draft against prompt lookup and the two switched per step (``hybrid``), all under ``auto``."""
@@ -1585,7 +1596,8 @@ def render() -> str:
                                      ("speed_calls", SPEED_CALLS_HEADING, SPEED_CALLS_LEAD),
                                      ("speed_layers", SPEED_LAYERS_HEADING, SPEED_LAYERS_LEAD),
                                      ("speed_norm", SPEED_NORM_HEADING, SPEED_NORM_LEAD),
-                                     ("speed_loopcosts", SPEED_LOOPCOSTS_HEADING, SPEED_LOOPCOSTS_LEAD)):  # AVX-512
+                                     ("speed_loopcosts", SPEED_LOOPCOSTS_HEADING, SPEED_LOOPCOSTS_LEAD),
+                                     ("speed_verify", SPEED_VERIFY_HEADING, SPEED_VERIFY_LEAD)):  # AVX-512
         if path(run_name).exists():
             out += speed_section(Results.load(path(run_name)), figs, heading, lead, tag=run_name[len("speed"):])
     for i, (run_name, tag, heading, lead) in enumerate(LATEST_LOOPS):
