@@ -261,9 +261,9 @@ SPEED_VERIFY_LEAD = (
     "chain rule's verdict read off the target's argmaxes instead of computed from point-mass laws over the "
     "vocabulary (afe76f7; design.md, \"Exactness is the spine\"), and top-k drafts' point masses built without "
     "`one_hot` at every temperature.",
-    "How to read it. Every run of this section decided alike: the loop drafted the same depths from the same sources "
-    "in the same number of steps as in the run above (353 head steps of one token, 314 lookup steps of two at "
-    "T = 0; 269 and 249 at T = 0.6), and greedy text is the target's either way. The machine ran slower than for "
+    "How to read it. The loop decided exactly as in the run above: the same depths from the same sources in the "
+    "same number of steps (353 head steps of one token, 314 lookup steps of two at T = 0; 269 and 249 at T = 0.6), "
+    "and greedy text is the target's either way. The machine ran slower than for "
     "the run above (a plain `ar` step 8.91 / 9.73 ms against 8.06 / 8.60), so compare within each run. At T = 0 a "
     "drafted step's verification fell from 0.62-0.73 ms to 0.28-0.42 (`python "
     "scripts/experiments/step_costs_in_loop.py results/speed_verify.jsonl.gz`), and `default` ran 1.13x [1.07, "
