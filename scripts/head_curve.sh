@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The default model's draft head against the data it is trained on (issue 27), on this CPU, resumably: one head per
 # data size of one recipe (the first N response tokens of the committed corpus's training rounds, data/corpus/
-# smollm2-135m, one epoch each, about 720 corpus tokens a second, prompts included: 0.5M, 1M and 2M first, ~25 min,
-# ~50 min and ~1.7 h, so that the curve's slope is known before the longest run; then every round, the candidate to
-# ship, ~3.9 h), then each head's agreement on held-out Spec-Bench questions and the corpus's held-out rounds
+# smollm2-135m, one epoch each, about one step of 4 sequences a second: 0.5M, 1M and 2M first, 1012, 1924 and 3852
+# steps, measured 18 min, about 30 min and about 1 h, so that the curve's slope is known before the longest run; then
+# every round, the candidate to ship, about 9,000 steps, ~2.5 h), then each head's agreement on held-out Spec-Bench
+# questions and the corpus's held-out rounds
 # (`verispec eval-draft --json`, into results/head_curve_5m/). Each training first computes the features of the
 # rounds it reads where missing (teacher forcing, about 950 tokens a second: the small heads read 19-55 of the 119
 # rounds, the last all of them, ~3.2 h from a fresh checkout). Every stage skips what is done and resumes what was
