@@ -81,6 +81,57 @@ def test_ngram_lookup_uses_the_longest_earlier_match():
     assert d.tree.size == 1
 
 
+def test_ngram_lookup_law_is_the_count_over_the_context_and_the_drafted_path():
+    """The lookup's index, kept step by step, gives each node the law of a search of every position of (context +
+    drafted path): the tokens that followed the longest earlier match of its suffix, by count; and its match for
+    ``confidence``. Contexts grow by steps, restart, and drafted paths of 0-4 tokens repeat them or not."""
+    import collections
+    import math
+
+    def searched(seq, max_n, min_n):
+        for n in range(min(max_n, len(seq) - 1), min_n - 1, -1):
+            after = [seq[i + n] for i in range(len(seq) - n) if seq[i:i + n] == seq[-n:]]
+            if after:
+                return n, collections.Counter(after)
+        return None
+
+    gen = torch.Generator().manual_seed(1)
+    for max_n, min_n in ((3, 1), (4, 2), (2, 2)):
+        ng = NgramDrafter(7, max_n, min_n)
+        for _ in range(4):
+            seq = torch.randint(0, 5, (50,), generator=gen).tolist()
+            length = 1
+            while length < len(seq):
+                context = seq[:length]
+                for _ in range(3):
+                    path = torch.randint(0, 5, (int(torch.randint(0, 5, (), generator=gen)),), generator=gen).tolist()
+                    if not path:  # a path that copies the context's own continuation of an earlier match
+                        path = seq[length:length + 3]
+                    for cut in range(len(path) + 1):
+                        want = searched(context + path[:cut], max_n, min_n)
+                        row = ng._root_logits(context) if cut == 0 else \
+                            ng._node_logits(_path_growing(context[-1], path[:cut]), [cut])[0]
+                        node = cut
+                        if want is None:
+                            assert row is None or not torch.isfinite(row).any()
+                            continue
+                        n, counts = want
+                        expected = torch.full((7,), float("-inf"))
+                        for x, c in counts.items():
+                            expected[x] = math.log(c)
+                        assert torch.equal(row, expected.float()), (context, path[:cut])
+                        assert ng._match[node] == (n, float(max(counts.values())), float(sum(counts.values())))
+                length += 1 + int(torch.randint(0, 4, (), generator=gen))
+
+
+def _path_growing(root: int, path: list[int]):
+    """A growing chain root -> path[0] -> ... (node i is path[i - 1]), as ``_grow`` would hold it."""
+    from verispec.drafters.base import _Growing
+
+    return _Growing(parents=[-1] + list(range(len(path))), tokens=[root, *path], tree_node=[0] * (len(path) + 1),
+                    q_rows={}, child_prob=[1.0] * (len(path) + 1))
+
+
 def test_ngram_draft_continues_the_repeated_pattern():
     ng = NgramDrafter(vocab_size=10, max_n=3)
     ctx = [1, 2, 3, 4, 1, 2]

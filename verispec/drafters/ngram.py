@@ -3,6 +3,10 @@
 For a node, take the longest suffix of (context + drafted path) of length ``max_n`` down to ``min_n``
 that occurred earlier; the draft law ``q`` is the empirical distribution of the tokens that followed
 its earlier occurrences. With no match the node gets no children.
+
+The context's n-grams are kept in an index (each n-gram with a token after it: the counts of those tokens),
+extended by the tokens committed since the last step, so that a lookup is a few dictionary reads however long the
+context; a drafted path's own n-grams (at most a few) are counted on the fly.
 """
 
 from __future__ import annotations
@@ -24,66 +28,80 @@ class NgramDrafter(Drafter):
         self.max_n, self.min_n = max_n, min_n
         self._context: list[int] = []
         self._match: dict[int, tuple[int, float, float]] = {}  # node -> (match length, top count, total count)
-        self._indexed: list[int] = []  # the context whose n-grams ``_seen`` holds (``match_length``)
-        self._seen: set[tuple[int, ...]] = set()
+        self._indexed: list[int] = []  # the context ``_follow`` indexes
+        self._follow: list[dict[tuple[int, ...], dict[int, int]]] = [{} for _ in range(max_n + 1)]
 
-    def _find(self, seq: list[int]) -> tuple[int, torch.Tensor, torch.Tensor] | None:
-        """The longest suffix of ``seq`` (``max_n`` down to ``min_n`` tokens) that occurred earlier with a token after
-        it: (its length n, ``seq`` as a tensor, where the earlier occurrences start), or None."""
-        s = torch.tensor(seq, dtype=torch.long)
-        for n in range(min(self.max_n, len(seq) - 1), self.min_n - 1, -1):
-            windows = s.unfold(0, n, 1)[:-1]  # every n-gram that has a following token
-            hits = (windows == s[-n:]).all(dim=1).nonzero().squeeze(1)
-            if hits.numel():
-                return n, s, hits
+    def _index(self, context: list[int]) -> None:
+        """Make ``_follow[n]`` map each n-gram of ``context`` that has a token after it to the counts of those tokens:
+        the n-grams ending at the tokens committed since the last call are added (another context: indexed anew)."""
+        n_old = len(self._indexed)
+        if len(context) < n_old or context[:n_old] != self._indexed:
+            self._follow, n_old = [{} for _ in range(self.max_n + 1)], 0
+        for end in range(max(n_old - 1, 0), len(context) - 1):  # n-grams ending at ``end`` now have a token after
+            after = context[end + 1]
+            for n in range(self.min_n, min(self.max_n, end + 1) + 1):
+                counts = self._follow[n].setdefault(tuple(context[end - n + 1:end + 1]), {})
+                counts[after] = counts.get(after, 0) + 1
+        self._indexed = list(context)
+
+    def _find(self, path: list[int]) -> tuple[int, dict[int, int]] | None:
+        """The longest suffix of the indexed context followed by ``path`` (``max_n`` down to ``min_n`` tokens) that
+        occurred earlier with a token after it: (its length n, the counts of the tokens that followed it), or None."""
+        ctx = self._indexed
+        start = max(len(ctx) - self.max_n, 0)  # the context's part that a suffix or a path's n-gram can reach
+        tail, total = ctx[start:] + path, len(ctx) + len(path)
+        for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
+            key = tuple(tail[len(tail) - n:])
+            counts = self._follow[n].get(key)
+            extra = [tail[end + 1 - start] for end in range(max(len(ctx) - 1, n - 1), total - 1)
+                     if tuple(tail[end - n + 1 - start:end + 1 - start]) == key]  # ending on the context's last token
+            if extra:  # or in the path: their next token is the path's
+                counts = dict(counts or {})
+                for x in extra:
+                    counts[x] = counts.get(x, 0) + 1
+            if counts:
+                return n, counts
         return None
 
     def match_length(self, context: list[int]) -> int:
-        """How long a match drafting after ``context`` would use (0: none, so no draft): ``_find``'s n, from a set of
-        the context's n-grams that have a token after them, extended by the tokens committed since the last call
-        (a switching draft asks this of every sequence at every step: a few set lookups instead of a search of the
-        whole context)."""
-        n_old = len(self._indexed)
-        if len(context) < n_old or context[:n_old] != self._indexed:  # another context: index it from the start
-            self._seen, n_old = set(), 0
-        for end in range(max(n_old - 1, 0), len(context) - 1):  # n-grams ending at ``end`` now have a token after
-            for n in range(self.min_n, min(self.max_n, end + 1) + 1):
-                self._seen.add(tuple(context[end - n + 1:end + 1]))
-        self._indexed = list(context)
+        """How long a match drafting after ``context`` would use (0: none, so no draft): ``_find``'s n, from the index
+        of the context's n-grams (a switching draft asks this of every sequence at every step)."""
+        self._index(context)
         for n in range(min(self.max_n, len(context) - 1), self.min_n - 1, -1):
-            if tuple(context[-n:]) in self._seen:
+            if tuple(context[len(context) - n:]) in self._follow[n]:
                 return n
         return 0
 
-    def _lookup(self, seq: list[int], node: int) -> torch.Tensor | None:
-        """Log-counts ``[V]`` of the tokens that followed the longest earlier match of a suffix, or None; the
-        match's length and the count of its most frequent continuation are kept for ``confidence``."""
-        found = self._find(seq)
+    def _lookup(self, path: list[int], node: int) -> torch.Tensor | None:
+        """Log-counts ``[V]`` of the tokens that followed the longest earlier match of a suffix of the context and
+        ``path``, or None; the match's length and the count of its most frequent continuation are kept for
+        ``confidence``."""
+        found = self._find(path)
         if found is None:
             return None
-        n, s, hits = found
-        seen, counts = torch.unique(s[hits + n], return_counts=True)
-        self._match[node] = (n, float(counts.max()), float(counts.sum()))
+        n, counts = found
+        tokens, seen = list(counts), torch.tensor(list(counts.values()))
+        self._match[node] = (n, float(seen.max()), float(seen.sum()))
         row = torch.full((self.vocab_size,), float("-inf"))  # never seen
-        row[seen] = counts.float().log()
+        row[tokens] = seen.float().log()
         return row
 
     def reset(self, prompt: list[int]) -> None:
         self._context, self._match = [], {}
-        self._indexed, self._seen = [], set()
+        self._indexed, self._follow = [], [{} for _ in range(self.max_n + 1)]
 
     def _root_logits(self, context):
         self._context = list(context)
         self._match = {}
-        return self._lookup(self._context, 0)
+        self._index(self._context)
+        return self._lookup([], 0)
 
     def _node_logits(self, g: _Growing, nodes: list[int]) -> torch.Tensor:
         rows = []
         for node in nodes:
-            row = self._lookup(self._context + g.path(node), node)
+            row = self._lookup(g.path(node), node)
             rows.append(row if row is not None else torch.full((self.vocab_size,), float("-inf")))
         return torch.stack(rows)
-
     def confidence(self, nodes: list[int], logits: torch.Tensor) -> torch.Tensor:
         """Longer matches seen more often predict better (measured on Spec-Bench answers of both built-in models):
         ``top probability x (n - 1 + min(count, 3) / 3) / max_n`` for a match of n tokens whose most frequent
