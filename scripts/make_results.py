@@ -276,6 +276,19 @@ SPEED_VERIFY_LEAD = (
 )
 
 
+# the same machine after prompt lookup's drafts read its n-gram index (3e14ce8) and the head's step costs were measured
+# again by `tune-tree` after the greedy verdict (its sidecar)
+RUNS["speed_lookup"] = speed_run()
+SPEED_LOOKUP_HEADING = ("## Speed of the defaults on an AVX-512 CPU, prompt lookup from its n-gram index "
+                        "(2026-12-06)")
+SPEED_LOOKUP_LEAD = (
+    "The speed run of the first section on the same AVX-512 EPYC (compare within each run only): prompt lookup's "
+    "drafts read the index of the context's n-grams kept step by step instead of searching the whole context at "
+    "every depth (3e14ce8: the same laws, so the same text), and the shipped head's step costs measured again by "
+    "`tune-tree` after the greedy verdict of the run above.",
+    "How to read it. TODO",
+)
+
 def hybrid_run() -> list[str]:
     """The default's draft against prompt lookup and the two switched per step (``hybrid``), all under ``auto``."""
     return ["--methods", "ar", "default", "--drafts", "eagle", "ngram", "hybrid", *spec_bench()]
@@ -1617,7 +1630,8 @@ def render() -> str:
                                      ("speed_layers", SPEED_LAYERS_HEADING, SPEED_LAYERS_LEAD),
                                      ("speed_norm", SPEED_NORM_HEADING, SPEED_NORM_LEAD),
                                      ("speed_loopcosts", SPEED_LOOPCOSTS_HEADING, SPEED_LOOPCOSTS_LEAD),
-                                     ("speed_verify", SPEED_VERIFY_HEADING, SPEED_VERIFY_LEAD)):  # AVX-512
+                                     ("speed_verify", SPEED_VERIFY_HEADING, SPEED_VERIFY_LEAD),
+                                     ("speed_lookup", SPEED_LOOKUP_HEADING, SPEED_LOOKUP_LEAD)):  # AVX-512
         if path(run_name).exists():
             out += speed_section(Results.load(path(run_name)), figs, heading, lead, tag=run_name[len("speed"):])
     for i, (run_name, tag, heading, lead) in enumerate(LATEST_LOOPS):
