@@ -1,6 +1,7 @@
 """The hybrid default against prompt lookup alone in speed runs' records: per temperature, the geometric mean over
-prompts of `default`'s tokens/s with draft `auto` over its tokens/s with draft `ngram` on the same prompt, with a
-95 % bootstrap interval over prompts (4,000 resamples, seed 0). Reads records only.
+prompts (and seeds, where a run has several) of `default`'s tokens/s with draft `auto` over its tokens/s with draft
+`ngram` on the same prompt and seed, with a 95 % bootstrap interval over those pairs (4,000 resamples, seed 0).
+Reads records only.
 
     python scripts/experiments/hybrid_vs_lookup.py results/speed_loopcosts.jsonl.gz results/speed_verify.jsonl.gz \\
         results/speed_lookup.jsonl.gz
@@ -27,7 +28,7 @@ def main() -> None:
                 r = json.loads(line)
                 if r.get("type") == "prompt" and r["cell"]["method"] == "default" and not r.get("error"):
                     c = r["cell"]
-                    speed[(c["T"], c["prompt"], c["draft"])] = r["tokens"] / r["wall_s"]
+                    speed[(c["T"], (c["prompt"], c.get("seed")), c["draft"])] = r["tokens"] / r["wall_s"]
         for t in sorted({k[0] for k in speed}):
             logs = [math.log(speed[(t, p, "auto")] / speed[(t, p, "ngram")])
                     for (tt, p, d) in speed if tt == t and d == "auto" and (t, p, "ngram") in speed]
@@ -36,7 +37,7 @@ def main() -> None:
             rng = random.Random(0)
             means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(4000))
             print(f"{path}: T = {t}: hybrid / lookup alone {math.exp(statistics.fmean(logs)):.3f}x "
-                  f"[{math.exp(means[100]):.3f}, {math.exp(means[3899]):.3f}] over {len(logs)} prompts")
+                  f"[{math.exp(means[100]):.3f}, {math.exp(means[3899]):.3f}] over {len(logs)} pairs")
 
 
 if __name__ == "__main__":
