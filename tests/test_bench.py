@@ -546,6 +546,30 @@ def test_rounds_alternate_the_order_of_closed_loops_and_their_ratios_pair_round_
         BenchConfig(**{**config.to_dict(), "concurrency": []}).validate()
 
 
+def test_each_round_of_a_closed_loop_draws_with_its_own_seed(tmp_path, tiny_target):
+    """At T > 0 round r draws with seed + 1000 r, the same for every method of the round (and for a peer): rounds
+    sample texts of their own, so a ratio's interval over rounds takes in the texts drawn. At T = 0 every round
+    writes the same text."""
+    base = tiny_config(tmp_path)
+    config = BenchConfig(**{**base.to_dict(), "methods": ["ar", "fixed", "hf-generate"], "drafts": ["ngram"],
+                            "temperatures": [0.0, 1.0], "seeds": [3], "concurrency": [2], "rounds": 3,
+                            "audit_cases": 0, "max_new_tokens": 8})
+    groups, _ = plan_groups(config, config.validate())
+    assert {(g.temperature, g.round, g.draw_seed) for g in groups} == {
+        (t, r, 3 + 1000 * r) for t in (0.0, 1.0) for r in range(3)}
+    res = Results.load(run_bench(config, tmp_path / "s.jsonl", target=tiny_target, progress=False,
+                                 log=lambda m: None))
+    texts: dict = {}
+    for p in res.prompts:
+        c = p["cell"]
+        texts.setdefault((c["T"], c["method"], c["prompt"]), {})[c["round"]] = tuple(p["token_ids"])
+    greedy = [v for (t, _, _), v in texts.items() if t == 0.0]
+    assert greedy and all(len(set(v.values())) == 1 for v in greedy)
+    for method in ("ar", "fixed", "hf-generate"):
+        sampled = [v for (t, m, _), v in texts.items() if t == 1.0 and m == method]
+        assert any(len(set(v.values())) > 1 for v in sampled), method
+
+
 def test_the_loop_interval_takes_in_rounds_and_prompts():
     """``ratio_of_loops``: one round gives the prompt bootstrap scaled to the measured ratio; rounds that disagree
     widen the interval, rounds that agree do not."""

@@ -134,7 +134,8 @@ BENCH_HELP = {
                    "loop's throughput",
     "rounds": "closed loops: run every temperature and N's methods this many times, in turn and in reverse order every "
               "other round, so that a slow spell of the machine falls on all of them; ratios are paired within a "
-              "round and their intervals take in the spread between rounds",
+              "round and their intervals take in the spread between rounds; at T > 0 each round draws with its own "
+              "seed (the seed + 1000 x the round), so the rounds sample texts too",
     "distortion": "record, for lossy rules, the exact total variation of their law from the target's at every "
                   "position a run tests, and for every cell at T > 0 the NLL of its text under the target",
 }
@@ -208,6 +209,18 @@ class Group:
     def key(self) -> dict:
         return {"T": self.temperature, "seed": self.seed, "draft": self.draft, "method": self.method.name,
                 "concurrency": self.concurrency, "round": self.round}
+
+    @property
+    def draw_seed(self) -> int:
+        """The seed its requests draw with: the configured seed in round 0, another one in each later round
+        (``ROUND_SEED_STRIDE`` apart), the same for every method of a round. At T > 0 a round then samples texts of
+        its own, so the rounds' spread takes in how much the texts drawn move a ratio, not only the machine's timing
+        (with one seed for all rounds, two methods' different texts of a prompt were the same in every round); at
+        T = 0 nothing changes."""
+        return self.seed + ROUND_SEED_STRIDE * self.round
+
+
+ROUND_SEED_STRIDE = 1000  # round r of a closed loop draws with seed + 1000 r (``Group.draw_seed``)
 
 
 def plan_groups(config: BenchConfig, methods: list[Plan | Peer]) -> tuple[list[Group], list[str]]:
@@ -339,12 +352,13 @@ class Runner:
         m, t = group.method, group.temperature
         if isinstance(m, Peer):
             requests = m.concurrent(ConcurrentRun(self.target, self.config.target, self.drafter(group.draft), problems,
-                                                  ids, group.concurrency, t, group.seed, budget,
+                                                  ids, group.concurrency, t, group.draw_seed, budget,
                                                   torch.get_num_threads(), self.config.dtype))
             tree_nodes = 0
         else:
             drafter = self.drafter(group.draft)
-            requests = verispec_loop(self.target, m, drafter, problems, ids, group.concurrency, t, group.seed, budget)
+            requests = verispec_loop(self.target, m, drafter, problems, ids, group.concurrency, t, group.draw_seed,
+                                     budget)
             tree_nodes = m.tree_for(drafter).size - 1
         load = meter.stop()
         records = []
