@@ -448,6 +448,8 @@ RUNS["concurrency_layers"] = RUNS["concurrency_rounds"]
 RUNS["concurrency_norm"] = RUNS["concurrency_rounds"]
 # the same after prompt lookup's drafts read its n-gram index (3e14ce8: the same laws)
 RUNS["concurrency_lookup"] = RUNS["concurrency_rounds"]
+# the same after each round of a closed loop drew with its own seed (6981dbd)
+RUNS["concurrency_seeds"] = RUNS["concurrency_rounds"]
 RUNS["serving_n8_bf16"] = [*RUNS["serving_n8"], "--dtype", "bfloat16"]
 RUNS["serving_bf16"] = [*serving_run(), "--dtype", "bfloat16"]
 # ResiSpec Table 3 shape (a cell costs ~30 s here): one run per temperature and tree group, two at a time share the
@@ -1622,10 +1624,17 @@ LATEST_LOOPS = ((
      "[0.88, 1.03] and 0.95x [0.89, 1.00] (1.05x, 1.04x, 0.98x, 0.98x above). At N = 2, T = 0.6 `default` was "
      "below `ar` in all three rounds (97.8, 95.7, 95.1 against 104.4, 105.5, 102.9 tokens/s): it drafted 1,101 "
      "tokens and 636 were accepted, and its forwards cost 14.9 ms a request step against `ar`'s 12.8 (13.7 "
-     "against 13.3 above, with 1,305 drafted and 798 accepted). At T = 0.6 the two methods write different texts "
-     "of the same law, so their cells differ in lengths and contexts too. At N = 8 `default` made 1.56x / 1.66x "
+     "against 13.3 above, with 1,305 drafted and 798 accepted). But at T = 0.6 every round drew the same texts (one "
+     "seed for all rounds, as in every closed-loop run before 6981dbd): `default`'s 1,873 tokens a round at N = 2 "
+     "against `ar`'s 2,004, and a loop's throughput moves with its texts' lengths, so its three rounds repeat one "
+     "draw and their interval is too narrow (the run below draws a seed a round). At N = 8 `default` made 1.56x / 1.66x "
      "its own N = 1 (goal 3x; design.md, \"Prefill bounds how far a loop grows with N\"). Greedy text is "
-     "identical to the one-at-a-time loop for every request at every N.",)))
+     "identical to the one-at-a-time loop for every request at every N.",)), (
+    "concurrency_seeds", "_seeds",
+    "Many requests at once on an AVX-512 CPU (float32), a seed a round: `default` against `ar` in three rounds",
+    ("The three rounds of the run above on the same machine, each round now drawing with its own seed (6981dbd: "
+     "seed + 1000 x the round), so that at T = 0.6 the rounds sample texts too; nothing else changed.",
+     "How to read it. TODO",)))
 
 
 def earlier_loops(figs: Path) -> list[str]:
