@@ -102,6 +102,7 @@ class NgramDrafter(Drafter):
             row = self._lookup(g.path(node), node)
             rows.append(row if row is not None else torch.full((self.vocab_size,), float("-inf")))
         return torch.stack(rows)
+
     def confidence(self, nodes: list[int], logits: torch.Tensor) -> torch.Tensor:
         """Longer matches seen more often predict better (measured on Spec-Bench answers of both built-in models):
         ``top probability x (n - 1 + min(count, 3) / 3) / max_n`` for a match of n tokens whose most frequent
