@@ -255,7 +255,7 @@ def test_two_sequences_sharing_steps_have_the_product_of_the_target_laws():
 def test_a_failing_sequence_fails_alone(target):
     class Fragile(NgramDrafter):
         def commit(self, draft, path):
-            if self._context[:1] == [61]:  # the fifth prompt's sequence: its first step's commit raises
+            if self._indexed[:1] == [61]:  # the fifth prompt's sequence: its first step's commit raises
                 raise RuntimeError("this draft broke")
 
     batch = generate_batch(target, Fragile(target.vocab_size), "chain", PROMPTS + [[], [3] * 300], tree="chain:3",

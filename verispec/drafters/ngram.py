@@ -26,7 +26,6 @@ class NgramDrafter(Drafter):
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.vocab_size = vocab_size
         self.max_n, self.min_n = max_n, min_n
-        self._context: list[int] = []
         self._match: dict[int, tuple[int, float, float]] = {}  # node -> (match length, top count, total count)
         self._indexed: list[int] = []  # the context ``_follow`` indexes
         self._follow: list[dict[tuple[int, ...], dict[int, int]]] = [{} for _ in range(max_n + 1)]
@@ -36,13 +35,13 @@ class NgramDrafter(Drafter):
         the n-grams ending at the tokens committed since the last call are added (another context: indexed anew)."""
         n_old = len(self._indexed)
         if len(context) < n_old or context[:n_old] != self._indexed:
-            self._follow, n_old = [{} for _ in range(self.max_n + 1)], 0
+            self._indexed, self._follow, n_old = [], [{} for _ in range(self.max_n + 1)], 0
         for end in range(max(n_old - 1, 0), len(context) - 1):  # n-grams ending at ``end`` now have a token after
             after = context[end + 1]
             for n in range(self.min_n, min(self.max_n, end + 1) + 1):
                 counts = self._follow[n].setdefault(tuple(context[end - n + 1:end + 1]), {})
                 counts[after] = counts.get(after, 0) + 1
-        self._indexed = list(context)
+        self._indexed.extend(context[n_old:])
 
     def _find(self, path: list[int]) -> tuple[int, dict[int, int]] | None:
         """The longest suffix of the indexed context followed by ``path`` (``max_n`` down to ``min_n`` tokens) that
@@ -87,13 +86,12 @@ class NgramDrafter(Drafter):
         return row
 
     def reset(self, prompt: list[int]) -> None:
-        self._context, self._match = [], {}
+        self._match = {}
         self._indexed, self._follow = [], [{} for _ in range(self.max_n + 1)]
 
     def _root_logits(self, context):
-        self._context = list(context)
         self._match = {}
-        self._index(self._context)
+        self._index(context)
         return self._lookup([], 0)
 
     def _node_logits(self, g: _Growing, nodes: list[int]) -> torch.Tensor:
