@@ -304,6 +304,17 @@ SPEED_LOOKUP_LEAD = (
     "early (goal 1.3x).",
 )
 
+
+# the same machine and revision's code at T = 0.6 over three seeds: one seed left the sampled cells to one draw of texts,
+# whose lengths differ between methods (an answer ending early moves a category's ratio by itself)
+RUNS["speed_seeds"] = [*speed_run()[:speed_run().index("--datasets")], *spec_bench("0.6"), "--seeds", "0", "1", "2"]
+SPEED_SEEDS_HEADING = "## Speed at T = 0.6 over three seeds (2026-12-06)"
+SPEED_SEEDS_LEAD = (
+    "The speed run of the section above at T = 0.6 only, with seeds 0, 1 and 2: every method draws three texts of "
+    "each prompt, and a ratio pairs each prompt's cells of the same seed.",
+    "How to read it. (Filled in from the run.)",
+)
+
 def hybrid_run() -> list[str]:
     """The default's draft against prompt lookup and the two switched per step (``hybrid``), all under ``auto``."""
     return ["--methods", "ar", "default", "--drafts", "eagle", "ngram", "hybrid", *spec_bench()]
@@ -1680,7 +1691,8 @@ def render() -> str:
                                      ("speed_norm", SPEED_NORM_HEADING, SPEED_NORM_LEAD),
                                      ("speed_loopcosts", SPEED_LOOPCOSTS_HEADING, SPEED_LOOPCOSTS_LEAD),
                                      ("speed_verify", SPEED_VERIFY_HEADING, SPEED_VERIFY_LEAD),
-                                     ("speed_lookup", SPEED_LOOKUP_HEADING, SPEED_LOOKUP_LEAD)):  # AVX-512
+                                     ("speed_lookup", SPEED_LOOKUP_HEADING, SPEED_LOOKUP_LEAD),
+                                     ("speed_seeds", SPEED_SEEDS_HEADING, SPEED_SEEDS_LEAD)):  # AVX-512
         if path(run_name).exists():
             out += speed_section(Results.load(path(run_name)), figs, heading, lead, tag=run_name[len("speed"):])
     for i, (run_name, tag, heading, lead) in enumerate(LATEST_LOOPS):
