@@ -12,21 +12,17 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
-import json
 
-import numpy as np
+from verispec.bench.records import Results
+from verispec.bench.stats import ratio_of_rates
 
 
-def ratio(mine: list[dict], base: list[dict], decode: bool, n: int = 2000, seed: int = 0):
+def ratio(mine: list[dict], base: list[dict], decode: bool) -> tuple[float, float, float]:
     """Summed tokens over summed seconds of ``mine`` over the same of ``base`` (paired cells), and its interval."""
-    def parts(r: dict) -> tuple[float, float]:
-        return r["tokens"], r["wall_s"] - (r["prefill_s"] if decode else 0.0)
-    a, b = np.array([parts(r) for r in mine]), np.array([parts(r) for r in base])
-    idx = np.random.default_rng(seed).integers(0, len(a), size=(n, len(a)))
-    draws = (a[idx, 0].sum(1) / a[idx, 1].sum(1)) / (b[idx, 0].sum(1) / b[idx, 1].sum(1))
-    low, high = np.percentile(draws, [2.5, 97.5])
-    return (a[:, 0].sum() / a[:, 1].sum()) / (b[:, 0].sum() / b[:, 1].sum()), low, high
+    def seconds(r: dict) -> float:
+        return r["wall_s"] - (r["prefill_s"] if decode else 0.0)
+    return ratio_of_rates([r["tokens"] for r in mine], [seconds(r) for r in mine],
+                          [r["tokens"] for r in base], [seconds(r) for r in base])
 
 
 def main() -> None:
@@ -34,17 +30,14 @@ def main() -> None:
     ap.add_argument("records", help="a speed run's records (.jsonl or .jsonl.gz)")
     ap.add_argument("--base", default="ar", help="the method every other is compared with")
     args = ap.parse_args()
-    opener = gzip.open if args.records.endswith(".gz") else open
     cells: dict[tuple, dict] = collections.defaultdict(dict)  # (T, method, draft) -> (seed, prompt) -> record
     category: dict[str, str] = {}
-    with opener(args.records, "rt") as f:
-        for line in f:
-            r = json.loads(line)
-            if r.get("type") != "prompt" or r.get("prefill_s") is None:
-                continue
-            c = r["cell"]
-            cells[(c["T"], c["method"], c["draft"])][(c["seed"], c["prompt"])] = r
-            category[c["prompt"]] = r["category"]
+    for r in Results.load(args.records).prompts:
+        if r.get("prefill_s") is None:
+            continue
+        c = r["cell"]
+        cells[(c["T"], c["method"], c["draft"])][(c["seed"], c["prompt"])] = r
+        category[c["prompt"]] = r["category"]
     for (t, method, draft), mine in sorted(cells.items()):
         base = next((v for (bt, m, _), v in cells.items() if bt == t and m == args.base), None)
         if method == args.base or base is None:
