@@ -167,7 +167,7 @@ SPEED_AVX512_LEAD = (
 RUNS["speed_calls"] = speed_run()
 SPEED_CALLS_HEADING = "## Speed of the defaults on an AVX-512 CPU, after the forward's fewer calls (2026-12-06)"
 SPEED_CALLS_LEAD = (
-    "The speed run of the first section on the AVX-512 EPYC of the section above, at 74c773c (the code of c1f8867; "
+    "The speed run of the first section of Earlier runs on the AVX-512 EPYC of the section above, at 74c773c (the code of c1f8867; "
     "compare within each run only): after a decoder layer's seven linear layers became four calls of the native "
     "kernel (fbafde5) and a step's attention one call that also writes its keys and values (c1f8867), the same "
     "logits bit for bit (design.md, \"Fewer calls a layer\"); the same head and tree. llama-cpp-python is "
@@ -187,7 +187,7 @@ SPEED_CALLS_LEAD = (
 RUNS["speed_layers"] = speed_run()
 SPEED_LAYERS_HEADING = "## Speed of the defaults on an AVX-512 CPU, after the decoder layers in one call (2026-12-06)"
 SPEED_LAYERS_LEAD = (
-    "The speed run of the first section on the same AVX-512 EPYC, at 0342f1f (the code of 5ed62f4; compare within "
+    "The speed run of the first section of Earlier runs on the same AVX-512 EPYC, at 0342f1f (the code of 5ed62f4; compare within "
     "each run only): after a float32 model's decoder layers ran in one native call wherever the float32 attention "
     "kernel serves every sequence of a forward (5ed62f4; the same logits bit for bit: design.md, \"The decoder "
     "layers in one call\"); the same head and tree.",
@@ -212,7 +212,7 @@ SPEED_LAYERS_LEAD = (
 RUNS["speed_norm"] = speed_run()
 SPEED_NORM_HEADING = "## Speed of the defaults on an AVX-512 CPU, after the lean forward's own norm (2026-12-06)"
 SPEED_NORM_LEAD = (
-    "The speed run of the first section on the same AVX-512 EPYC, at c510802 (the code of 5d18cb3; compare within "
+    "The speed run of the first section of Earlier runs on the same AVX-512 EPYC, at c510802 (the code of 5d18cb3; compare within "
     "each run only): after the lean forward's float32 RMS norm became its own (5d18cb3: new roundings, within "
     "float rounding of torch's; design.md, \"The lean forward's own RMS norm\"); the same head and tree.",
     "How to read it. `default` ran 2.11x [1.93, 2.38] / 2.08x [1.89, 2.31] Hugging Face `generate` at T = 0 / 0.6 "
@@ -235,7 +235,7 @@ RUNS["speed_loopcosts"] = speed_run()
 SPEED_LOOPCOSTS_HEADING = ("## Speed of the defaults on an AVX-512 CPU, the head's step costs as the loop pays them "
                            "(2026-12-06)")
 SPEED_LOOPCOSTS_LEAD = (
-    "The speed run of the first section on the same AVX-512 EPYC (compare within each run only): the draft head's "
+    "The speed run of the first section of Earlier runs on the same AVX-512 EPYC (compare within each run only): the draft head's "
     "step costs, which the `auto` policy weighs its depths by, measured by `tune-tree` as whole steps of the loop "
     "(design.md, \"Step costs as the loop pays them\"), and SiLU times up inside the one call (ec02b29).",
     "How to read it. `default` ran 2.24x [2.03, 2.53] / 2.08x [1.82, 2.35] Hugging Face `generate` at T = 0 / 0.6 "
@@ -260,7 +260,7 @@ RUNS["speed_verify"] = speed_run()
 SPEED_VERIFY_HEADING = ("## Speed of the defaults on an AVX-512 CPU, the greedy chain's verdict off its argmaxes "
                         "(2026-12-06)")
 SPEED_VERIFY_LEAD = (
-    "The speed run of the first section on the same AVX-512 EPYC (compare within each run only): at T = 0 the "
+    "The speed run of the first section of Earlier runs on the same AVX-512 EPYC (compare within each run only): at T = 0 the "
     "chain rule's verdict read off the target's argmaxes instead of computed from point-mass laws over the "
     "vocabulary (afe76f7; design.md, \"Exactness is the spine\"), and top-k drafts' point masses built without "
     "`one_hot` at every temperature.",
@@ -285,10 +285,11 @@ RUNS["speed_lookup"] = speed_run()
 SPEED_LOOKUP_HEADING = ("## Speed of the defaults on an AVX-512 CPU, prompt lookup from its n-gram index "
                         "(2026-12-06)")
 SPEED_LOOKUP_LEAD = (
-    "The speed run of the first section on the same AVX-512 EPYC (compare within each run only): prompt lookup's "
+    "The speed run of the first section of Earlier runs on the same AVX-512 EPYC (compare within each run only): prompt lookup's "
     "drafts read the index of the context's n-grams kept step by step instead of searching the whole context at "
     "every depth (3e14ce8: the same laws, so the same text), and the shipped head's step costs measured again by "
-    "`tune-tree` after the greedy verdict of the run above.",
+    "`tune-tree` after the greedy verdict of the last speed run there (\"... the greedy chain's verdict off its "
+    "argmaxes\").",
     "How to read it. A lookup step's drafting fell from 0.86 / 1.27 ms to 0.71 / 1.01 at chains of 1 / 2 (T = 0; "
     "`python scripts/experiments/step_costs_in_loop.py results/speed_lookup.jsonl.gz`), and with prompt lookup "
     "alone `default` ran 1.15x [1.08, 1.24] / 1.04x [0.96, 1.12] `ar` at T = 0 / 0.6. The hybrid default ran 1.13x "
@@ -296,7 +297,7 @@ SPEED_LOOKUP_LEAD = (
     "Hugging Face `generate` (goals 2.0x / 1.8x), 2.25x / 2.99x Hugging Face's assisted generation with prompt "
     "lookup (goal 1.8x), 1.54x / 1.37x llama-cpp-python. The head adds little over lookup alone: the hybrid "
     "made 91.0 / 82.2 tokens/s against lookup's 92.5 / 84.7, per prompt 0.995x [0.963, 1.022] / 0.936x [0.840, "
-    "1.020] (1.015x and 1.026x at T = 0 in the two runs above; at T = 0.6 every run drew the same texts, whose "
+    "1.020] (1.015x and 1.026x at T = 0 in the two speed runs before it; at T = 0.6 every run drew the same texts, whose "
     "lengths differ between the two drafts, and with four other seeds the hybrid ran 1.042x [0.999, 1.084] lookup "
     "alone over 72 pairs: design.md, \"Draft `auto`\"; goal 1.25x). Its "
     "steps of one token cost 1.34 / 1.38 plain steps for 1.51 / 1.43 tokens: 7.61 / 8.29 ms a token against a "
@@ -326,6 +327,29 @@ SPEED_SEEDS_LEAD = (
     "[1.04, 1.11] over all.",
 )
 
+
+# every speed run, oldest first: (run, figure tag, heading, lead); "" and () give speed_section's own. The last
+# LATEST_SPEED are the page's first sections after "Where it stands"; the others open Earlier runs, in this order.
+SPEED_RUNS = (("speed", "", "", ()), ("speed_bf16", "", "", ()),
+              *((name, name[len("speed"):], heading, lead) for name, heading, lead in (
+                  ("speed_avx512", SPEED_AVX512_HEADING, SPEED_AVX512_LEAD),
+                  ("speed_calls", SPEED_CALLS_HEADING, SPEED_CALLS_LEAD),
+                  ("speed_layers", SPEED_LAYERS_HEADING, SPEED_LAYERS_LEAD),
+                  ("speed_norm", SPEED_NORM_HEADING, SPEED_NORM_LEAD),
+                  ("speed_loopcosts", SPEED_LOOPCOSTS_HEADING, SPEED_LOOPCOSTS_LEAD),
+                  ("speed_verify", SPEED_VERIFY_HEADING, SPEED_VERIFY_LEAD),
+                  ("speed_lookup", SPEED_LOOKUP_HEADING, SPEED_LOOKUP_LEAD),
+                  ("speed_seeds", SPEED_SEEDS_HEADING, SPEED_SEEDS_LEAD))))
+LATEST_SPEED = 2
+
+
+def speed_sections(runs, figs: Path) -> list[str]:
+    """The sections of ``runs`` (entries of ``SPEED_RUNS``) whose records exist."""
+    out = []
+    for run_name, tag, heading, lead in runs:
+        if path(run_name).exists():
+            out += speed_section(Results.load(path(run_name)), figs, heading, lead, tag=tag)
+    return out
 
 def hybrid_run() -> list[str]:
     """The default's draft against prompt lookup and the two switched per step (``hybrid``), all under ``auto``."""
@@ -634,9 +658,7 @@ def speed_section(res: Results, figs: Path, heading: str = "", lead: tuple[str, 
         "weights, and verispec's prepacked linear layers for both); the step costs of the `auto` policy are this "
         "target's own measured forwards (docs/design.md). Hugging Face assisted generation and llama.cpp were left "
         "out: this run is the comparison in this dtype, the float32 run above has the peers.", ""]
-    peers = "Hugging Face and llama.cpp" if llama else "Hugging Face"
-    title = heading or f"## Speed of the defaults against plain decoding, {peers}{title}"
-    return [title, "", *run_lines(res), "", *([res.llama_build(), ""] if llama else []), *dtype,
+    return [speed_title(res, heading), "", *run_lines(res), "", *([res.llama_build(), ""] if llama else []), *dtype,
             *[x for paragraph in lead for x in (paragraph, "")],
             "`default` is what `verispec generate` does with no options (draft `auto`; exact chain verification; the "
             "draft length chosen per step by the `auto` policy), here also with the prompt-lookup draft `ngram`. "
@@ -651,6 +673,12 @@ def speed_section(res: Results, figs: Path, heading: str = "", lead: tuple[str, 
             fig(categories(res, figs / f"speed_by_category{name}.png")), "",
             fig(latency(res, figs / f"speed_latency{name}.png", rows)),
             "", *step_time_table(res)]
+
+
+def speed_title(res: Results, heading: str = "") -> str:
+    """A speed run's section title: ``heading``, or one naming its peers and its target's dtype."""
+    peers = "Hugging Face and llama.cpp" if "llama-cpp" in res.header["config"]["methods"] else "Hugging Face"
+    return heading or f"## Speed of the defaults against plain decoding, {peers}{_in_dtype(res)[0]}"
 
 
 BF16 = "bfloat16"
@@ -1116,9 +1144,8 @@ def epochs_section() -> list[str]:
     shipped_p = EPOCHS / "shipped.json"
     if shipped_p.exists():
         shipped, last = json.loads(shipped_p.read_text()), reports[max(reports)]
-        info = json.loads(HEAD_INFO.read_text()) if HEAD_INFO.exists() else {}
-        ships = all(info.get("training", {}).get(k) == last["training"].get(k) for k in ("sequences", "steps"))
-        where = (f"That head is the one shipped now (`verispec/heads/smollm2-135m.pt`; its tree and step costs "
+        ships = shipped_report() == last
+        where = ("That head is the one shipped now (`verispec/heads/smollm2-135m.pt`; its tree and step costs "
                  "below)." if ships else f"That head is kept as data/heads/smollm2-135m-eagle3-{max(reports)}epochs.pt "
                  "(not shipped: the default's tree and step costs, `tune-tree`, and the speed run have not been "
                  "measured with it).")
@@ -1537,6 +1564,93 @@ EARLIER_LOOPS = (  # closed-loop runs after the first two, oldest first: (run, p
      "`default` 122.3 / 117.6 (109.1 / 100.8), 1.74x / 1.92x its own N = 1 and 2.02x / 1.98x `ar`'s. Prefill "
      "still bounds how far the loops grow with N (design.md). Greedy text is identical to the one-at-a-time loop "
      "for every request at every N.")),
+    ("concurrency_rounds3", "_rounds3c",
+     "Many requests at once on an AVX-512 CPU (float32), the 512-bit linear kernel: `default` against `ar` in three "
+     "rounds",
+     ("`default` against `ar` alone at the code of the run \"the 512-bit linear kernel, beside every peer\" (the "
+      "latest closed loops with the peers, before Earlier runs; bb03bba: only results and this script changed "
+      "since), in three rounds with the methods' order reversed every other round, to judge the one cell of that run "
+      "below 1.0 (N = 8, T = 0.6).",
+      "How to read it. `default` ran 1.19x / 1.06x `ar` at N = 1 (T = 0 / 0.6), 1.02x / 1.00x at N = 2, 1.01x / "
+      "0.93x at N = 4 and 0.99x / 1.02x at N = 8. The cell of that run (0.90x) is 1.02x [0.98, 1.06] here, and "
+      "this run's lowest cell, N = 4 at T = 0.6 (0.93x [0.86, 1.00]: `default` 95.5, 105.4 and 104.8 tokens/s in its "
+      "rounds against `ar`'s 109.5, 109.0 and 109.6), was 0.97x in that run: the low cells move from run to run. "
+      "With several requests in flight `default` is within a few percent of `ar`, drafting in few steps (the table "
+      "below), and gains no more than that: a drafted row costs about 1.9 ms beside a 14 ms step of two sequences "
+      "(`python scripts/experiments/linear_avx512.py`: a forward of two sequences of one row 14.1 ms, of three rows "
+      "21.6), and the head is right 0.52 of the time at depth 1. Greedy text is identical to the "
+      "one-at-a-time loop for every request at every N.")),
+    ("concurrency_calls", "_calls",
+     "Many requests at once on an AVX-512 CPU (float32), after the forward's fewer calls: `default` against `ar` in "
+     "three rounds",
+     ("The three rounds of the run above at 56a8a59, on the same machine: after a decoder layer's seven linear "
+      "layers became four native calls (fbafde5) and a step's attention one call that also writes its keys and "
+      "values (c1f8867), the same logits bit for bit (design.md, \"Fewer calls a layer\").",
+      "How to read it. Both loops got faster than in the run above (not paired: another run): at N = 1, T = 0 `ar` "
+      "58.7 -> 69.4 tokens/s and `default` 69.8 -> 82.0; at N = 8 121.3 -> 127.6 and 119.8 -> 126.5 (T = 0.6: "
+      "115.4 -> 128.0 and 117.2 -> 118.3). `default` ran 1.18x [1.08, 1.31] / 1.04x [1.01, 1.09] `ar` at N = 1 "
+      "(T = 0 / 0.6), 1.00x / 1.01x at N = 2, 1.00x / 0.90x [0.83, 0.98] at N = 4 and 0.99x / 0.92x [0.89, 0.96] at "
+      "N = 8, and 1.54x / 1.71x its own N = 1 at N = 8. With four or eight in flight it drafts almost nothing "
+      "(accepted length 1.01-1.05) and still carries the head: alternated outside the bench at N = 8, T = 0.6 "
+      "(`python scripts/experiments/ab_concurrency.py --methods ar default:plain --concurrency 8 --temperature 0.6 "
+      "--pairs 3 --dtype float32`, then `--methods default:plain default`), `default` kept from drafting at two "
+      "or more in flight ran 0.98x [0.96, 0.99] `ar`, and `default` 0.99x [0.97, 1.01] that: its drafts there "
+      "neither gain nor lose, about 2 % is what the head's bookkeeping costs a step in which it does not draft "
+      "(the target's features for it, the plan), and the rest of the bench's 0.92x is the spread between its "
+      "cells (`ar` itself ran 123.4 / 129.2 / 131.6 tokens/s in the three rounds of that cell). Greedy text is "
+      "identical to the one-at-a-time loop for every request at every N.",)),
+    ("concurrency_layers", "_layers",
+     "Many requests at once on an AVX-512 CPU (float32), after the decoder layers in one call: `default` against "
+     "`ar` in three rounds",
+     ("The three rounds of the run above at aa33b54 (the code of 5ed62f4), on the same machine: after a float32 "
+      "model's decoder layers ran in one native call (5ed62f4; the same logits bit for bit: design.md, \"The decoder "
+      "layers in one call\").",
+      "How to read it. Not paired with the run above (another run, and the machine drifts between runs: Hugging "
+      "Face `generate` ran 12 % slower in this session's speed run than in the last one's). At N = 1 both loops got "
+      "faster, `ar` 69.4 -> 76.7 tokens/s and `default` 82.0 -> 84.7 at T = 0 (66.4 -> 69.9 and 69.3 -> 71.8 at "
+      "T = 0.6); at N = 8 neither did (`ar` 127.6 -> 123.0, `default` 126.5 -> 123.1): a forward of eight gained "
+      "less (1.05-1.09x alone), the prompts' prefill not at all, and the drift between runs is of that size (the "
+      "run below, one change later, made 131.3 and 131.6). `default` ran 1.10x [1.02, 1.21] "
+      "/ 1.03x [0.97, 1.09] `ar` at N = 1 (T = 0 / 0.6), 1.02x / 0.97x at N = 2, 0.94x [0.91, 0.97] / 0.89x "
+      "[0.82, 0.98] at N = 4 and 1.00x / 1.00x at N = 8, and 1.45x / 1.67x its own N = 1 at N = 8. The N = 4 cells "
+      "are below 1.0 in every round here (T = 0.6: `default` 108.1, 105.2, 102.1 against `ar`'s 114.2, 122.8, "
+      "116.0 tokens/s) and were in the run above too (0.90x at T = 0.6), but not outside the bench: alternated at "
+      "69858ba (`python scripts/experiments/ab_concurrency.py --methods ar default --concurrency 4 --temperature 0.6 "
+      "--pairs 4 --dtype float32`) per round 0.97, 1.02, 0.95, 1.10, so 1.01x [0.96, 1.06]; and one loop each at "
+      "aa33b54 (`python scripts/experiments/loop_split.py --concurrency 4 --temperature 0.6 --dtype float32`) "
+      "110.5 and 108.1 tokens/s (0.98x), its steps with all 4 in flight 17.1 against 17.7 ms for 4.00 and 4.05 "
+      "tokens. Greedy text is identical to the one-at-a-time loop for every request at every N.",)),
+    ("concurrency_norm", "_norm",
+     "Many requests at once on an AVX-512 CPU (float32), after the lean forward's own norm: `default` against `ar` in "
+     "three rounds",
+     ("The three rounds of the run above at 3cbf7b0 (the code of 5d18cb3), on the same machine: after the lean "
+      "forward's float32 RMS norm became its own (5d18cb3; design.md, \"The lean forward's own RMS norm\").",
+      "How to read it. Not paired with the run above. Both loops are the fastest yet at every N: at N = 1 `ar` made "
+      "80.6 / 75.5 tokens/s at T = 0 / 0.6 (76.7 / 69.9 above) and `default` 87.3 / 79.5 (84.7 / 71.8); at N = 8 "
+      "`ar` 131.3 / 142.3 and `default` 131.6 / 139.5 (123.0 / 120.3 and 123.1 / 119.7). `default` ran 1.08x "
+      "[1.00, 1.19] / 1.05x [0.97, 1.13] `ar` at N = 1, 1.01x / 1.04x at N = 2, 0.97x [0.94, 1.00] / 0.98x [0.95, "
+      "1.00] at N = 4 and 1.00x / 0.98x [0.97, 0.99] at N = 8, and 1.51x / 1.75x its own N = 1 at N = 8. The N = 4 "
+      "cells are still below 1.0 in every round, now by 1-5 %: at four and eight in flight `default` drafts in few "
+      "steps (accepted length 1.01-1.04) and pays the plan and the head's bookkeeping in all of them. Greedy text is "
+      "identical to the one-at-a-time loop for every request at every N.",)),
+    ("concurrency_lookup", "_lookup",
+     "Many requests at once on an AVX-512 CPU (float32), prompt lookup from its n-gram index: `default` against `ar` "
+     "in three rounds",
+     ("The three rounds of the run above on the same machine, after prompt lookup's drafts read the index of the "
+      "context's n-grams kept step by step (3e14ce8: the same laws; design.md, \"Many sequences at once\") and the "
+      "shipped head's step costs were measured again.",
+      "How to read it. Not paired with the run above. At T = 0, where both methods write the same text, `default` "
+      "ran 1.07x [1.00, 1.17] `ar` at N = 1, 1.04x [0.89, 1.22] at N = 2, 0.99x [0.96, 1.01] at N = 4 and 1.01x "
+      "[0.99, 1.03] at N = 8 (1.08x, 1.01x, 0.97x and 1.00x above); at T = 0.6 0.99x, 0.92x [0.85, 1.00], 0.95x "
+      "[0.88, 1.03] and 0.95x [0.89, 1.00] (1.05x, 1.04x, 0.98x, 0.98x above). At N = 2, T = 0.6 `default` was "
+      "below `ar` in all three rounds (97.8, 95.7, 95.1 against 104.4, 105.5, 102.9 tokens/s): it drafted 1,101 "
+      "tokens and 636 were accepted, and its forwards cost 14.9 ms a request step against `ar`'s 12.8 (13.7 "
+      "against 13.3 above, with 1,305 drafted and 798 accepted). But at T = 0.6 every round drew the same texts (one "
+      "seed for all rounds, as in every closed-loop run before 6981dbd): `default`'s 1,873 tokens a round at N = 2 "
+      "against `ar`'s 2,004, and a loop's throughput moves with its texts' lengths, so its three rounds repeat one "
+      "draw and their interval is too narrow (\"a seed a round\", before Earlier runs, draws a seed a round). At N = 8 `default` made 1.56x / 1.66x "
+      "its own N = 1 (goal 3x; design.md, \"Prefill bounds how far a loop grows with N\"). Greedy text is "
+      "identical to the one-at-a-time loop for every request at every N.",)),
 )
 
 
@@ -1546,7 +1660,7 @@ LATEST_LOOPS = ((
     "concurrency_avx512", "_avx512",
     "Many requests at once on an AVX-512 CPU (float32), the 512-bit linear kernel, beside every peer",
     ("The closed loops of \"Many requests at once on an AVX-512 CPU (float32): `default` against `ar` in three "
-     "rounds, after the kernel and head changes\" (the last closed loops in Earlier runs) on the same machine at "
+     "rounds, after the kernel and head changes\" (in Earlier runs) on the same machine at "
      "73500e6, after linear.cpp got a build with 512-bit paths (f1afceb: up to 16 rows against the GGUF blocks in one pass, the "
      "same logits bit for bit; design.md, \"The default model's weights stream from their GGUF blocks\"), beside "
      "every peer but transformers' continuous batching (measured in the AVX2 runs below; its code has not "
@@ -1563,106 +1677,21 @@ LATEST_LOOPS = ((
      "--methods ar default default ar --concurrency 8 --temperature 0.6 --dtype float32` made 114.3, 115.1, 109.8 "
      "and 110.2 tokens/s (`default` 1.00x), their full steps 34.3 / 33.7 / 35.1 / 35.6 ms with 8.00 tokens each, "
      "and in three rounds it gave 1.04x [1.03, 1.06] at da2fdcd (Earlier runs) and 1.02x [0.98, 1.06] at this "
-     "code (the run right below). At T > 0 the two methods write different "
+     "code (\"the 512-bit linear kernel: `default` against `ar` in three rounds\", in Earlier runs). At T > 0 the two methods write different "
      "texts of the same law (1,887 and 1,941 tokens here), and between cells of one run the same method moved by "
      "up to 10 % (`ar` at N = 8: 120.6 tokens/s at T = 0, 126.2 at T = 0.6), so compare with that spread in mind. "
      "Greedy text is identical to the one-at-a-time loop for every request at every N.")), (
-    "concurrency_rounds3", "_rounds3c",
-    "Many requests at once on an AVX-512 CPU (float32), the 512-bit linear kernel: `default` against `ar` in three "
-    "rounds",
-    ("`default` against `ar` alone at the code of the run above (bb03bba: only results and this script changed "
-     "since), in three rounds with the methods' order reversed every other round, to judge the one cell of the run "
-     "above below 1.0 (N = 8, T = 0.6).",
-     "How to read it. `default` ran 1.19x / 1.06x `ar` at N = 1 (T = 0 / 0.6), 1.02x / 1.00x at N = 2, 1.01x / "
-     "0.93x at N = 4 and 0.99x / 1.02x at N = 8. The cell of the run above (0.90x) is 1.02x [0.98, 1.06] here, and "
-     "this run's lowest cell, N = 4 at T = 0.6 (0.93x [0.86, 1.00]: `default` 95.5, 105.4 and 104.8 tokens/s in its "
-     "rounds against `ar`'s 109.5, 109.0 and 109.6), was 0.97x in the run above: the low cells move from run to run. "
-     "With several requests in flight `default` is within a few percent of `ar`, drafting in few steps (the table "
-     "below), and gains no more than that: a drafted row costs about 1.9 ms beside a 14 ms step of two sequences "
-     "(`python scripts/experiments/linear_avx512.py`: a forward of two sequences of one row 14.1 ms, of three rows "
-     "21.6), and the head is right 0.52 of the time at depth 1. Greedy text is identical to the "
-     "one-at-a-time loop for every request at every N.")), (
-    "concurrency_calls", "_calls",
-    "Many requests at once on an AVX-512 CPU (float32), after the forward's fewer calls: `default` against `ar` in "
-    "three rounds",
-    ("The three rounds of the run above at 56a8a59, on the same machine: after a decoder layer's seven linear "
-     "layers became four native calls (fbafde5) and a step's attention one call that also writes its keys and "
-     "values (c1f8867), the same logits bit for bit (design.md, \"Fewer calls a layer\").",
-     "How to read it. Both loops got faster than in the run above (not paired: another run): at N = 1, T = 0 `ar` "
-     "58.7 -> 69.4 tokens/s and `default` 69.8 -> 82.0; at N = 8 121.3 -> 127.6 and 119.8 -> 126.5 (T = 0.6: "
-     "115.4 -> 128.0 and 117.2 -> 118.3). `default` ran 1.18x [1.08, 1.31] / 1.04x [1.01, 1.09] `ar` at N = 1 "
-     "(T = 0 / 0.6), 1.00x / 1.01x at N = 2, 1.00x / 0.90x [0.83, 0.98] at N = 4 and 0.99x / 0.92x [0.89, 0.96] at "
-     "N = 8, and 1.54x / 1.71x its own N = 1 at N = 8. With four or eight in flight it drafts almost nothing "
-     "(accepted length 1.01-1.05) and still carries the head: alternated outside the bench at N = 8, T = 0.6 "
-     "(`python scripts/experiments/ab_concurrency.py --methods ar default:plain --concurrency 8 --temperature 0.6 "
-     "--pairs 3 --dtype float32`, then `--methods default:plain default`), `default` kept from drafting at two "
-     "or more in flight ran 0.98x [0.96, 0.99] `ar`, and `default` 0.99x [0.97, 1.01] that: its drafts there "
-     "neither gain nor lose, about 2 % is what the head's bookkeeping costs a step in which it does not draft "
-     "(the target's features for it, the plan), and the rest of the bench's 0.92x is the spread between its "
-     "cells (`ar` itself ran 123.4 / 129.2 / 131.6 tokens/s in the three rounds of that cell). Greedy text is "
-     "identical to the one-at-a-time loop for every request at every N.",)), (
-    "concurrency_layers", "_layers",
-    "Many requests at once on an AVX-512 CPU (float32), after the decoder layers in one call: `default` against "
-    "`ar` in three rounds",
-    ("The three rounds of the run above at aa33b54 (the code of 5ed62f4), on the same machine: after a float32 "
-     "model's decoder layers ran in one native call (5ed62f4; the same logits bit for bit: design.md, \"The decoder "
-     "layers in one call\").",
-     "How to read it. Not paired with the run above (another run, and the machine drifts between runs: Hugging "
-     "Face `generate` ran 12 % slower in this session's speed run than in the last one's). At N = 1 both loops got "
-     "faster, `ar` 69.4 -> 76.7 tokens/s and `default` 82.0 -> 84.7 at T = 0 (66.4 -> 69.9 and 69.3 -> 71.8 at "
-     "T = 0.6); at N = 8 neither did (`ar` 127.6 -> 123.0, `default` 126.5 -> 123.1): a forward of eight gained "
-     "less (1.05-1.09x alone), the prompts' prefill not at all, and the drift between runs is of that size (the "
-     "run below, one change later, made 131.3 and 131.6). `default` ran 1.10x [1.02, 1.21] "
-     "/ 1.03x [0.97, 1.09] `ar` at N = 1 (T = 0 / 0.6), 1.02x / 0.97x at N = 2, 0.94x [0.91, 0.97] / 0.89x "
-     "[0.82, 0.98] at N = 4 and 1.00x / 1.00x at N = 8, and 1.45x / 1.67x its own N = 1 at N = 8. The N = 4 cells "
-     "are below 1.0 in every round here (T = 0.6: `default` 108.1, 105.2, 102.1 against `ar`'s 114.2, 122.8, "
-     "116.0 tokens/s) and were in the run above too (0.90x at T = 0.6), but not outside the bench: alternated at "
-     "69858ba (`python scripts/experiments/ab_concurrency.py --methods ar default --concurrency 4 --temperature 0.6 "
-     "--pairs 4 --dtype float32`) per round 0.97, 1.02, 0.95, 1.10, so 1.01x [0.96, 1.06]; and one loop each at "
-     "aa33b54 (`python scripts/experiments/loop_split.py --concurrency 4 --temperature 0.6 --dtype float32`) "
-     "110.5 and 108.1 tokens/s (0.98x), its steps with all 4 in flight 17.1 against 17.7 ms for 4.00 and 4.05 "
-     "tokens. Greedy text is identical to the one-at-a-time loop for every request at every N.",)), (
-    "concurrency_norm", "_norm",
-    "Many requests at once on an AVX-512 CPU (float32), after the lean forward's own norm: `default` against `ar` in "
-    "three rounds",
-    ("The three rounds of the run above at 3cbf7b0 (the code of 5d18cb3), on the same machine: after the lean "
-     "forward's float32 RMS norm became its own (5d18cb3; design.md, \"The lean forward's own RMS norm\").",
-     "How to read it. Not paired with the run above. Both loops are the fastest yet at every N: at N = 1 `ar` made "
-     "80.6 / 75.5 tokens/s at T = 0 / 0.6 (76.7 / 69.9 above) and `default` 87.3 / 79.5 (84.7 / 71.8); at N = 8 "
-     "`ar` 131.3 / 142.3 and `default` 131.6 / 139.5 (123.0 / 120.3 and 123.1 / 119.7). `default` ran 1.08x "
-     "[1.00, 1.19] / 1.05x [0.97, 1.13] `ar` at N = 1, 1.01x / 1.04x at N = 2, 0.97x [0.94, 1.00] / 0.98x [0.95, "
-     "1.00] at N = 4 and 1.00x / 0.98x [0.97, 0.99] at N = 8, and 1.51x / 1.75x its own N = 1 at N = 8. The N = 4 "
-     "cells are still below 1.0 in every round, now by 1-5 %: at four and eight in flight `default` drafts in few "
-     "steps (accepted length 1.01-1.04) and pays the plan and the head's bookkeeping in all of them. Greedy text is "
-     "identical to the one-at-a-time loop for every request at every N.",)), (
-    "concurrency_lookup", "_lookup",
-    "Many requests at once on an AVX-512 CPU (float32), prompt lookup from its n-gram index: `default` against `ar` "
-    "in three rounds",
-    ("The three rounds of the run above on the same machine, after prompt lookup's drafts read the index of the "
-     "context's n-grams kept step by step (3e14ce8: the same laws; design.md, \"Many sequences at once\") and the "
-     "shipped head's step costs were measured again.",
-     "How to read it. Not paired with the run above. At T = 0, where both methods write the same text, `default` "
-     "ran 1.07x [1.00, 1.17] `ar` at N = 1, 1.04x [0.89, 1.22] at N = 2, 0.99x [0.96, 1.01] at N = 4 and 1.01x "
-     "[0.99, 1.03] at N = 8 (1.08x, 1.01x, 0.97x and 1.00x above); at T = 0.6 0.99x, 0.92x [0.85, 1.00], 0.95x "
-     "[0.88, 1.03] and 0.95x [0.89, 1.00] (1.05x, 1.04x, 0.98x, 0.98x above). At N = 2, T = 0.6 `default` was "
-     "below `ar` in all three rounds (97.8, 95.7, 95.1 against 104.4, 105.5, 102.9 tokens/s): it drafted 1,101 "
-     "tokens and 636 were accepted, and its forwards cost 14.9 ms a request step against `ar`'s 12.8 (13.7 "
-     "against 13.3 above, with 1,305 drafted and 798 accepted). But at T = 0.6 every round drew the same texts (one "
-     "seed for all rounds, as in every closed-loop run before 6981dbd): `default`'s 1,873 tokens a round at N = 2 "
-     "against `ar`'s 2,004, and a loop's throughput moves with its texts' lengths, so its three rounds repeat one "
-     "draw and their interval is too narrow (the run below draws a seed a round). At N = 8 `default` made 1.56x / 1.66x "
-     "its own N = 1 (goal 3x; design.md, \"Prefill bounds how far a loop grows with N\"). Greedy text is "
-     "identical to the one-at-a-time loop for every request at every N.",)), (
     "concurrency_seeds", "_seeds",
     "Many requests at once on an AVX-512 CPU (float32), a seed a round: `default` against `ar` in three rounds",
-    ("The three rounds of the run above on the same machine, each round now drawing with its own seed (6981dbd: "
+    ("The three rounds of \"prompt lookup from its n-gram index\" (the last closed loops in Earlier runs) on the same "
+     "machine, each round now drawing with its own seed (6981dbd: "
      "seed + 1000 x the round), so that at T = 0.6 the rounds sample texts too; nothing else changed.",
-     "How to read it. Not paired with the run above. At T = 0, where every round writes the same text, `default` "
+     "How to read it. Not paired with that run. At T = 0, where every round writes the same text, `default` "
      "ran 1.14x [1.07, 1.23] `ar` at N = 1, 0.98x [0.85, 1.15] at N = 2 (rounds of 106.8, 108.0, 113.0 against "
      "117.0, 108.0, 109.8 tokens/s), 1.01x [0.97, 1.05] at N = 4 and 0.99x [0.97, 1.01] at N = 8. At T = 0.6, the "
      "rounds now drawing texts of their own (`default` wrote 1,862, 1,923 and 1,841 tokens at N = 1), 1.04x [0.97, "
      "1.12], 0.99x [0.91, 1.08], 0.95x [0.91, 0.98] and 0.98x [0.97, 0.99]. So N = 2 at T = 0.6 is level with `ar` "
-     "once its texts vary (0.92x above on one draw), and `default` stays within a few percent of `ar` at 4 and 8 in "
+     "once its texts vary (0.92x there, on one draw), and `default` stays within a few percent of `ar` at 4 and 8 in "
      "flight, where it drafts in few steps, below it at T = 0.6 (goals: >= 1.0x at every N, > 1.15x at N = 2). "
      "Greedy text is identical to the one-at-a-time loop for every request at every N.",)))
 
@@ -1681,6 +1710,136 @@ def earlier_loops(figs: Path) -> list[str]:
     return out
 
 
+def link(heading: str) -> str:
+    """A markdown link to a section of this page by its heading, with the fragment GitHub gives it (lower case,
+    punctuation dropped, spaces as hyphens)."""
+    text = heading.lstrip("#").strip()
+    return f"[{text}](#" + "".join(c for c in text.lower() if c.isalnum() or c in " -_").replace(" ", "-") + ")"
+
+
+def _short(res: Results) -> str:
+    return f"git {res.header.get('git', '?')[:7]}"
+
+
+def latest_speed(temperature: float) -> tuple[Results, str] | None:
+    """The latest float32 speed run (``SPEED_RUNS``) with cells at ``temperature``, and its section's title."""
+    for run_name, _, heading, _ in reversed(SPEED_RUNS):
+        if path(run_name).exists():
+            res = Results.load(path(run_name))
+            if _dtype(res) == "float32" and any(r["cell"]["T"] == temperature for r in res.prompts):
+                return res, speed_title(res, heading)
+    return None
+
+
+def _latest_loops(with_peer: str | None) -> tuple[Results, str] | None:
+    """The latest closed-loop run (``LATEST_LOOPS``, then ``EARLIER_LOOPS``), one with ``with_peer`` among its methods
+    if given, and its section's title."""
+    for run_name, _, heading, _ in (*reversed(LATEST_LOOPS), *reversed(EARLIER_LOOPS)):
+        if path(run_name).exists():
+            res = Results.load(path(run_name))
+            if with_peer is None or with_peer in res.header["config"]["methods"]:
+                return res, "## " + heading
+    return None
+
+
+def standing_section() -> list[str]:
+    """Where the project stands: the latest measurement of each question this page answers, read from the records
+    of the sections it names (never typed in)."""
+    from verispec.bench.report import loop_summary, markdown, paired_ratio, usable
+
+    out = ["## Where it stands", "",
+           "The latest measurement of each question below, read from the records of the section named under each "
+           "table (its command, machine and revision are there). Every ratio is paired, per prompt or per closed "
+           "loop and round, with its 95 % interval.", ""]
+    runs = {t: latest_speed(t) for t in (0.0, 0.6)}
+    if all(runs.values()):
+        def default(res: Results, t: float, **kw):
+            return next(r for r in summarize(res, **kw) if r.T == t and r.method == "default" and r.draft == "auto"
+                        and (kw or r.category == "all"))
+
+        def lookup_share(res: Results, t: float) -> str:
+            kept, _ = usable(res)
+            mine, base = ([r for r in kept if r["cell"]["T"] == t and r["cell"]["method"] == "default"
+                           and r["cell"]["draft"] == d] for d in ("auto", "ngram"))
+            return fmt(*paired_ratio(mine, base), suffix="x")
+
+        def lowest(res: Results, t: float) -> str:
+            cats = [r for r in summarize(res, by_category=True) if r.T == t and r.method == "default"
+                    and r.draft == "auto" and r.category != "all"]
+            r = min(cats, key=lambda r: r.value("vs_hf_generate"))
+            return f"{r.category}: {r.show('vs_hf_generate', '.2f', 'x')}"
+
+        against = (("plain decoding in verispec's loop (`ar`): speculation's own share", "speedup_ar"),
+                   ("Hugging Face `generate`", "vs_hf_generate"),
+                   ("Hugging Face assisted generation with its best draft", "vs_best_hf_assisted"),
+                   ("llama-cpp-python (the Q4_1 GGUF: a quantised target, for scale)", "vs_llama_cpp"))
+        body = [[what, *[default(res, t).show(metric, ".2f", "x") for t, (res, _) in runs.items()]]
+                for what, metric in against]
+        body.append(["verispec's loop with prompt lookup alone: the head's share",
+                     *[lookup_share(res, t) for t, (res, _) in runs.items()]])
+        body.append(["the lowest Spec-Bench category against `generate`",
+                     *[lowest(res, t) for t, (res, _) in runs.items()]])
+        seeds = {t: res.header["config"].get("seeds") or [res.header["config"].get("seed", 0)]
+                 for t, (res, _) in runs.items()}
+        out += ["### One request at a time", "",
+                "The tokens/s of `default` (what `verispec generate` does with no options) over each one's, on the "
+                "same Spec-Bench prompts (3 questions of each of 6 categories, 128 new tokens):", "",
+                markdown(["`default` against", *[f"T = {t:g}" + (f" ({len(seeds[t])} seeds)" if len(seeds[t]) > 1
+                                                                   else "") for t in runs]], body), "",
+                "From " + "; ".join(f"T = {t:g}: {link(title)} ({_short(res)})" for t, (res, title) in runs.items())
+                + ".", ""]
+    plain = _latest_loops(None)
+    if plain:
+        res, title = plain
+        rows = {(r.T, r.concurrency): r for r in loop_summary(res) if r.method == "default"}
+        temps = sorted({t for t, _ in rows})
+        body = [[f"{n}", *[rows[t, n].show("vs_ar", ".2f", "x") if (t, n) in rows else "-" for t in temps]]
+                for n in sorted({n for _, n in rows})]
+        out += ["### Many requests at once", "",
+                "Closed loops of Spec-Bench requests (N in flight, a new one starting as one finishes) through the "
+                "batched engine: `default`, whose load-aware plan chooses the drafted depths for the whole batch, "
+                "against the same engine decoding plainly (`ar`), in total throughput:", "",
+                markdown(["N", *[f"T = {t:g}" for t in temps]], body), "",
+                f"From {link(title)} ({_short(res)}).", ""]
+    peers = _latest_loops("llama-server")
+    if peers:
+        res, title = peers
+        cols = (("vs_hf_generate", "Hugging Face `generate`, static batches of N"),
+                ("vs_llama_cpp", "llama-cpp-python, one request at a time"),
+                ("vs_llama_server", "`llama-server` with N slots"), ("vs_own_1", "`default` itself at N = 1"))
+        rows = {r.T: r for r in loop_summary(res) if r.method == "default" and r.concurrency == 8}
+        if rows:
+            body = [[what, *[r.show(metric, ".2f", "x") for r in rows.values()]] for metric, what in cols]
+            body.insert(0, ["tokens/s", *[f"{r.throughput:.1f}" for r in rows.values()]])
+            out += ["`default` at N = 8 against the peers serving the same requests (the llama.cpp rows run the "
+                    "Q4_1 GGUF, a quantised target):", "",
+                    markdown(["`default` at N = 8 against", *[f"T = {t:g}" for t in rows]], body), "",
+                    f"From {link(title)} ({_short(res)}).", ""]
+    head = shipped_report()
+    if head:
+        rep, spec = head, "spec-bench (held out)"
+        agree = rep["sets"][spec]["agreement"]
+        out += ["### The draft head", "",
+                "The shipped head agrees with the target on held-out Spec-Bench answers "
+                + " / ".join(f"{x:.3f}" for x in agree) + f" of the time at depths 1-{len(agree)} (top-1, "
+                f"`verispec eval-draft`; {link('## The draft head: agreement with the target')}).", ""]
+    return out
+
+
+def shipped_report() -> dict | None:
+    """The ``eval-draft`` report (``EPOCHS``) of the head shipped now: the one whose training matches the shipped
+    head's sidecar (its sequences and steps)."""
+    if not HEAD_INFO.exists():
+        return None
+    info = json.loads(HEAD_INFO.read_text()).get("training", {})
+    for p in sorted(EPOCHS.glob("*.json")):
+        rep = json.loads(p.read_text())
+        tr = rep.get("training") or {}
+        if tr and all(tr.get(k) == info.get(k) is not None for k in ("sequences", "steps")):
+            return rep
+    return None
+
+
 def render() -> str:
     figs = ROOT / "docs" / "figures"
     figs.mkdir(parents=True, exist_ok=True)
@@ -1694,19 +1853,8 @@ def render() -> str:
            "the prompt counts as drafting time). Default target SmolLM2-135M-Instruct, in float32 unless a run's command says "
            "`--dtype bfloat16`.", ""]
 
-    for run_name in ("speed", "speed_bf16"):
-        if path(run_name).exists():
-            out += speed_section(Results.load(path(run_name)), figs)
-    for run_name, heading, lead in (("speed_avx512", SPEED_AVX512_HEADING, SPEED_AVX512_LEAD),
-                                     ("speed_calls", SPEED_CALLS_HEADING, SPEED_CALLS_LEAD),
-                                     ("speed_layers", SPEED_LAYERS_HEADING, SPEED_LAYERS_LEAD),
-                                     ("speed_norm", SPEED_NORM_HEADING, SPEED_NORM_LEAD),
-                                     ("speed_loopcosts", SPEED_LOOPCOSTS_HEADING, SPEED_LOOPCOSTS_LEAD),
-                                     ("speed_verify", SPEED_VERIFY_HEADING, SPEED_VERIFY_LEAD),
-                                     ("speed_lookup", SPEED_LOOKUP_HEADING, SPEED_LOOKUP_LEAD),
-                                     ("speed_seeds", SPEED_SEEDS_HEADING, SPEED_SEEDS_LEAD)):  # AVX-512
-        if path(run_name).exists():
-            out += speed_section(Results.load(path(run_name)), figs, heading, lead, tag=run_name[len("speed"):])
+    out += standing_section()
+    out += speed_sections(SPEED_RUNS[-LATEST_SPEED:], figs)
     for i, (run_name, tag, heading, lead) in enumerate(LATEST_LOOPS):
         if path(run_name).exists():
             out += concurrency_section(Results.load(path(run_name)), figs, heading, lead, tag=tag, explain=i == 0)
@@ -1749,9 +1897,11 @@ def render() -> str:
                 "| method | tokens/s, stock kernel | tokens/s, verispec kernel | ratio |", "|---|---|---|---|",
                 *["| " + " | ".join(row) + " |" for row in body], ""]
 
-    out += ["# Earlier runs", "", "First the closed loops of many requests before the latest (above), oldest first: "
-            "each section names what changed since the one before it. Then runs made before the head shipped now "
-            "(their headers name the commit), which compare verifiers, trees and drafts among themselves.", ""]
+    out += ["# Earlier runs", "", "First the speed runs before the latest (above), then the closed loops of many "
+            "requests before the latest, each oldest first: each section names what changed since the one before "
+            "it. Then runs made before the head shipped now (their headers name the commit), which compare verifiers, "
+            "trees and drafts among themselves.", ""]
+    out += speed_sections(SPEED_RUNS[:-LATEST_SPEED], figs)
     out += earlier_loops(figs)
     if path("table2").exists():
         res = Results.load(path("table2"))

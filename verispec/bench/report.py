@@ -97,8 +97,9 @@ def _key(r: dict) -> tuple:
     return r["cell"]["seed"], r["cell"]["prompt"]
 
 
-def _ratio(mine: list[dict], base: list[dict]) -> tuple[float, float, float]:
-    """tokens/s of ``mine`` over ``base`` on the (seed, prompt) cells both have, with a paired bootstrap interval."""
+def paired_ratio(mine: list[dict], base: list[dict]) -> tuple[float, float, float]:
+    """tokens/s of ``mine`` over ``base`` (prompt records) on the (seed, prompt) cells both have, with a paired
+    bootstrap interval: (estimate, low, high)."""
     theirs = {_key(r): r for r in base}
     pairs = [(r, theirs[_key(r)]) for r in mine if _key(r) in theirs]
     if not pairs:
@@ -178,7 +179,7 @@ def summarize(res: Results, by_category: bool = False) -> list[Row]:
             else:
                 base = groups.get((t, d if b.same_draft else NO_DRAFT, b.method, cat))
             if base:
-                est, low, high = _ratio(prompts, base)
+                est, low, high = paired_ratio(prompts, base)
                 row.vs[b.column], row.ci[b.column] = est, (low, high)
         rows.append(row)
     order = {name: i for i, name in enumerate(res.header.get("config", {}).get("methods", []))}
