@@ -436,3 +436,74 @@ def test_the_native_silu_times_up_is_a_rows_own_and_torchs_within_float_rounding
                           rtol=4e-7, atol=1e-30)
     with pytest.raises(RuntimeError, match="contiguous rows"):
         kernel.silu_mul(gate.t(), up.t())
+
+
+def test_a_prompts_rows_run_apart_on_the_plans_kernel_for_more_rows_and_fill_the_same_cache_whole_or_chunked(
+        monkeypatch):
+    """Where a float32 plan runs more than 16 rows on the stock kernel (``kernels.prompt_plan``, where that is measured
+    faster), the lean forward multiplies a prompt's rows in blocks cut at multiples of ``PROMPT_BLOCK`` of its
+    positions, each block on its own, and every other row (a decoding step, a draft tree) in the native kernel: so a
+    prompt's rows meet the same products whether it is prefilled whole or in aligned chunks beside decoding
+    sequences, and the decoding sequences beside the chunks get the logits they get alone, bit for bit."""
+    from verispec.backends import kernels, native
+    from verispec.backends.lean import LeanLlama
+
+    if native.linear() is None or native.attention_f32() is None:
+        pytest.skip("the native float32 kernels cannot be built here (a C++ compiler, ninja, AVX2, FMA and F16C)")
+    monkeypatch.setattr(LeanLlama, "PROMPT_BLOCK", 32)
+    model = tiny_model("llama", head_dim=64)
+    use_fast_linear(model.hf, kernels.default_plan()[:-1] + (0,))  # prompts on the stock kernel
+    many = []  # row counts the stock kernel was asked for
+    stock = kernels.rows_forward
+
+    def spy(x, module, plan):
+        if kernels.plan_entry(plan, x.shape[0]) == 0:
+            many.append(x.shape[0])
+        return stock(x, module, plan)
+
+    monkeypatch.setattr(kernels, "rows_forward", spy)
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 90, (101,), generator=g).tolist()
+    others = [torch.randint(3, 90, (20,), generator=g).tolist() for _ in range(2)]
+    tree = Tree.complete(2, 2)  # 7 rows, not consecutive positions: the native kernel's
+
+    def step(state, tokens, t=Tree.root_only()):
+        out = model.forward_batch([state], [torch.tensor(tokens)], [state.committed + torch.tensor(t.depths)],
+                                  [t.ancestors_mask()])[0]
+        model.commit(state, [0])
+        return out.logits
+
+    with torch.inference_mode():
+        whole = model.new_state()
+        model.prefill_output(whole, prompt[:-1])
+        assert many == [32] * 3 * 7 * 4  # rows 0-31, 32-63, 64-95 on their own, in 7 layers of 4; rows 96-99 native
+        expect = step(whole, prompt[-1:])
+        alone = [model.new_state() for _ in others]
+        for s, o in zip(alone, others):
+            model.prefill_output(s, o[:-1])
+        beside = [model.new_state() for _ in others]
+        for s, o in zip(beside, others):
+            model.prefill_output(s, o[:-1])
+        chunked, p, many[:] = model.new_state(), 0, []
+        while p < len(prompt) - 1:
+            chunk = prompt[p:min(p + 32, len(prompt) - 1)]
+            n = len(chunk)
+            toks = [torch.tensor(others[0][-1:]), torch.randint(3, 90, (tree.size,), generator=g), torch.tensor(chunk)]
+            pos = [beside[0].committed + torch.zeros(1, dtype=torch.long), beside[1].committed +
+                   torch.tensor(tree.depths), p + torch.arange(n)]
+            got = model.forward_batch([*beside, chunked], toks, pos, [torch.ones(1, 1, dtype=torch.bool),
+                                                                      tree.ancestors_mask(),
+                                                                      torch.ones(n, n, dtype=torch.bool).tril()],
+                                      logits_from=[0, 0, n - 1])
+            own = [model.forward_batch([s], [t], [s.committed + (pos[i] - pos[i][0])], [m])[0]
+                   for i, (s, t, m) in enumerate(zip(alone, toks, (torch.ones(1, 1, dtype=torch.bool),
+                                                                   tree.ancestors_mask())))]
+            for a, b in zip(got, own):
+                assert torch.equal(a.logits, b.logits)  # a step's rows beside a prompt chunk: as alone
+            for s in (*beside, *alone):
+                model.commit(s, [0])
+            model.commit(chunked, list(range(n)))
+            p += n
+        assert many == [32] * 3 * 7 * 4  # the same blocks; the last chunk's 4 rows are the native kernel's
+        # the same linear products; attention over a chunk is not bit for bit that over the whole prompt (as before)
+        assert torch.allclose(step(chunked, prompt[-1:]), expect, atol=1e-5)

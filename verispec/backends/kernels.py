@@ -60,6 +60,52 @@ def default_plan() -> tuple[int, ...]:
     return (0,) + (NATIVE,) * (MAX_ROWS + 1) if native.linear() is not None else DEFAULT_PLAN
 
 
+PROMPT_ROWS = 128  # the rows ``prompt_entry`` times: a prompt chunk's (``LeanLlama.PROMPT_BLOCK``)
+
+
+def prompt_entry(repeats: int = 7) -> int:
+    """What a float32 model's plan runs for more than ``MAX_ROWS`` rows (a prompt's): ``NATIVE`` where the native
+    kernel builds and multiplies ``PROMPT_ROWS`` rows at least as fast as the stock kernel, else 0 (the stock one).
+    Measured once per machine, torch version and thread count on two of the default model's layer shapes (576 x 1536
+    and back, the native kernel on float32 panels), then cached: on an AVX-512 EPYC the stock kernel (MKL) ran
+    these products at 280-360 GFLOPS, a whole 128-row forward 1.5x faster than the native kernel
+    (``scripts/experiments/prompt_kernel.py``)."""
+    if native.linear() is None:
+        return 0
+    entry = cache.key(platform.processor() or platform.machine(), cpu_name(), os.cpu_count(), torch.get_num_threads(),
+                      torch.__version__, native.linear_name(), PROMPT_ROWS)
+    hit = cache.read("kernels", f"prompt-{entry}")
+    if hit is not None and hit.get("entry") in (0, NATIVE):
+        return int(hit["entry"])
+    gen = torch.Generator().manual_seed(0)
+    layers = [nn.Linear(k, n, bias=False) for k, n in ((576, 1536), (1536, 576))]
+    for layer in layers:
+        layer.weight.requires_grad_(False).copy_(torch.randn(layer.weight.shape, generator=gen))
+    kernels = {0: lambda x, layer: nn.functional.linear(x, layer.weight), NATIVE: native_rows}
+    times: dict[int, list[float]] = {0: [], NATIVE: []}
+    with torch.inference_mode():
+        for layer in layers:
+            x = torch.randn(PROMPT_ROWS, layer.in_features, generator=gen)
+            for _ in range(repeats):
+                for kind, run in kernels.items():
+                    t = time.perf_counter()
+                    run(x, layer)
+                    times[kind].append(time.perf_counter() - t)
+    ms = {kind: 1000 * statistics.median(ts) for kind, ts in times.items()}
+    best = 0 if ms[0] < ms[NATIVE] else NATIVE
+    cache.write("kernels", f"prompt-{entry}", {"entry": best, "ms": {str(k): v for k, v in ms.items()}})
+    return best
+
+
+def prompt_plan() -> tuple[int, ...]:
+    """``default_plan()`` with its entry for more than ``MAX_ROWS`` rows measured (``prompt_entry``): what
+    ``verispec.backends.load`` gives a float32 model. The lean forward runs a prompt's rows on that entry and every
+    other row (draft trees, however many sequences' together) in the native kernel, whose rows do not depend on
+    their company (``LeanLlama._prompt_runs``); a draft head keeps ``default_plan()``."""
+    plan = default_plan()
+    return plan[:-1] + (prompt_entry(),) if plan[-1] == NATIVE else plan
+
+
 def planned_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int) -> torch.Tensor:
     """``x [n, K] @ weight^T + bias`` as ``weight @ x^T`` over ``width >= n`` columns (the first row repeated as
     padding); the result is row-major, so that the next layer reads it as ``W @ x^T`` again (a contiguous ``x^T``

@@ -17,6 +17,9 @@ flat loop over the decoder layers:
   Where the plan runs the native kernel (float32), a layer's seven linear layers are four of its calls: q, k and v
   stacked as one weight, o, gate and up as one, down (``_native_calls``; the same results bit for bit, in fewer calls
   and without the Python between a module and the kernel; the stacked panels are a copy, in place of the layers' own);
+  where the plan runs more than 16 rows on the stock kernel (``kernels.prompt_plan``: where MKL is measured faster for
+  a prompt's many rows), a prompt's rows go to it in blocks of ``PROMPT_BLOCK`` and every other row stays on the
+  native kernel, whose rows do not depend on their company (``_prompt_runs``);
 * in bfloat16, transformers' own arithmetic where it differs: norms with float32 statistics, rotary tables computed
   in float32 and then cast. Attention runs in float32 (the keys, values and queries are bfloat16 values, so the
   upcast is exact): torch's fused CPU attention is several times slower in bfloat16 here. Where the native kernels
@@ -126,6 +129,17 @@ def _linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     weight, a draft head's restricted output head) to the module's own ``forward``."""
     plan = getattr(module, "_verispec_plan", None)
     return kernels.rows_forward(x, module, plan) if plan is not None else module.forward(x)
+
+
+def _consecutive_causal(positions: torch.Tensor, visible: torch.Tensor) -> bool:
+    """Whether a sequence's new rows sit at consecutive positions and each sees the rows before it and itself only
+    (``visible [n, cached + n]`` or ``[n, n]``, every cached entry visible): a prompt, or a chunk of one."""
+    n = int(positions.shape[0])
+    if n < 2 or int(positions[-1]) - int(positions[0]) != n - 1 or \
+            not torch.equal(positions, positions[0] + torch.arange(n, dtype=positions.dtype)):
+        return False
+    new = visible[:, -n:]
+    return bool(visible[:, :-n].all()) and torch.equal(new, torch.ones(n, n, dtype=torch.bool).tril_())
 
 
 class LeanLlama:
@@ -313,6 +327,91 @@ class LeanLlama:
                 [w for g in flat for w in g[0][3]])
         return self._calls
 
+    PROMPT_BLOCK = 128  # a prompt's rows meet the linear layers in blocks this long, cut at multiples of its positions
+
+    def _prompt_runs(self, parts: list, sizes: list[int], spans: list[tuple[int, int]], positions: list[torch.Tensor],
+                     visible: list[torch.Tensor]) -> list[tuple[int, int, bool]] | None:
+        """The forward's rows as runs ``(start, end, prompt)`` for the linear layers, where a float32 plan runs more
+        than ``kernels.MAX_ROWS`` rows on another kernel than the native one (``kernels.prompt_entry``: measured
+        faster for a prompt's many rows); None elsewhere (every row as the plan runs the forward's row count).
+
+        A sequence of more than ``POOLED_ROWS`` rows at consecutive positions under the causal mask (a prompt, or a
+        chunk of one) is cut where its positions reach a multiple of ``PROMPT_BLOCK``, and each cut of more than
+        ``MAX_ROWS`` rows is a prompt run, multiplied on its own; every other row (draft trees, a short cut) runs
+        in the native kernel, whose rows never depend on their company, whatever the forward's row count. So a
+        step's rows get the logits they get alone beside a joining prompt, and a prompt's rows meet the same linear
+        products whether it is prefilled whole or in chunks of a multiple of ``PROMPT_BLOCK`` beside other sequences
+        (the engine's ``prefill_chunk``)."""
+        plan = parts[0][1].__dict__.get("_verispec_plan") if parts and self.dtype == torch.float32 else None
+        if plan is None or native.linear() is None or \
+                kernels.plan_entry(plan, kernels.MAX_ROWS + 1) == kernels.NATIVE:
+            return None
+        runs: list[tuple[int, int, bool]] = []
+        for (s, e), n, pos, vis in zip(spans, sizes, positions, visible):
+            chunked = n > self.POOLED_ROWS and _consecutive_causal(pos, vis)
+            cuts = [(s, e)]
+            if chunked:
+                first = int(pos[0])
+                edges = [s, *(s + p - first for p in range(first - first % self.PROMPT_BLOCK + self.PROMPT_BLOCK,
+                                                             first + n, self.PROMPT_BLOCK)), e]
+                cuts = list(zip(edges, edges[1:]))
+            for a, b in cuts:
+                prompt = chunked and b - a > kernels.MAX_ROWS
+                if runs and not prompt and not runs[-1][2] and runs[-1][1] == a:
+                    runs[-1] = (runs[-1][0], b, False)  # short rows run together
+                else:
+                    runs.append((a, b, prompt))
+        return runs
+
+    @staticmethod
+    def _short_rows(runs: list[tuple[int, int, bool]]) -> int:
+        """The row count whose plan entry runs the short rows of ``runs`` (at most ``MAX_ROWS``: the native kernel's,
+        whatever their number; at least one)."""
+        return max(1, min(sum(e - s for s, e, prompt in runs if not prompt), kernels.MAX_ROWS))
+
+    @staticmethod
+    def _lin(calls: list[list[tuple]], modules: tuple[nn.Module, ...], x: torch.Tensor,
+             runs: list[tuple[int, int, bool]] | None) -> list[torch.Tensor]:
+        """One group of a layer's linear layers (``modules``, the native ``calls`` of them) on rows ``x``: each prompt
+        run of ``runs`` on its own through the plan's kernel for more rows, the other rows in the native calls."""
+        if runs is None or not any(prompt for _, _, prompt in runs):
+            return kernels.run_native(calls, x)
+        if len(runs) == 1:
+            return [kernels.rows_forward(x, m, m._verispec_plan) for m in modules]
+        outs = [x.new_empty(x.shape[0], m.weight.shape[0]) for m in modules]
+        for s, e, prompt in runs:
+            ys = [kernels.rows_forward(x[s:e], m, m._verispec_plan) for m in modules] if prompt else \
+                kernels.run_native(calls, x[s:e])
+            for o, y in zip(outs, ys):
+                o[s:e] = y
+        return outs
+
+    def _output(self, chosen: torch.Tensor, picked: list[range], runs: list[tuple[int, int, bool]] | None
+                ) -> torch.Tensor:
+        """The output layer on the ``chosen`` rows (the ``picked`` rows of the forward, in order): as the plan runs
+        their count, or with prompt runs (``_prompt_runs``) the rows of each prompt run on its own through the
+        plan's kernel for more rows and the others in the native kernel, whatever their number."""
+        head = self.hf.get_output_embeddings()
+        if runs is None or not any(prompt for _, _, prompt in runs) or getattr(head, "_verispec_plan", None) is None:
+            return _linear(chosen, head)
+        rows = [r for p in picked for r in p]
+        kind = [next(i for i, (s, e, _) in enumerate(runs) if s <= r < e) for r in rows]
+        pieces, start = [], 0
+        for j in range(1, len(rows) + 1):
+            if j == len(rows) or kind[j] != kind[start]:
+                pieces.append((start, j, runs[kind[start]][2] and j - start > kernels.MAX_ROWS))
+                start = j
+        short = [i for a, b, prompt in pieces if not prompt for i in range(a, b)]
+        out = chosen.new_empty(len(rows), head.weight.shape[0])
+        if short:
+            dense = head._verispec_plan[:-1] + (kernels.NATIVE,)  # the native kernel for the short rows, however many
+            idx = torch.tensor(short)
+            out[idx] = kernels.rows_forward(chosen[idx], head, dense)
+        for a, b, prompt in pieces:
+            if prompt:
+                out[a:b] = kernels.rows_forward(chosen[a:b], head, head._verispec_plan)
+        return out
+
     def _run_layers(self, x: torch.Tensor, parts: list, caches: list[LeanCache], pooled: dict | None, alone,
                     fill: dict, masks: dict, limits: dict, cos: torch.Tensor, sin: torch.Tensor,
                     keep: list[int]) -> list[torch.Tensor] | None:
@@ -470,7 +569,8 @@ class LeanLlama:
                 pooled["visible"] = pooled["mask"][:, 0].contiguous()
                 pooled["fill"] = tuple(pooled[name].to(torch.int32) for name in ("slot", "pos", "row"))
         parts = self._parts()
-        calls = self._native_calls(parts, rows)
+        runs = self._prompt_runs(parts, sizes, spans, positions, visible)
+        calls = self._native_calls(parts, rows if runs is None else self._short_rows(runs))
         keep = sorted(i for i in want if 0 < i < self.n_layers)
         ran = None if calls is None else self._run_layers(x, parts, caches, pooled, alone, fill, masks, limits, cos,
                                                           sin, keep)
@@ -483,7 +583,7 @@ class LeanLlama:
             if calls is None:
                 q, k, v = _linear(h, q_proj), _linear(h, k_proj), _linear(h, v_proj)
             else:  # the rotary kernel rotates a contiguous query or key in place
-                q, k, v = kernels.run_native(calls[i][0], h)
+                q, k, v = self._lin(calls[i][0], (q_proj, k_proj, v_proj), h, runs)
                 q, k = q.contiguous(), k.contiguous()
             q = self._rope(q.view(rows, heads, hd), cos, sin)
             k = self._rope(k.view(rows, kv, hd), cos, sin)
@@ -509,10 +609,10 @@ class LeanLlama:
                 h = self._rms(x, norm_post)
                 x = x + _linear(self._act(_linear(h, gate_proj), _linear(h, up_proj)), down_proj)
             else:
-                x = x + kernels.run_native(calls[i][1], attended)[0]
+                x = x + self._lin(calls[i][1], (o_proj,), attended, runs)[0]
                 h = self._rms(x, norm_post)
-                gate, up = kernels.run_native(calls[i][2], h)
-                x = x + kernels.run_native(calls[i][3], self._act(gate, up))[0]
+                gate, up = self._lin(calls[i][2], (gate_proj, up_proj), h, runs)
+                x = x + self._lin(calls[i][3], (down_proj,), self._act(gate, up), runs)[0]
             if i + 1 in want and i + 1 < self.n_layers:
                 kept[i + 1] = x
         if pooled is not None:
@@ -528,6 +628,6 @@ class LeanLlama:
             chosen = out[picked[0].start:picked[0].stop]
         else:
             chosen = out[torch.tensor([r for p in picked for r in p])]
-        logits = _linear(chosen, self.hf.get_output_embeddings())
+        logits = self._output(chosen, picked, runs)
         bounds = list(itertools.accumulate(len(p) for p in picked))
         return [(logits[b - len(p):b], hidden[s:e]) for p, b, (s, e) in zip(picked, bounds, spans)]

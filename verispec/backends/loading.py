@@ -17,7 +17,7 @@ from .. import cache
 from ..errors import VerispecError
 from .cpu import cpu_flags
 from .hf import CausalLM
-from .kernels import packing_available, plan_for, use_fast_linear
+from .kernels import packing_available, plan_for, prompt_plan, use_fast_linear
 
 DEFAULT_TARGET = "smollm2-135m"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -153,7 +153,7 @@ def load(spec: str = DEFAULT_TARGET, dtype: str = "float32", kernel: bool = True
         return CausalLM(model.to(dev), tokenizer, name=spec, lean=False)
     out = CausalLM(model, tokenizer, name=spec)
     if kernel:
-        use_fast_linear(model, plan_for(out) if torch_dtype == torch.float32 else None)
+        use_fast_linear(model, (plan_for(out) or prompt_plan()) if torch_dtype == torch.float32 else None)
     return out
 
 
