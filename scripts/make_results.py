@@ -288,8 +288,7 @@ SPEED_LOOKUP_LEAD = (
     "The speed run of the first section of Earlier runs on the same AVX-512 EPYC (compare within each run only): prompt lookup's "
     "drafts read the index of the context's n-grams kept step by step instead of searching the whole context at "
     "every depth (3e14ce8: the same laws, so the same text), and the shipped head's step costs measured again by "
-    "`tune-tree` after the greedy verdict of the last speed run there (\"... the greedy chain's verdict off its "
-    "argmaxes\").",
+    "`tune-tree` after the greedy verdict of the run above.",
     "How to read it. A lookup step's drafting fell from 0.86 / 1.27 ms to 0.71 / 1.01 at chains of 1 / 2 (T = 0; "
     "`python scripts/experiments/step_costs_in_loop.py results/speed_lookup.jsonl.gz`), and with prompt lookup "
     "alone `default` ran 1.15x [1.08, 1.24] / 1.04x [0.96, 1.12] `ar` at T = 0 / 0.6. The hybrid default ran 1.13x "
@@ -328,6 +327,18 @@ SPEED_SEEDS_LEAD = (
 )
 
 
+# the same machine after a float32 prompt's rows went to the linear kernel measured faster for many rows (5bcdbab),
+# every temperature over three seeds
+RUNS["speed_prompt"] = [*speed_run(), "--seeds", "0", "1", "2"]
+SPEED_PROMPT_HEADING = "## Speed of the defaults, a prompt's rows on the kernel measured faster for them (2026-12-06)"
+SPEED_PROMPT_LEAD = (
+    "The command of the speed runs in Earlier runs, at T = 0 and 0.6 each over seeds 0, 1 and 2, after a float32 prompt's "
+    "rows went to the linear kernel measured faster for many rows (5bcdbab: MKL on this CPU, in blocks of 128 "
+    "aligned to the prompt's positions; every other row on the native kernel; design.md, \"A prompt's rows on the "
+    "kernel measured faster for them\"). The plan is the model object's, so Hugging Face's `generate` and assisted "
+    "generation prefill on it too. llama-cpp-python was not installed on this session's machine.",
+)
+
 # every speed run, oldest first: (run, figure tag, heading, lead); "" and () give speed_section's own. The last
 # LATEST_SPEED are the page's first sections after "Where it stands"; the others open Earlier runs, in this order.
 SPEED_RUNS = (("speed", "", "", ()), ("speed_bf16", "", "", ()),
@@ -339,8 +350,9 @@ SPEED_RUNS = (("speed", "", "", ()), ("speed_bf16", "", "", ()),
                   ("speed_loopcosts", SPEED_LOOPCOSTS_HEADING, SPEED_LOOPCOSTS_LEAD),
                   ("speed_verify", SPEED_VERIFY_HEADING, SPEED_VERIFY_LEAD),
                   ("speed_lookup", SPEED_LOOKUP_HEADING, SPEED_LOOKUP_LEAD),
-                  ("speed_seeds", SPEED_SEEDS_HEADING, SPEED_SEEDS_LEAD))))
-LATEST_SPEED = 2
+                  ("speed_seeds", SPEED_SEEDS_HEADING, SPEED_SEEDS_LEAD),
+                  ("speed_prompt", SPEED_PROMPT_HEADING, SPEED_PROMPT_LEAD))))
+LATEST_SPEED = 1
 
 
 def speed_sections(runs, figs: Path) -> list[str]:
@@ -497,6 +509,8 @@ RUNS["concurrency_norm"] = RUNS["concurrency_rounds"]
 RUNS["concurrency_lookup"] = RUNS["concurrency_rounds"]
 # the same after each round of a closed loop drew with its own seed (6981dbd)
 RUNS["concurrency_seeds"] = RUNS["concurrency_rounds"]
+# the same after a float32 prompt's rows went to the linear kernel measured faster for many rows (5bcdbab)
+RUNS["concurrency_prompt"] = RUNS["concurrency_rounds"]
 RUNS["serving_n8_bf16"] = [*RUNS["serving_n8"], "--dtype", "bfloat16"]
 RUNS["serving_bf16"] = [*serving_run(), "--dtype", "bfloat16"]
 # ResiSpec Table 3 shape (a cell costs ~30 s here): one run per temperature and tree group, two at a time share the
@@ -1648,9 +1662,21 @@ EARLIER_LOOPS = (  # closed-loop runs after the first two, oldest first: (run, p
       "against 13.3 above, with 1,305 drafted and 798 accepted). But at T = 0.6 every round drew the same texts (one "
       "seed for all rounds, as in every closed-loop run before 6981dbd): `default`'s 1,873 tokens a round at N = 2 "
       "against `ar`'s 2,004, and a loop's throughput moves with its texts' lengths, so its three rounds repeat one "
-      "draw and their interval is too narrow (\"a seed a round\", before Earlier runs, draws a seed a round). At N = 8 `default` made 1.56x / 1.66x "
+      "draw and their interval is too narrow (the run below draws a seed a round). At N = 8 `default` made 1.56x / 1.66x "
       "its own N = 1 (goal 3x; design.md, \"Prefill bounds how far a loop grows with N\"). Greedy text is "
       "identical to the one-at-a-time loop for every request at every N.",)),
+    ("concurrency_seeds", "_seeds",
+     "Many requests at once on an AVX-512 CPU (float32), a seed a round: `default` against `ar` in three rounds",
+     ("The three rounds of the run above on the same machine, each round now drawing with its own seed (6981dbd: "
+      "seed + 1000 x the round), so that at T = 0.6 the rounds sample texts too; nothing else changed.",
+      "How to read it. Not paired with that run. At T = 0, where every round writes the same text, `default` "
+      "ran 1.14x [1.07, 1.23] `ar` at N = 1, 0.98x [0.85, 1.15] at N = 2 (rounds of 106.8, 108.0, 113.0 against "
+      "117.0, 108.0, 109.8 tokens/s), 1.01x [0.97, 1.05] at N = 4 and 0.99x [0.97, 1.01] at N = 8. At T = 0.6, the "
+      "rounds now drawing texts of their own (`default` wrote 1,862, 1,923 and 1,841 tokens at N = 1), 1.04x [0.97, "
+      "1.12], 0.99x [0.91, 1.08], 0.95x [0.91, 0.98] and 0.98x [0.97, 0.99]. So N = 2 at T = 0.6 is level with `ar` "
+      "once its texts vary (0.92x there, on one draw), and `default` stays within a few percent of `ar` at 4 and 8 in "
+      "flight, where it drafts in few steps, below it at T = 0.6 (goals: >= 1.0x at every N, > 1.15x at N = 2). "
+      "Greedy text is identical to the one-at-a-time loop for every request at every N.",)),
 )
 
 
@@ -1681,19 +1707,13 @@ LATEST_LOOPS = ((
      "texts of the same law (1,887 and 1,941 tokens here), and between cells of one run the same method moved by "
      "up to 10 % (`ar` at N = 8: 120.6 tokens/s at T = 0, 126.2 at T = 0.6), so compare with that spread in mind. "
      "Greedy text is identical to the one-at-a-time loop for every request at every N.")), (
-    "concurrency_seeds", "_seeds",
-    "Many requests at once on an AVX-512 CPU (float32), a seed a round: `default` against `ar` in three rounds",
-    ("The three rounds of \"prompt lookup from its n-gram index\" (the last closed loops in Earlier runs) on the same "
-     "machine, each round now drawing with its own seed (6981dbd: "
-     "seed + 1000 x the round), so that at T = 0.6 the rounds sample texts too; nothing else changed.",
-     "How to read it. Not paired with that run. At T = 0, where every round writes the same text, `default` "
-     "ran 1.14x [1.07, 1.23] `ar` at N = 1, 0.98x [0.85, 1.15] at N = 2 (rounds of 106.8, 108.0, 113.0 against "
-     "117.0, 108.0, 109.8 tokens/s), 1.01x [0.97, 1.05] at N = 4 and 0.99x [0.97, 1.01] at N = 8. At T = 0.6, the "
-     "rounds now drawing texts of their own (`default` wrote 1,862, 1,923 and 1,841 tokens at N = 1), 1.04x [0.97, "
-     "1.12], 0.99x [0.91, 1.08], 0.95x [0.91, 0.98] and 0.98x [0.97, 0.99]. So N = 2 at T = 0.6 is level with `ar` "
-     "once its texts vary (0.92x there, on one draw), and `default` stays within a few percent of `ar` at 4 and 8 in "
-     "flight, where it drafts in few steps, below it at T = 0.6 (goals: >= 1.0x at every N, > 1.15x at N = 2). "
-     "Greedy text is identical to the one-at-a-time loop for every request at every N.",)))
+    "concurrency_prompt", "_prompt",
+    "Many requests at once on an AVX-512 CPU (float32), a prompt's rows on the kernel measured faster for them: "
+    "`default` against `ar` in three rounds",
+    ("The three rounds of \"a seed a round\" (the last closed loops in Earlier runs) on the same machine, after a "
+     "float32 prompt's rows went to the linear kernel measured faster for many rows (5bcdbab; design.md, \"A "
+     "prompt's rows on the kernel measured faster for them\"): a joining prompt's chunks of 128 rows on MKL, every "
+     "decoding row beside them on the native kernel, as alone.",)))
 
 
 def earlier_loops(figs: Path) -> list[str]:
