@@ -8,7 +8,9 @@ the CPU and the row count. Where it builds (an AVX2 + FMA CPU with a C++ compile
 row's result never depends on the rows beside it. A *plan* says, for each row count 1..``MAX_ROWS`` and for more rows
 (its last entry), which kernel runs: ``NATIVE``, a number of columns to run ``W @ x^T`` with, or 0 (the stock
 kernel). ``default_plan()`` is ``NATIVE`` throughout where the native kernel builds (measured faster at every row
-count, 1 to 256, on an AVX2 EPYC: ``scripts/experiments/native_linear.py``), else ``DEFAULT_PLAN``.
+count, 1 to 256, on an AVX2 EPYC: ``scripts/experiments/native_linear.py``), else ``DEFAULT_PLAN``;
+``prompt_plan()``, what ``verispec.backends.load`` gives a float32 model, is that with the entry for more rows (a
+prompt's) measured per machine (``prompt_entry``: MKL on an Intel Xeon with AVX-512).
 
 * ``use_fast_linear(module, plan)`` switches the float32 ``nn.Linear`` layers of ``module`` to the plan and returns
   a function that switches them back; ``fast_linear(module)`` is the same as a context manager. Nothing changes a
@@ -67,9 +69,10 @@ def prompt_entry(repeats: int = 7) -> int:
     """What a float32 model's plan runs for more than ``MAX_ROWS`` rows (a prompt's): ``NATIVE`` where the native
     kernel builds and multiplies ``PROMPT_ROWS`` rows at least as fast as the stock kernel, else 0 (the stock one).
     Measured once per machine, torch version and thread count on two of the default model's layer shapes (576 x 1536
-    and back, the native kernel on float32 panels), then cached: on an AVX-512 EPYC the stock kernel (MKL) ran
-    these products at 280-360 GFLOPS, a whole 128-row forward 1.5x faster than the native kernel
-    (``scripts/experiments/prompt_kernel.py``)."""
+    and back, the native kernel on float32 panels), then cached: on an Intel Xeon with AVX-512 the stock kernel
+    (MKL) ran these products at 280-360 GFLOPS, a whole 128-row forward 1.5x faster than the native kernel
+    (``scripts/experiments/prompt_kernel.py``; on the AVX2 EPYC the native kernel was the faster at every row
+    count)."""
     if native.linear() is None:
         return 0
     entry = cache.key(platform.processor() or platform.machine(), cpu_name(), os.cpu_count(), torch.get_num_threads(),
@@ -81,13 +84,13 @@ def prompt_entry(repeats: int = 7) -> int:
     layers = [nn.Linear(k, n, bias=False) for k, n in ((576, 1536), (1536, 576))]
     for layer in layers:
         layer.weight.requires_grad_(False).copy_(torch.randn(layer.weight.shape, generator=gen))
-    kernels = {0: lambda x, layer: nn.functional.linear(x, layer.weight), NATIVE: native_rows}
+    candidates = {0: lambda x, layer: nn.functional.linear(x, layer.weight), NATIVE: native_rows}
     times: dict[int, list[float]] = {0: [], NATIVE: []}
     with torch.inference_mode():
         for layer in layers:
             x = torch.randn(PROMPT_ROWS, layer.in_features, generator=gen)
             for _ in range(repeats):
-                for kind, run in kernels.items():
+                for kind, run in candidates.items():
                     t = time.perf_counter()
                     run(x, layer)
                     times[kind].append(time.perf_counter() - t)
