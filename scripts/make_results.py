@@ -327,8 +327,8 @@ SPEED_SEEDS_LEAD = (
 )
 
 
-# the same machine after a float32 prompt's rows went to the linear kernel measured faster for many rows (5bcdbab),
-# every temperature over three seeds
+# after a float32 prompt's rows went to the linear kernel measured faster for many rows (5bcdbab), every temperature
+# over three seeds (run on another machine: an Intel Xeon with AVX-512, without llama-cpp-python)
 RUNS["speed_prompt"] = [*speed_run(), "--seeds", "0", "1", "2"]
 SPEED_PROMPT_HEADING = "## Speed of the defaults, a prompt's rows on the kernel measured faster for them (2026-12-06)"
 SPEED_PROMPT_LEAD = (
@@ -676,7 +676,7 @@ def speed_section(res: Results, figs: Path, heading: str = "", lead: tuple[str, 
     cats = summarize(res, by_category=True)
     title, name = _in_dtype(res)
     name += tag
-    llama = "llama-cpp" in res.header["config"]["methods"]
+    llama = any(r["cell"]["method"] == "llama-cpp" for r in res.prompts)  # it ran (not left out)
     dtype = [] if not title else [
         f"Every method here runs the target in {_dtype(res)}, Hugging Face's `generate` too (the same rounded "
         "weights, and verispec's prepacked linear layers for both); the step costs of the `auto` policy are this "
