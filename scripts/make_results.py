@@ -521,6 +521,9 @@ RUNS["concurrency_lookup"] = RUNS["concurrency_rounds"]
 RUNS["concurrency_seeds"] = RUNS["concurrency_rounds"]
 # the same after a float32 prompt's rows went to the linear kernel measured faster for many rows (5bcdbab)
 RUNS["concurrency_prompt"] = RUNS["concurrency_rounds"]
+# the peers at N = 1 and 8 on the machine of concurrency_prompt (an Intel Xeon), one round to fit a session
+RUNS["concurrency_peers_xeon"] = ["--methods", "ar", "default", "hf-generate", "llama-cpp", "llama-server", "--drafts",
+                                  "auto", *spec_bench(), "--concurrency", "1", "8"]
 RUNS["serving_n8_bf16"] = [*RUNS["serving_n8"], "--dtype", "bfloat16"]
 RUNS["serving_bf16"] = [*serving_run(), "--dtype", "bfloat16"]
 # ResiSpec Table 3 shape (a cell costs ~30 s here): one run per temperature and tree group, two at a time share the
@@ -1717,6 +1720,13 @@ LATEST_LOOPS = ((
      "texts of the same law (1,887 and 1,941 tokens here), and between cells of one run the same method moved by "
      "up to 10 % (`ar` at N = 8: 120.6 tokens/s at T = 0, 126.2 at T = 0.6), so compare with that spread in mind. "
      "Greedy text is identical to the one-at-a-time loop for every request at every N.")), (
+    "concurrency_peers_xeon", "_peers_xeon",
+    "Many requests at once on an Intel Xeon (float32), a prompt's rows on the kernel measured faster for them, beside "
+    "every peer at N = 1 and 8",
+    ("The peers of \"the 512-bit linear kernel, beside every peer\" (above; an AMD EPYC) on the Intel Xeon of the "
+     "run below, at its code: Hugging Face `generate` on static batches, llama-cpp-python serving one request at a "
+     "time and `llama-server` with N slots, both llama.cpp builds for this CPU's instructions "
+     "(`scripts/install_llama.sh`); N = 1 and 8, one round, to fit a session.",)), (
     "concurrency_prompt", "_prompt",
     "Many requests at once on an AVX-512 CPU (float32), a prompt's rows on the kernel measured faster for them: "
     "`default` against `ar` in three rounds",
