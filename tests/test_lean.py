@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import gguf_weight, tiny_model
+from conftest import gguf_weight, tiny_model, tiny_target
 
 from verispec import NgramDrafter, generate, get_verifier
 from verispec.backends import CausalLM
@@ -445,13 +445,11 @@ def test_a_prompts_rows_run_apart_on_the_plans_kernel_for_more_rows_and_fill_the
     positions, each block on its own, and every other row (a decoding step, a draft tree) in the native kernel: so a
     prompt's rows meet the same products whether it is prefilled whole or in aligned chunks beside decoding
     sequences, and the decoding sequences beside the chunks get the logits they get alone, bit for bit."""
-    from verispec.backends import kernels, native
+    from verispec.backends import kernels
     from verispec.backends.lean import LeanLlama
 
-    if native.linear() is None or native.attention_f32() is None:
-        pytest.skip("the native float32 kernels cannot be built here (a C++ compiler, ninja, AVX2, FMA and F16C)")
     monkeypatch.setattr(LeanLlama, "PROMPT_BLOCK", 32)
-    model = tiny_model("llama", head_dim=64)
+    model = tiny_target("lean-native")  # skipped where the native float32 kernels cannot be built
     use_fast_linear(model.hf, kernels.default_plan()[:-1] + (0,))  # prompts on the stock kernel
     many = []  # row counts the stock kernel was asked for
     stock = kernels.rows_forward

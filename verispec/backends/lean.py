@@ -135,11 +135,8 @@ def _consecutive_causal(positions: torch.Tensor, visible: torch.Tensor) -> bool:
     """Whether a sequence's new rows sit at consecutive positions and each sees the rows before it and itself only
     (``visible [n, cached + n]`` or ``[n, n]``, every cached entry visible): a prompt, or a chunk of one."""
     n = int(positions.shape[0])
-    if n < 2 or int(positions[-1]) - int(positions[0]) != n - 1 or \
-            not torch.equal(positions, positions[0] + torch.arange(n, dtype=positions.dtype)):
-        return False
-    new = visible[:, -n:]
-    return bool(visible[:, :-n].all()) and torch.equal(new, torch.ones(n, n, dtype=torch.bool).tril_())
+    return torch.equal(positions, positions[0] + torch.arange(n, dtype=positions.dtype)) and \
+        LeanLlama._plain_causal(visible[:, -n:]) and bool(visible[:, :-n].all())
 
 
 class LeanLlama:
