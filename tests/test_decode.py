@@ -5,7 +5,8 @@ import torch
 from conftest import Contrarian, tiny_model
 
 from verispec import Tree, generate, get_verifier
-from verispec.drafters import ModelDrafter, NgramDrafter, NoDrafter, layer_skip_drafter
+from verispec.drafters import (ModelDrafter, NgramDrafter, NoDrafter, RecycleDrafter, SuffixDrafter,
+                               layer_skip_drafter)
 from verispec.errors import VerispecError
 
 PROMPT = [5, 17, 33, 8, 9, 41, 5, 17]
@@ -29,6 +30,8 @@ def drafters(target):
         "layerskip0,2": layer_skip_drafter(target, [0, 2]),
         "model": ModelDrafter(other),
         "ngram": NgramDrafter(target.vocab_size, max_n=2),
+        "suffix": SuffixDrafter(target.vocab_size),
+        "recycle": RecycleDrafter(target.vocab_size, k=3),
     }
 
 

@@ -199,6 +199,10 @@ def _add_serve(sub):
     g.add_argument("--max-context", type=int, default=None,
                    help="prompt + new tokens + draft tree per request (default: the model's context); the batch's "
                         "caches are sized for --max-batch of these at start")
+    g.add_argument("--answer-cache", type=int, default=100_000, metavar="TOKENS",
+                   help="draft from the answers already served too, up to this many tokens of them (about 0.3 KB "
+                        "a token; a draft with prompt lookup reads them: auto, hybrid, ngram, suffix); 0: off. A "
+                        "request's law stays the target's, but its seeded text then depends on what was served before")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM or Ctrl-C, seconds to let the requests in flight finish before they are cut")
     g.add_argument("--ray", action="store_true",
@@ -227,12 +231,14 @@ def cmd_serve(args) -> int:
         raise VerispecError("--api-key is empty")
     if args.replicas < 1:
         raise VerispecError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.answer_cache < 0:
+        raise VerispecError(f"--answer-cache must be >= 0 tokens, got {args.answer_cache}")
     if not args.ray and (args.ray_address is not None or args.replicas != 2):
         raise VerispecError("--replicas and --ray-address go with --ray")
     recipe = ServiceRecipe(args.target, backend=args.backend, dtype=args.dtype, threads=args.threads,
                            draft=args.draft, method=args.method, verifier=args.verifier, policy=args.policy,
                            tree=args.tree, children=args.children, max_batch=args.max_batch,
-                           max_queue=args.max_queue, max_context=args.max_context)
+                           max_queue=args.max_queue, max_context=args.max_context, answer_cache=args.answer_cache)
     recipe.plan(info=info)  # a wrong method is one line now, before any model loads
     name = args.served_model_name or args.target
     if args.ray:

@@ -14,11 +14,14 @@ from .errors import VerispecError
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 SPEC_BENCH_GROUPS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 _MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+REPETITIVE_GROUPS = ("second_turn", "edit_text", "edit_code")
 GSM8K_INSTRUCTION = "Solve the problem step by step, then give the final answer as a number after '####'.\n\n"
 DATASETS_HELP = (
     "'spec-bench' (6 categories: " + ", ".join(SPEC_BENCH_GROUPS) + "; pick some with 'spec-bench:qa,rag'), "
-    "'gsm8k', 'humaneval', or a JSONL file of your own prompts (PATH.jsonl or jsonl:PATH; one object per line "
-    "with 'prompt' (or 'turns', first turn used), optional 'id', 'category', 'chat')"
+    "'gsm8k', 'humaneval', 'repetitive' (requests whose answers repeat earlier text: " + ", ".join(REPETITIVE_GROUPS)
+    + "; pick some with 'repetitive:edit_code'), or a JSONL file of your own prompts (PATH.jsonl or jsonl:PATH; one "
+    "object per line with 'prompt' (or 'turns', first turn used, or 'messages', a conversation), optional 'id', "
+    "'category', 'chat')"
 )
 
 
@@ -26,7 +29,7 @@ DATASETS_HELP = (
 class Problem:
     task: str  # data set: "spec-bench", "gsm8k", "humaneval" or the user's file name
     id: str
-    prompt: str  # what the model is given
+    prompt: str | list[dict]  # what the model is given: a text, or a conversation (``{"role", "content"}`` messages)
     chat: bool  # send through the chat template
     reference: dict = field(default_factory=dict)  # what scoring needs (GSM8K, HumanEval)
     category: str = ""  # Spec-Bench category (or the user's); the data set's name otherwise
@@ -124,8 +127,15 @@ def jsonl_problems(path: str | Path, limit: int | None = None) -> list[Problem]:
             text = row.get("prompt") if isinstance(row, dict) else None
             if text is None and isinstance(row, dict) and row.get("turns"):
                 text = row["turns"][0]
-            if not isinstance(text, str) or not text.strip():
-                raise VerispecError(f"{path}:{n}: needs a non-empty 'prompt' (or 'turns') string")
+            if text is None and isinstance(row, dict) and row.get("messages") is not None:
+                text = row["messages"]
+                if not (isinstance(text, list) and text and all(
+                        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                        for m in text)):
+                    raise VerispecError(f"{path}:{n}: 'messages' must be a non-empty list of {{'role', 'content'}} "
+                                        "strings")
+            elif not isinstance(text, str) or not text.strip():
+                raise VerispecError(f"{path}:{n}: needs a non-empty 'prompt' (or 'turns') string, or 'messages'")
             out.append(Problem(path.stem, str(row.get("id", f"{path.stem}/{len(out)}")), text,
                                bool(row.get("chat", True)), category=str(row.get("category", ""))))
             if limit is not None and len(out) >= limit:
@@ -133,6 +143,17 @@ def jsonl_problems(path: str | Path, limit: int | None = None) -> list[Problem]:
     if not out:
         raise VerispecError(f"no prompts in {path}")
     return out
+
+
+def repetitive_problems(limit: int | None, groups=REPETITIVE_GROUPS) -> list[Problem]:
+    """The repetitive workload (``scripts/make_repetitive.py``): the first ``limit`` requests of each group, each a
+    conversation, grouped in ``groups`` order."""
+    unknown = set(groups) - set(REPETITIVE_GROUPS)
+    if unknown:
+        raise VerispecError(f"unknown repetitive group(s) {sorted(unknown)}; choose from {', '.join(REPETITIVE_GROUPS)}")
+    rows = jsonl_problems(DATA_DIR / "repetitive" / "requests.jsonl")
+    return [Problem("repetitive", p.id, p.prompt, True, category=p.category)
+            for g in groups for p in [p for p in rows if p.category == g][:limit]]
 
 
 def load_prompts(spec: str, limit: int | None = None) -> list[Problem]:
@@ -145,6 +166,8 @@ def load_prompts(spec: str, limit: int | None = None) -> list[Problem]:
         return spec_bench_problems(limit, groups)
     if name in ("gsm8k", "humaneval") and not arg:
         return (gsm8k if name == "gsm8k" else humaneval)(limit)
+    if name == "repetitive":
+        return repetitive_problems(limit, tuple(g for g in arg.split(",") if g) or REPETITIVE_GROUPS)
     if name == "jsonl" and arg:
         return jsonl_problems(arg, limit)
     if spec.endswith(".jsonl"):

@@ -36,6 +36,7 @@ from .backends.base import Target
 from .backends.costs import BATCH_CONTEXT, BatchCosts, batch_costs
 from .drafters.base import Draft, DraftControl, Drafter, propose_batch
 from .drafters.costs import DraftCosts, draft_costs
+from .drafters.suffix import SuffixCache
 from .errors import VerispecError
 from .policies import Feedback, Fixed, Policy
 from .probs import Sampling
@@ -125,12 +126,14 @@ class Engine:
     one clock: then each draft's ``depth_cost`` of a plain step stands for its cost); ``verify_costs``: each drafting
     sequence's verification by ``verifiers.costs.cost_key`` (default: measured on first use and cached,
     ``verifiers.costs.verify_costs``, where ``costs`` and ``draft_costs`` are too; elsewhere only those given are
-    charged)."""
+    charged); ``answer_cache``: a ``drafters.SuffixCache`` that every answer which ends well (not failed or
+    cancelled) is added to, for the drafts that read it (``drafters.with_answer_cache``)."""
 
     def __init__(self, target: Target, *, max_batch: int = 8, row_budget: int | None = None,
                  costs: BatchCosts | None = None, draft_costs: dict[str, DraftCosts] | None = None,
                  load_aware: bool = True, isolate: bool = False, max_context: int | None = None,
-                 prefill_chunk: int | None = None, verify_costs: dict[tuple, VerifyCosts] | None = None):
+                 prefill_chunk: int | None = None, verify_costs: dict[tuple, VerifyCosts] | None = None,
+                 answer_cache: SuffixCache | None = None):
         if max_batch < 1:
             raise VerispecError(f"max_batch must be >= 1, got {max_batch}")
         if row_budget is not None and row_budget < max_batch:
@@ -145,6 +148,7 @@ class Engine:
         # the caches of a batch, sized once: max_batch sequences of max_context entries (where the engine has them)
         self._pool = target.state_pool(max_batch, max_context) if max_context is not None and max_batch > 1 else None
         self.load_aware, self.isolate = load_aware, isolate
+        self.answer_cache = answer_cache  # every finished answer goes in (drafts that read it: ``with_answer_cache``)
         self._costs = costs
         self._measure_drafts = costs is None and draft_costs is None
         self._draft_costs: dict[str, DraftCosts | None] = dict(draft_costs or {})
@@ -391,6 +395,8 @@ class Engine:
         t4 = time.perf_counter()
         if s.drafter.uses_target_hidden:  # the target's features of the root and the accepted path (EAGLE)
             s.drafter.observe(out.hidden[[0, *verdict.path]])
+        if s.drafter.uses_target_logits:  # what the target said after every row (token recycling)
+            s.drafter.observe_logits(draft.tokens, out.logits)
         s.drafter.commit(draft, list(verdict.path))
         t5 = time.perf_counter()
         new = [int(draft.tokens[n]) for n in verdict.path] + [verdict.token]
@@ -421,6 +427,8 @@ class Engine:
         if seq.stop_reason is None:
             seq.stop_reason = reason
             seq.finished = time.perf_counter()
+            if self.answer_cache is not None and reason in ("eos", "max_new_tokens", "stop"):
+                self.answer_cache.add(seq.token_ids)
         if seq in self.running:
             self.running.remove(seq)
         if self._pool is not None and seq.state is not None:

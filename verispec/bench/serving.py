@@ -157,9 +157,11 @@ def chat_loop(port: int, body: Callable[[int], dict], problems: list, concurrenc
     return out
 
 
-def chat_body(prompt: str, model: str, max_tokens: int, temperature: float, seed: int, **extra) -> dict:
-    """The request every server gets: pinned sampling (top-k and min-p off where a server has them by default)."""
-    return {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+def chat_body(prompt: str | list[dict], model: str, max_tokens: int, temperature: float, seed: int, **extra) -> dict:
+    """The request every server gets: pinned sampling (top-k and min-p off where a server has them by default); a
+    prompt is a user message, or a whole conversation."""
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    return {"model": model, "messages": messages, "max_tokens": max_tokens,
             "temperature": float(temperature), "top_p": 1.0, "seed": seed, "stream": True, **extra}
 
 

@@ -93,6 +93,7 @@ class Drafter:
     cost_id: str | None = None  # what its drafting computes with, naming its measured batch costs (``drafters.costs``)
     vocab_size: int | None = None
     uses_target_hidden = False  # True: the loop calls ``observe`` with the target's hidden states
+    uses_target_logits = False  # True: the loop calls ``observe_logits`` with each step's target logits
     feature_layers: tuple[int, ...] = (-1,)  # which of the target's hidden states ``observe`` receives
     default_tree: str | None = None  # the tree ``--tree auto`` uses with this drafter (a tuned one, if known)
     step_costs: tuple[float, ...] | None = None  # measured cost of a step drafting d depths, a plain step = 1
@@ -105,6 +106,10 @@ class Drafter:
     def observe(self, hidden: torch.Tensor) -> None:
         """The target's hidden states ``[n, k H]`` (the ``feature_layers``) of the next n committed positions (the
         prompt, then at each step the root and the accepted path); only called when ``uses_target_hidden``."""
+
+    def observe_logits(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        """The target's logits ``[n, V]`` after each input token ``[n]`` of a step's forward (the root and every
+        drafted node, accepted or not); only called when ``uses_target_logits``."""
 
     def reset(self, prompt: list[int]) -> None:
         """Start a new sequence (drop any cached state)."""

@@ -21,6 +21,8 @@ from .eagle import EagleDrafter
 from .hybrid import HybridDrafter
 from .model import ModelDrafter, layer_skip_drafter
 from .ngram import NgramDrafter
+from .recycle import RecycleDrafter
+from .suffix import SuffixCache, SuffixDrafter
 
 DRAFT_HELP = (
     "'none' (plain autoregressive decoding), 'layerskip:L' (the first L layers of the target) or 'layerskip:0,2,4' / "
@@ -31,7 +33,7 @@ DRAFT_HELP = (
     "draft DRAFT elsewhere; default DRAFT: the shipped head), or 'auto' (the default: 'hybrid' when a head ships for "
     "the target, else 'ngram')"
 )
-KINDS = ("auto", "none", "layerskip", "ngram", "int8", "eagle", "model", "hybrid")
+KINDS = ("auto", "none", "layerskip", "ngram", "suffix", "recycle", "int8", "eagle", "model", "hybrid")
 MODEL_KINDS = ("layerskip", "int8", "eagle", "model")  # drafts that run a model (a hybrid's other source)
 
 
@@ -49,15 +51,17 @@ class DraftSpec:
         kind, _, arg = str(text).strip().partition(":")
         if kind not in KINDS:
             raise VerispecError(f"unknown draft {text!r}; use one of: {', '.join(KINDS)} (see --help)")
-        if kind in ("auto", "none", "int8") and arg:
+        if kind in ("auto", "none", "int8", "suffix") and arg:
             raise VerispecError(f"draft {kind!r} takes no argument (got {text!r})")
         if kind == "ngram" and arg and (not arg.isdigit() or int(arg) < 1):
             raise VerispecError(f"bad n-gram length in draft {text!r}; use ngram or ngram:N with N >= 1")
+        if kind == "recycle" and arg and (not arg.isdigit() or not 1 <= int(arg) <= 64):
+            raise VerispecError(f"bad successor count in draft {text!r}; use recycle or recycle:K with 1 <= K <= 64")
         if kind == "layerskip" and arg:
             parse_layers(arg, text)
-        if kind == "hybrid" and arg and DraftSpec.parse(arg).kind not in MODEL_KINDS:
-            raise VerispecError(f"a hybrid draft pairs prompt lookup with a model draft ({', '.join(MODEL_KINDS)}), "
-                                f"not {arg!r}")
+        if kind == "hybrid" and arg and DraftSpec.parse(arg).kind not in (*MODEL_KINDS, "recycle"):
+            raise VerispecError(f"a hybrid draft pairs prompt lookup with a model draft ({', '.join(MODEL_KINDS)}) "
+                                f"or recycle, not {arg!r}")
         if kind == "model" and not arg:
             raise VerispecError("draft 'model' needs a model: model:SPEC (alias, .gguf file, folder or hub id)")
         if kind == "eagle" and arg:
@@ -99,6 +103,17 @@ def sidecar(path: Path) -> dict:
         return {}
 
 
+def with_answer_cache(drafter: Drafter, cache: SuffixCache) -> tuple[Drafter, bool]:
+    """``drafter`` drafting from ``cache`` (answers already served) too, where it has a prompt lookup to do it with:
+    its lookup becomes a ``SuffixDrafter`` on the cache (a hybrid keeps its model draft; prompt lookup alone becomes
+    the suffix drafter). Returns (the drafter, whether it reads the cache); a draft with no lookup is returned as is."""
+    if isinstance(drafter, HybridDrafter):
+        return HybridDrafter(drafter.model, SuffixDrafter(drafter.vocab_size, cache), drafter.min_match), True
+    if isinstance(drafter, (NgramDrafter, SuffixDrafter)):
+        return SuffixDrafter(drafter.vocab_size, cache), True
+    return drafter, False
+
+
 def build_drafter(spec: str | DraftSpec, target, dtype: str = "float32") -> Drafter:
     """A drafter for ``target`` from a ``--draft`` string (see ``DRAFT_HELP``)."""
     spec = spec if isinstance(spec, DraftSpec) else DraftSpec.parse(spec)
@@ -122,6 +137,10 @@ def build_drafter(spec: str | DraftSpec, target, dtype: str = "float32") -> Draf
         return layer_skip_drafter(target, int(arg) if arg.isdigit() else parse_layers(arg, str(spec)))
     if kind == "ngram":
         return NgramDrafter(target.vocab_size, max_n=int(arg) if arg else 3)
+    if kind == "suffix":
+        return SuffixDrafter(target.vocab_size)
+    if kind == "recycle":
+        return RecycleDrafter(target.vocab_size, k=int(arg) if arg else 4)
     if kind == "int8":
         return ModelDrafter(quantized_copy(target), name="int8")
     if kind == "eagle":

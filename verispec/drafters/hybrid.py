@@ -16,18 +16,22 @@ from __future__ import annotations
 from ..tree import Tree
 from .base import Draft, Drafter
 from .ngram import NgramDrafter
+from .suffix import SuffixDrafter
 
 
 class HybridDrafter(Drafter):
-    def __init__(self, model: Drafter, lookup: NgramDrafter, min_match: int = 2, name: str | None = None):
-        if not 1 <= min_match <= lookup.max_n:
-            raise ValueError(f"min_match must lie in 1..{lookup.max_n} (the lookup's longest n-gram), got {min_match}")
+    def __init__(self, model: Drafter, lookup: NgramDrafter | SuffixDrafter, min_match: int = 2,
+                 name: str | None = None):
+        longest = getattr(lookup, "max_n", None)  # an n-gram index matches at most max_n tokens; a suffix index any
+        if min_match < 1 or longest is not None and min_match > longest:
+            raise ValueError(f"min_match must lie in 1..{longest} (the lookup's longest n-gram), got {min_match}")
         if model.name == lookup.name:
             raise ValueError(f"the two sources need different names, both are {model.name!r}")
         self.model, self.lookup, self.min_match = model, lookup, min_match
         self.name = name or f"{lookup.name}+{model.name}"
         self.vocab_size = model.vocab_size if model.vocab_size is not None else lookup.vocab_size
         self.uses_target_hidden = model.uses_target_hidden
+        self.uses_target_logits = model.uses_target_logits or lookup.uses_target_logits
         self.feature_layers = model.feature_layers
         self.sources = {lookup.name: lookup, model.name: model}
         depth = max(Tree.parse(model.default_tree).max_depth if model.default_tree else 1, 5)
@@ -57,6 +61,11 @@ class HybridDrafter(Drafter):
 
     def observe(self, hidden) -> None:
         self.model.observe(hidden)  # every step, whichever source drafted: the model's features stay complete
+
+    def observe_logits(self, tokens, logits) -> None:
+        for source in (self.model, self.lookup):  # every step, whichever source drafted
+            if source.uses_target_logits:
+                source.observe_logits(tokens, logits)
 
     def reset(self, prompt: list[int]) -> None:
         self.model.reset(prompt)

@@ -31,7 +31,7 @@ import torch
 
 from ..backends import default_threads, load, resolve_dtype
 from ..decode import TextStream
-from ..drafters import DraftSpec, build_drafter
+from ..drafters import DraftSpec, SuffixCache, build_drafter, with_answer_cache
 from ..drafters.base import Drafter
 from ..engine import Engine, Sequence
 from ..errors import VerispecError
@@ -132,13 +132,14 @@ class Service:
     and sizes the batch's caches once, up front."""
 
     def __init__(self, target, drafter: Drafter, plan: Plan, *, max_batch: int = 8, max_queue: int = 64,
-                 max_context: int | None = None, prefill_chunk: int | None = 128, load_aware: bool = True):
+                 max_context: int | None = None, prefill_chunk: int | None = 128, load_aware: bool = True,
+                 answer_cache: SuffixCache | None = None):
         if max_queue < 0:
             raise VerispecError(f"max_queue must be >= 0, got {max_queue}")
         self.target, self.drafter, self.plan, self.max_queue = target, drafter, plan, max_queue
         self.engine = Engine(target, max_batch=max_batch, isolate=True, load_aware=load_aware,
                              max_context=max_context or target.max_context,
-                             prefill_chunk=prefill_chunk if max_batch > 1 else None)
+                             prefill_chunk=prefill_chunk if max_batch > 1 else None, answer_cache=answer_cache)
         self._recipe = plan.build(target, drafter)  # what a request is checked against (each builds its own)
         self.tree = self._recipe.tree
         self.metrics = Metrics()
@@ -438,6 +439,7 @@ class ServiceRecipe:
     max_batch: int = 8
     max_queue: int = 64
     max_context: int | None = None
+    answer_cache: int = 100_000  # tokens of served answers kept for drafting (0: none)
 
     def plan(self, info: Callable[[str], None] | None = None) -> Plan:
         return resolve(self.method, verifier=self.verifier, policy=self.policy, tree=self.tree,
@@ -452,8 +454,16 @@ class ServiceRecipe:
         info(f"loading target {self.target} ({self.backend}{computes}) ...")
         target = load(self.target, dtype=self.dtype, backend=self.backend, threads=self.threads)
         drafter = build_drafter(draft, target, dtype=self.dtype)
+        cache = None
+        if self.answer_cache and plan.drafts:
+            cache = SuffixCache(target.vocab_size, max_tokens=self.answer_cache)
+            drafter, reads = with_answer_cache(drafter, cache)
+            if reads:
+                info(f"drafting from the last {self.answer_cache} tokens of served answers too")
+            else:
+                cache = None
         service = Service(target, drafter, plan, max_batch=self.max_batch, max_queue=self.max_queue,
-                          max_context=self.max_context)
+                          max_context=self.max_context, answer_cache=cache)
         info(f"loaded in {time.perf_counter() - t:.1f}s; draft {drafter.name}, verifier {plan.verifier.name}, "
              f"{service.tree.describe()}; up to {self.max_batch} sequences of {service.max_context} tokens")
         return service
