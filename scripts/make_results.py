@@ -365,6 +365,64 @@ SPEED_RUNS = (("speed", "", "", ()), ("speed_bf16", "", "", ()),
 LATEST_SPEED = 1
 
 
+# free draft sources (issue 66): each alone under `default`, on Spec-Bench and on the repetitive workload
+RUNS["free_drafts"] = ["--methods", "ar", "default", "--drafts", "auto", "ngram", "suffix", "recycle", "hybrid:recycle",
+                       *spec_bench("0", "0.6")]
+RUNS["repetitive"] = ["--methods", "ar", "default", "--drafts", "auto", "ngram", "suffix", "--datasets", "repetitive",
+                      "--limit", "6", "--temperatures", "0", "0.6", "--max-new-tokens", "128"]
+FREE_DRAFTS_LEAD = (
+    "Drafts that run no model, each alone under `default` (the `auto` policy, exact chain verification): `ngram` "
+    "(prompt lookup from the context's n-grams of up to 3 tokens, the most frequent continuation), `suffix` (the "
+    "longest earlier match of the context's end, any length, from a suffix automaton; the continuation of its first "
+    "occurrence), `recycle` (token recycling: the target's own top successors of each token, kept from the rows of "
+    "earlier steps), and `hybrid:recycle` (prompt lookup where the context's last 2 tokens occurred before, "
+    "recycling elsewhere); `auto` is the default draft (prompt lookup and the shipped head). Each draft is a point "
+    "mass or an empirical law, so every exact verifier keeps the target's law (tests/test_free_drafts.py enumerates "
+    "the loop's law with each).",
+)
+REPETITIVE_LEAD = (
+    "The repetitive workload (`data/repetitive/requests.jsonl`, made by `python scripts/make_repetitive.py`): 18 "
+    "requests whose answers repeat earlier text, the kind speculative decoding is deployed for and Spec-Bench "
+    "underweights. `second_turn`: MT-bench's second turns (Spec-Bench questions 81-86: \"Rewrite your previous "
+    "response ...\"), after the first turn and the default model's own greedy answer to it; `edit_text`: correct "
+    "the spelling of a passage (the model's own answers to questions 91-96, a typo in every seventh long word) and "
+    "return it whole; `edit_code`: rename the function of HumanEval problems 0-5 and return the complete code. "
+    "tokens/s counts each request's prefill, and these prompts are long (a conversation, a passage, a function).",
+)
+
+
+def depth_table(res: Results) -> str:
+    """Per temperature and draft, from the step records of `default`: the share of steps that drafted, the acceptance
+    at each depth (of the steps that drafted that deep and accepted every depth before it, the share that accepted
+    it), and the drafting's milliseconds per drafting step."""
+    from verispec.bench.report import markdown
+
+    cells: dict[tuple, list[dict]] = {}
+    for steps in res.steps.values():
+        c = steps[0]["cell"]
+        if c["method"] == "default":
+            cells.setdefault((c["T"], c["draft"]), []).extend(steps)
+    body = []
+    for (t, d), steps in sorted(cells.items()):
+        drafting = [s for s in steps if s["drafted"]]
+        acc = []
+        for depth in range(1, 5):
+            reached = [s for s in drafting if s["draft_depth"] >= depth and s["accepted_length"] >= depth]
+            took = sum(s["accepted_length"] >= depth + 1 for s in reached)
+            acc.append(f"{took / len(reached):.2f} ({len(reached)})" if reached else "-")
+        ms = 1000 * sum(s["draft_s"] for s in drafting) / len(drafting) if drafting else 0.0
+        body.append([f"{t:g}", d, f"{len(drafting) / len(steps):.2f}", *acc, f"{ms:.2f}"])
+    return markdown(["T", "draft", "steps drafting", "depth 1 (steps)", "depth 2", "depth 3", "depth 4",
+                     "draft ms per drafting step"], body)
+
+
+def free_drafts_section(res: Results, heading: str, lead: tuple[str, ...]) -> list[str]:
+    rows, cats = summarize(res), summarize(res, by_category=True)
+    return [heading, "", *run_lines(res), "", *[x for paragraph in lead for x in (paragraph, "")],
+            table_peers(rows), "", "Acceptance by depth:", "", depth_table(res), "", "By category:", "",
+            by_category_table(cats, (("speedup_ar", "vs ar"),)), "", *step_time_table(res)]
+
+
 def speed_sections(runs, figs: Path) -> list[str]:
     """The sections of ``runs`` (entries of ``SPEED_RUNS``) whose records exist."""
     out = []
@@ -1912,6 +1970,11 @@ def render() -> str:
 
     out += standing_section()
     out += speed_sections(SPEED_RUNS[-LATEST_SPEED:], figs)
+    if path("free_drafts").exists():
+        out += free_drafts_section(Results.load(path("free_drafts")), "## Drafts that run no model (Spec-Bench)",
+                                   FREE_DRAFTS_LEAD)
+    if path("repetitive").exists():
+        out += free_drafts_section(Results.load(path("repetitive")), "## The repetitive workload", REPETITIVE_LEAD)
     for i, (run_name, tag, heading, lead) in enumerate(LATEST_LOOPS):
         if path(run_name).exists():
             out += concurrency_section(Results.load(path(run_name)), figs, heading, lead, tag=tag, explain=i == 0)
