@@ -423,6 +423,48 @@ def free_drafts_section(res: Results, heading: str, lead: tuple[str, ...]) -> li
             by_category_table(cats, (("speedup_ar", "vs ar"),)), "", *step_time_table(res)]
 
 
+def answer_cache_section() -> list[str]:
+    """The server with its answer cache against the same server without it, from results/answer_cache.json
+    (``scripts/experiments/answer_cache.py``): per temperature and pass, per-request tokens/s with the cache over
+    without, the geometric mean over requests and rounds with its 95 % interval."""
+    import math
+    import statistics
+
+    from verispec.bench.report import markdown
+
+    file = ROOT / "results" / "answer_cache.json"
+    if not file.exists():
+        return []
+    data = json.loads(file.read_text())
+    logs: dict[tuple, list[float]] = {}
+    rounds: dict[float, int] = {}
+    for rec in data["records"]:
+        t = rec["temperature"]
+        rounds[t] = rounds.get(t, 0) + 1
+        on, off = rec["runs"][str(data["cache"])], rec["runs"]["0"]
+        for name in ("first", "repeat"):
+            for (n_on, s_on), (n_off, s_off) in zip(on[name], off[name]):
+                logs.setdefault((t, name), []).append(math.log((n_on / s_on) / (n_off / s_off)))
+    body = []
+    for (t, name), xs in sorted(logs.items()):
+        m = statistics.fmean(xs)
+        half = 1.96 * statistics.stdev(xs) / math.sqrt(len(xs))
+        body.append([f"{t:g}", name, str(len(xs)), str(rounds[t]),
+                     f"{math.exp(m):.2f}x [{math.exp(m - half):.2f}, {math.exp(m + half):.2f}]"])
+    return ["## The server's answer cache on repeated requests", "",
+            f"Run: `{' '.join(data['command'])}` at git {data['git']}, {data['machine'].get('cpu')}, "
+            f"{data['machine'].get('cpu_count')} cores, {data['date']}.", "",
+            "`verispec serve` with its answer cache (`--answer-cache " + str(data["cache"]) + "`) against the same "
+            "server without it (`--answer-cache 0`), each started fresh on 127.0.0.1 with one slot (`--max-batch "
+            "1`, float32), the default draft and method. Each round sends the requests (Spec-Bench, "
+            f"{data['limit']} per category, {data['max_tokens']} tokens) once, the first pass, then all again, the "
+            "repeat pass; rounds alternate which server goes first. Each cell is the per-request tokens/s with the "
+            "cache over without it (prefill included), the geometric mean over requests and rounds with its 95 % "
+            "interval. On the first pass the cache holds nothing like the request; on the repeat pass it holds the "
+            "request's own earlier answer.", "",
+            markdown(["T", "pass", "pairs", "rounds", "with the cache / without"], body), ""]
+
+
 def speed_sections(runs, figs: Path) -> list[str]:
     """The sections of ``runs`` (entries of ``SPEED_RUNS``) whose records exist."""
     out = []
@@ -1975,6 +2017,7 @@ def render() -> str:
                                    FREE_DRAFTS_LEAD)
     if path("repetitive").exists():
         out += free_drafts_section(Results.load(path("repetitive")), "## The repetitive workload", REPETITIVE_LEAD)
+    out += answer_cache_section()
     for i, (run_name, tag, heading, lead) in enumerate(LATEST_LOOPS):
         if path(run_name).exists():
             out += concurrency_section(Results.load(path(run_name)), figs, heading, lead, tag=tag, explain=i == 0)

@@ -177,3 +177,38 @@ def test_the_repetitive_workload_and_conversations_in_a_prompt_file(tmp_path):
     path.write_text(json.dumps({"messages": [{"role": "user"}]}) + "\n")
     with pytest.raises(VerispecError, match="messages"):
         jsonl_problems(path)
+
+
+@pytest.mark.slow
+def test_the_loops_sampled_law_with_each_free_draft_is_the_targets_and_a_wrong_temperature_is_caught():
+    """On a real (tiny) model at T = 1: the first 3 tokens of 3,000 seeded runs of the loop with each free draft,
+    chi-square against the target's exact law of 3 tokens (teacher forcing). A loop that samples at T = 0.8 must be
+    caught by the same test, so the test has power for a fault of that size."""
+    from verispec.audit.sampled import check_loop
+
+    target = tiny_model("llama", seed=0, layers=2)
+    target.eos_token_ids = frozenset()
+    with torch.no_grad():  # sharper still: 79 outcomes of 3 tokens are expected 5 times or more in 3,000 runs
+        target.hf.get_output_embeddings().weight.mul_(4.0)
+    prompt = [5, 17, 33, 8, 9, 41, 5, 17, 33]
+    cache = SuffixCache(target.vocab_size, min_match=2)
+    for seed in range(20):  # answers like the ones the loop will give
+        cache.add(prompt[-3:] + generate(target, NoDrafter(), "chain", prompt, tree="none", temperature=1.0,
+                                         max_new_tokens=6, seed=seed).token_ids)
+    drafts = {"suffix": lambda: SuffixDrafter(target.vocab_size), "cache": lambda: SuffixDrafter(target.vocab_size, cache),
+              "recycle": lambda: RecycleDrafter(target.vocab_size, k=3)}
+
+    def sampler(make, temperature=1.0):
+        def sample(seed):
+            out = generate(target, make(), "chain", prompt, tree="chain:3", policy="fixed", temperature=temperature,
+                           max_new_tokens=3, seed=seed)
+            return out.token_ids, sum(s.drafted for s in out.steps)
+        return sample
+
+    for name, make in drafts.items():
+        res = check_loop(target, prompt, 3, 3000, sampler(make), Sampling(1.0), floor=2e-4)
+        assert res.passed and res.cells > 50, (name, res)
+        if name != "recycle":  # recycling has no successors yet in a sequence's first steps
+            assert res.drafted > 0.5, (name, res)
+    wrong = check_loop(target, prompt, 3, 3000, sampler(drafts["suffix"], 0.8), Sampling(1.0), floor=2e-4)
+    assert not wrong.passed, wrong

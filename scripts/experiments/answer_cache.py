@@ -14,7 +14,9 @@ import json
 import math
 import statistics
 import sys
+import time
 
+from verispec.bench.records import git_revision, machine
 from verispec.bench.serving import chat_body, free_port, server_process, stream_chat
 from verispec.datasets import load_prompts
 
@@ -47,6 +49,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write every measurement here")
     args = ap.parse_args()
     problems = load_prompts(args.datasets, args.limit)
+    revision, started = git_revision(), time.strftime("%Y-%m-%d %H:%M")  # what ran: the tree as the run starts
     records = []
     for t in args.temperatures:
         logs = {"first": [], "repeat": []}
@@ -69,7 +72,9 @@ def main() -> None:
                   f"{args.rounds} rounds)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": sys.argv, "records": records}, f)
+            json.dump({"command": ["python", *sys.argv], "git": revision, "machine": machine(),
+                       "date": started, "cache": args.cache, "limit": args.limit,
+                       "max_tokens": args.max_tokens, "records": records}, f)
 
 
 if __name__ == "__main__":
