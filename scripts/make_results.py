@@ -460,8 +460,12 @@ def answer_cache_section() -> list[str]:
             f"{data['limit']} per category, {data['max_tokens']} tokens) once, the first pass, then all again, the "
             "repeat pass; rounds alternate which server goes first. Each cell is the per-request tokens/s with the "
             "cache over without it (prefill included), the geometric mean over requests and rounds with its 95 % "
-            "interval. On the first pass the cache holds nothing like the request; on the repeat pass it holds the "
-            "request's own earlier answer.", "",
+            "interval. On the first pass the cache holds only the answers to the requests before it; on the repeat "
+            "pass it also holds the request's own earlier answer. With the cache, the default draft's prompt lookup "
+            "is the suffix draft over the context and the cache (`drafters.with_answer_cache`); without it, the "
+            "n-gram index: the first pass measures that change too. At T = 0 a repeated request's answer is its "
+            "earlier one token for token; at T > 0 it is another sample, which follows the cached one only until "
+            "they part.", "",
             markdown(["T", "pass", "pairs", "rounds", "with the cache / without"], body), ""]
 
 

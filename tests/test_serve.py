@@ -187,6 +187,12 @@ BAD = [  # (body, status, what the message says)
     ({**GOOD, "tools": [{"type": "function"}]}, 400, "tools is not supported"),
     ({**GOOD, "model": "gpt-4"}, 404, "does not exist"),
     ({**GOOD, "messages": [{"role": "user", "content": "x" * 400}]}, 400, "context of 256 tokens"),
+    ({**GOOD, "max_tokens": 1_000_000}, 400, "+ max_tokens (1000000)"),  # the request's own field, named
+    # a lone surrogate, escaped in the JSON (json.dumps' ASCII escapes): valid JSON, not valid Unicode text
+    (json.dumps({**GOOD, "messages": [{"role": "user", "content": "a\ud800b"}]}).encode(), 400, "lone surrogate"),
+    (json.dumps({**GOOD, "messages": [{"role": "system", "content": "\udfff"}, *chat_of("hi")]}).encode(), 400,
+     "lone surrogate"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', 400, "lone surrogate"),
     (b"x" * (2 << 20), 413, "larger than"),
 ]
 BAD_COMPLETIONS = [
@@ -195,6 +201,7 @@ BAD_COMPLETIONS = [
     ({"model": "tiny", "prompt": ["a", "b"]}, 400, "one prompt"),
     ({"model": "tiny", "prompt": "   "}, 400, "empty"),
     ({"model": "tiny", "prompt": "hi", "echo": True}, 400, "echo is not supported"),
+    (json.dumps({"model": "tiny", "prompt": "x\ud800"}).encode(), 400, "lone surrogate"),
 ]
 
 
@@ -264,6 +271,7 @@ def test_a_full_queue_answers_429_at_once():
             t = time.monotonic()
             r = httpx2.post(url + "/v1/chat/completions", json=GOOD, timeout=30)
             assert r.status_code == 429 and time.monotonic() - t < 2
+            assert r.headers.get("retry-after") == "1"
             assert r.json()["error"]["code"] == "queue_full"
         assert [f.result().status_code for f in held] == [200, 200]
 

@@ -180,16 +180,17 @@ class Engine:
         return seq
 
     def check_request(self, prompt_ids: list[int], max_new_tokens: int, *, drafter: Drafter, verifier: VerifierSpec,
-                      tree: Tree | DynamicTree, sampling: Sampling, children: str, policy: Policy) -> None:
+                      tree: Tree | DynamicTree, sampling: Sampling, children: str, policy: Policy,
+                      budget_name: str = "max_new_tokens") -> None:
         """Refuse (``VerispecError``, one sentence) a sequence that could not run: what ``submit`` checks first. It
         reads only the engine's fixed configuration, so any thread may ask it (a server does, to answer at once)."""
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise VerispecError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
+            raise VerispecError(f"{budget_name} must be a positive integer, got {max_new_tokens}")
         if not prompt_ids:
             raise VerispecError("the prompt is empty")
         if any(not 0 <= t < self.target.vocab_size for t in prompt_ids):
             raise VerispecError(f"prompt token ids must lie in [0, {self.target.vocab_size})")
-        self.check_length(len(prompt_ids), max_new_tokens, tree)
+        self.check_length(len(prompt_ids), max_new_tokens, tree, budget_name)
         check(verifier, tree, children, policy.name, 0.0 if sampling.greedy else sampling.temperature)
         drafter.check_compatible(self.target)
 
@@ -198,14 +199,16 @@ class Engine:
         also holds a whole tree."""
         return self.max_context - (tree.size if self._pool is not None else tree.max_depth)
 
-    def check_length(self, prompt_tokens: int, max_new_tokens: int, tree: Tree | DynamicTree) -> None:
-        """Refuse (``VerispecError``, naming the limit) a request that cannot fit this engine's context. It reads
-        only the engine's fixed configuration, so any thread may ask it."""
+    def check_length(self, prompt_tokens: int, max_new_tokens: int, tree: Tree | DynamicTree,
+                     budget_name: str = "max_new_tokens") -> None:
+        """Refuse (``VerispecError``, naming the limit and the request's field for its budget, ``budget_name``) a
+        request that cannot fit this engine's context. It reads only the engine's fixed configuration, so any thread
+        may ask it."""
         if prompt_tokens + max_new_tokens > self.room(tree):
             what = f"draft tree ({tree.size} tokens)" if self._pool is not None else f"draft depth ({tree.max_depth})"
             whose = "the model's" if self.max_context == self.target.max_context else "this engine's"
             raise VerispecError(
-                f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) + {what} exceeds {whose} "
+                f"prompt ({prompt_tokens} tokens) + {budget_name} ({max_new_tokens}) + {what} exceeds {whose} "
                 f"context of {self.max_context} tokens")
 
     def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:

@@ -69,6 +69,8 @@ def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool, name: str) ->
         raise VerispecError("the prompt is empty")
     if tokenizer is None:
         raise VerispecError(f"model {name!r} has no tokenizer; pass token ids instead")
+    for text in [prompt] if isinstance(prompt, str) else [m.get("content") for m in prompt if isinstance(m, dict)]:
+        _check_text(text)
     if isinstance(prompt, list):
         if not getattr(tokenizer, "chat_template", None):  # a Hugging Face tokenizer's optional attribute
             raise VerispecError(f"model {name!r} has no chat template; send a plain prompt instead")
@@ -76,6 +78,18 @@ def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool, name: str) ->
     if chat and getattr(tokenizer, "chat_template", None):
         return _templated(tokenizer, [{"role": "user", "content": prompt}])
     return list(tokenizer(prompt)["input_ids"])
+
+
+def _check_text(text) -> None:
+    """Refuse text that is not valid Unicode (a lone surrogate such as ``"\\ud800"``, which JSON can carry and no
+    tokenizer can encode) with one sentence naming where it is."""
+    if not isinstance(text, str):
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise VerispecError(f"the text is not valid Unicode: a lone surrogate ({text[exc.start]!r}) at character "
+                            f"{exc.start}") from None
 
 
 def _templated(tokenizer, messages: list[dict]) -> list[int]:

@@ -269,8 +269,8 @@ def create_app(service, model: str, api_key: str | None = None, max_body: int = 
         events: asyncio.Queue = asyncio.Queue()
         try:
             handle = service.submit(req, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
-        except QueueFull as exc:
-            raise ApiError(429, str(exc), "rate_limit_error", code="queue_full") from None
+        except QueueFull as exc:  # a slot frees within a few steps: ask the client to come back in a second
+            return _error(429, str(exc), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
         except VerispecError as exc:
             raise ApiError(400, str(exc)) from None
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]

@@ -202,11 +202,11 @@ class Service:
                 raise VerispecError(f"the engine is not running ({self.failure or 'stopped'})")
             budget = request.max_tokens if request.max_tokens is not None else self.room - len(request.prompt_ids)
             if budget <= 0:
-                self.engine.check_length(len(request.prompt_ids), 1, self.tree)  # names the limit
+                self.engine.check_length(len(request.prompt_ids), 1, self.tree, "max_tokens")  # names the limit
             recipe = self._recipe
             self.engine.check_request(request.prompt_ids, budget, drafter=self.drafter, verifier=recipe.verifier,
                                       tree=recipe.tree, sampling=request.sampling, children=recipe.children,
-                                      policy=recipe.policy)
+                                      policy=recipe.policy, budget_name="max_tokens")
             with self._lock:
                 if self._outstanding >= self.max_queue + self.engine.max_batch:
                     raise QueueFull(f"the queue is full ({self.max_queue} requests waiting); try again later")
