@@ -178,3 +178,62 @@ def test_greedy_drafts_skip_the_temperature_one_laws_only_for_policies_that_neve
     assert drafts["adaedl"].soft_q is not None  # AdaEDL judges the temperature-1 laws
     assert drafts["fixed"].tokens.tolist() == drafts["adaedl"].tokens.tolist() == [2, 3, 4, 1]
     assert torch.equal(drafts["fixed"].q, drafts["adaedl"].q)
+
+
+def test_a_sparse_drafts_growth_is_the_dense_growth_on_a_few_tokens():
+    """Prompt lookup grows its tree on each row's few tokens (``SparseRows``); the same lookup answering whole rows
+    (a subclass with dense hooks) gives the same drafts: tokens, laws and child probabilities, with the same random
+    calls, at every kind of sampling and child mode, under a policy and without one. Top-k siblings whose counts tie
+    are taken by token id (a dense row's ``torch.topk`` takes ties as it may, so there the two may differ)."""
+    from verispec.drafters.base import DraftControl, SparseRows
+    from verispec.policies import AutoDepth
+
+    class Dense(NgramDrafter):
+        def _root_logits(self, context):
+            row = self._root_sparse(context)
+            return None if row is None else SparseRows([row], self.vocab_size).dense()[0]
+
+        def _node_logits(self, g, nodes):
+            return SparseRows(self._node_sparse(g, nodes), self.vocab_size).dense()
+
+    assert NgramDrafter.sparse and not Dense.sparse
+    gen = torch.Generator().manual_seed(0)
+    for sampling in (Sampling(0.0), Sampling(1.0), Sampling(0.6, top_k=2), Sampling(0.8, top_p=0.7)):
+        for children, tree in (("iid", Tree.complete(2, 3)), ("swor", Tree.from_branching([3, 2])),
+                               ("topk", Tree.chain(4)), ("iid", Tree.chain(5))):
+            for control in (None, DraftControl.of(AutoDepth())):
+                context = torch.randint(0, 6, (40,), generator=gen).tolist()
+                a = NgramDrafter(9).propose(context, tree, sampling, children, TorchRandomness(5), control)
+                b = Dense(9).propose(context, tree, sampling, children, TorchRandomness(5), control)
+                assert a.num_drafted > 0 and _by_path(a) == _by_path(b)
+        context = torch.randint(0, 6, (40,), generator=gen).tolist()
+        wide = NgramDrafter(9).propose(context, Tree.from_branching([3, 2]), sampling, "topk", None)
+        dense = Dense(9)
+        for node in range(wide.tree.size):
+            kids = [int(wide.tokens[c]) for c in wide.tree.children[node]]
+            if kids:  # the highest counts, ties by token id
+                path = [int(wide.tokens[n]) for n in _path_nodes(wide, node)]
+                row = dense._root_logits(context) if not path else \
+                    dense._node_logits(_path_growing(context[-1], path), [len(path)])[0]
+                best = sorted((-float(row[x]), x) for x in range(9) if torch.isfinite(row[x]))
+                assert kids == [x for _, x in best[:len(kids)]]
+
+
+def _path_nodes(draft, node):
+    out = []
+    while node > 0:
+        out.append(node)
+        node = draft.tree.parents[node]
+    return out[::-1]
+
+
+def _by_path(draft):
+    """A draft's nodes by their token paths from the root: (its law, its child probability), rounded."""
+    out = {}
+    for node in range(draft.tree.size):
+        path, n = [], node
+        while n > 0:
+            path.append(int(draft.tokens[n]))
+            n = draft.tree.parents[n]
+        out[tuple(path[::-1])] = (tuple(round(float(x), 6) for x in draft.q[node]), round(float(draft.child_prob[node]), 6))
+    return out

@@ -271,10 +271,10 @@ def test_a_failing_sequence_fails_alone(target):
 def test_a_draft_that_raises_fails_its_sequence_alone(target):
     """Drafting is batched (one call for every sequence), yet a draft that raises for one sequence fails only it."""
     class Broken(NgramDrafter):
-        def _root_logits(self, context):
+        def _root_sparse(self, context):
             if context[:1] == [61]:
                 raise RuntimeError("this draft cannot propose")
-            return super()._root_logits(context)
+            return super()._root_sparse(context)
 
     batch = generate_batch(target, Broken(target.vocab_size), "chain", PROMPTS, tree="chain:3", temperature=0.0,
                            max_new_tokens=12)

@@ -111,8 +111,8 @@ def test_free_drafts_keep_the_loops_output_law_exact(make):
         drafter = SuffixDrafter(3, cache)
         tree = Tree.chain(2)
     drafted = []
-    root = drafter._root_logits
-    drafter._root_logits = lambda context: drafted.append(r := root(context)) or r
+    root = drafter._root_sparse
+    drafter._root_sparse = lambda context: drafted.append(r := root(context)) or r
     verifier = "traversal" if make == "recycle" else "chain"
     children = "topk" if make == "recycle" else "iid"
     law = loop_law(get_verifier(verifier), p, p, tree, 3, 4, lambda: AutoDepth(costs=(1.0, 1.05, 1.1),

@@ -49,6 +49,34 @@ class Draft:
 
 
 @dataclass(frozen=True)
+class SparseRows:
+    """Draft logits of a few tokens per row, every other token impossible (``-inf``): what a draft that proposes
+    from a short list returns (prompt lookup's continuations, a point mass). ``rows[i]`` is ``(tokens, logits)``,
+    distinct tokens ascending with finite logits (``sparse_row``), or None for a row with no possible token. ``_grow`` works on these lists, never on the
+    vocabulary, and only the finished ``Draft``'s laws are vocabulary-sized."""
+
+    rows: list[tuple[torch.Tensor, torch.Tensor] | None]
+    vocab: int
+
+    def dense(self) -> torch.Tensor:
+        out = torch.full((len(self.rows), self.vocab), float("-inf"))
+        for i, row in enumerate(self.rows):
+            if row is not None:
+                out[i, row[0]] = row[1].float()
+        return out
+
+
+def sparse_row(tokens: list[int], logits: list[float] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``SparseRows`` row from distinct tokens and their logits (sorted by token, as the dense row's order)."""
+    t = torch.tensor(tokens, dtype=torch.long)
+    x = torch.as_tensor(logits, dtype=torch.float32)
+    if len(tokens) == 1:
+        return t, x
+    order = torch.argsort(t)
+    return t[order], x[order]
+
+
+@dataclass(frozen=True)
 class DraftControl:
     """What a drafter may ask while it drafts: the policy's ``keep_drafting`` and the two capabilities that decide how
     it is asked (``policies.Policy``). The loop builds one per step; a drafter never sees the policy."""
@@ -98,6 +126,12 @@ class Drafter:
     default_tree: str | None = None  # the tree ``--tree auto`` uses with this drafter (a tuned one, if known)
     step_costs: tuple[float, ...] | None = None  # measured cost of a step drafting d depths, a plain step = 1
     free_root = False  # True: drafting the first depth costs next to nothing (no model forward)
+    sparse = False  # True: it implements ``_root_sparse`` and ``_node_sparse`` (a few tokens a row, ``SparseRows``)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "_root_logits" in cls.__dict__ or "_node_logits" in cls.__dict__:
+            cls.sparse = False  # a subclass that answers with whole rows is asked for them, even below a sparse one
 
     def catch_up(self, context: list[int]) -> int:
         """Rows its first depth runs after ``context``: what its cache lacks (0 for a draft with no model)."""
@@ -127,6 +161,17 @@ class Drafter:
             )
 
     def _root_logits(self, context: list[int]) -> torch.Tensor | None:
+        if not self.sparse:
+            raise NotImplementedError
+        row = self._root_sparse(context)
+        return None if row is None else SparseRows([row], self.vocab_size).dense()[0]
+
+    def _root_sparse(self, context: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A sparse drafter's row after ``context`` (see ``SparseRows``), or None: no draft."""
+        raise NotImplementedError
+
+    def _node_sparse(self, draft: "_Growing", nodes: list[int]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """A sparse drafter's rows after each of the drafted ``nodes``."""
         raise NotImplementedError
 
     def confidence(self, nodes: list[int], logits: torch.Tensor) -> torch.Tensor:
@@ -137,7 +182,9 @@ class Drafter:
         return torch.nan_to_num((x.max(-1).values - torch.logsumexp(x, -1)).exp(), nan=0.0)
 
     def _node_logits(self, draft: _Growing, nodes: list[int]) -> torch.Tensor:
-        raise NotImplementedError
+        if not self.sparse:
+            raise NotImplementedError
+        return SparseRows(self._node_sparse(draft, nodes), self.vocab_size).dense()
 
     def commit(self, draft: Draft, path: list[int]) -> None:
         """The target accepted the drafted nodes ``path`` (root-to-leaf, root excluded)."""
@@ -181,8 +228,14 @@ class Drafter:
         except StopIteration as done:
             return done.value
 
-    def _answer(self, request: tuple) -> torch.Tensor | None:
-        """The logits ``_grow`` asks for: ``("root", context)`` or ``("nodes", growing, nodes)``."""
+    def _answer(self, request: tuple) -> torch.Tensor | SparseRows | None:
+        """The logits ``_grow`` asks for: ``("root", context)`` or ``("nodes", growing, nodes)``; a sparse drafter's
+        as ``SparseRows``."""
+        if self.sparse:
+            if request[0] == "root":
+                row = self._root_sparse(request[1])
+                return None if row is None else SparseRows([row], self.vocab_size)
+            return SparseRows(self._node_sparse(request[1], request[2]), self.vocab_size)
         return self._root_logits(request[1]) if request[0] == "root" else self._node_logits(request[1], request[2])
 
     @classmethod
@@ -201,6 +254,10 @@ class Drafter:
         logits = None
         if tree.size > 1:
             root = yield ("root", context)
+            if isinstance(root, SparseRows):
+                if control is None or not (control.reads_laws or control.uses_confidence):
+                    return (yield from self._grow_sparse(g, root, tree, sampling, children, rng, control))
+                root = root.dense()[0]  # a policy that reads the laws gets them whole
             logits = None if root is None else root[None]
         vocab = 0 if logits is None else logits.size(-1)
         dtype = torch.float64 if logits is not None and logits.dtype == torch.float64 else torch.float32
@@ -248,8 +305,52 @@ class Drafter:
             if not expandable or depth + 1 >= tree.max_depth:
                 break
             logits = yield ("nodes", g, expandable)
+            if isinstance(logits, SparseRows):
+                logits = logits.dense()
             frontier = expandable
         return _finish(g, children, vocab, dtype)
+
+    def _grow_sparse(self, g: "_Growing", rows: SparseRows, tree: Tree, sampling: Sampling, children: str,
+                     rng: Randomness, control: DraftControl | None):
+        """``_grow`` on ``SparseRows`` (for a control that reads no laws and no confidence, or none): the same
+        decisions, draws and random calls on each row's few tokens, whose laws are those of the whole row (every
+        other token has probability 0; a greedy row's point mass is on its first maximal token, the rows' tokens
+        being ascending). The finished draft's laws are written over the vocabulary once, at the end."""
+        frontier = [0]
+        for depth in range(tree.max_depth):
+            alive = [r is not None for r in rows.rows]  # a row's logits are finite (``sparse_row``)
+            if not any(alive):
+                break
+            if control is not None and not control.keep_drafting(depth, None, None, None):
+                break
+            new = []
+            for row, node in enumerate(frontier):
+                k = len(tree.children[g.tree_node[node]])
+                if k == 0 or not alive[row]:
+                    continue
+                tokens, logits = rows.rows[row]
+                q = logits_to_probs(logits[None], sampling)[0]
+                g.q_rows[node] = (tokens, q)
+                if children == "topk" and k > 1:  # tied tokens by id (a dense row's top-k orders ties as it may)
+                    order = torch.sort(logits, descending=True, stable=True).indices
+                    picks = order[:min(k, int(torch.isfinite(logits).sum()))].tolist()
+                    probs = [1.0] * len(picks)
+                else:
+                    picks, probs = _draw_children(q, logits, k, children, rng)
+                for rank, (i, cp) in enumerate(zip(picks, probs)):
+                    g.parents.append(node)
+                    g.tokens.append(int(tokens[i]))
+                    g.tree_node.append(tree.children[g.tree_node[node]][rank])
+                    g.child_prob.append(cp)
+                    new.append(len(g.parents) - 1)
+            expandable = [n for n in new if tree.children[g.tree_node[n]]]
+            if not expandable or depth + 1 >= tree.max_depth:
+                break
+            rows = yield ("nodes", g, expandable)
+            if not isinstance(rows, SparseRows):
+                raise TypeError(f"{type(self).__name__} answered a sparse root with dense node rows")
+            frontier = expandable
+        return _finish(g, children, rows.vocab, torch.float32)
 
     def _propose_dynamic(self, context: list[int], tree: DynamicTree, sampling: Sampling, children: str) -> Draft:
         """EAGLE-2's dynamic tree (see ``DynamicTree``): grow by draft path probability, then keep the best nodes
@@ -258,7 +359,7 @@ class Drafter:
             raise VerispecError(f"a dynamic tree drafts top-k children; use --children topk (got {children!r}): "
                                 "pruning sampled children by their own probability would bias their law")
         g = _Growing(parents=[-1], tokens=[context[-1]], tree_node=[0], q_rows={}, child_prob=[1.0])
-        root = self._root_logits(context)
+        root = self._root_logits(context)  # dense: a sparse drafter's densified
         if root is None:
             return _finish(g, "topk", 0, torch.float32)
         logp = [0.0]  # draft log path probability of each node
@@ -310,7 +411,10 @@ def _finish(g: _Growing, children: str, vocab: int, dtype: torch.dtype) -> Draft
     tree = Tree(tuple(g.parents))
     q = torch.zeros(tree.size, vocab, dtype=dtype)
     for node, row in g.q_rows.items():
-        q[node] = row
+        if isinstance(row, tuple):  # a sparse row: (tokens, their probabilities)
+            q[node, row[0]] = row[1].to(dtype)
+        else:
+            q[node] = row
     soft_q = None
     if g.soft_rows:
         soft_q = torch.zeros(tree.size, vocab, dtype=dtype)

@@ -11,14 +11,17 @@ context; a drafted path's own n-grams (at most a few) are counted on the fly.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .base import Drafter, _Growing
+from .base import Drafter, _Growing, sparse_row
 
 
 class NgramDrafter(Drafter):
     name = "ngram"
     free_root = True
+    sparse = True  # a row is the few tokens that followed the match
     depth_cost = 0.01  # a lookup in the context, no model forward
 
     def __init__(self, vocab_size: int, max_n: int = 3, min_n: int = 1):
@@ -71,35 +74,29 @@ class NgramDrafter(Drafter):
                 return n
         return 0
 
-    def _lookup(self, path: list[int], node: int) -> torch.Tensor | None:
-        """Log-counts ``[V]`` of the tokens that followed the longest earlier match of a suffix of the context and
-        ``path``, or None; the match's length and the count of its most frequent continuation are kept for
-        ``confidence``."""
+    def _lookup(self, path: list[int], node: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The log-counts of the tokens that followed the longest earlier match of a suffix of the context and
+        ``path`` (a ``SparseRows`` row: every other token was never seen there), or None; the match's length and the
+        count of its most frequent continuation are kept for ``confidence``."""
         found = self._find(path)
         if found is None:
             return None
         n, counts = found
-        tokens, seen = list(counts), torch.tensor(list(counts.values()))
-        self._match[node] = (n, float(seen.max()), float(seen.sum()))
-        row = torch.full((self.vocab_size,), float("-inf"))  # never seen
-        row[tokens] = seen.float().log()
-        return row
+        seen = list(counts.values())
+        self._match[node] = (n, float(max(seen)), float(sum(seen)))
+        return sparse_row(list(counts), [math.log(c) for c in seen])
 
     def reset(self, prompt: list[int]) -> None:
         self._match = {}
         self._indexed, self._follow = [], [{} for _ in range(self.max_n + 1)]
 
-    def _root_logits(self, context):
+    def _root_sparse(self, context):
         self._match = {}
         self._index(context)
         return self._lookup([], 0)
 
-    def _node_logits(self, g: _Growing, nodes: list[int]) -> torch.Tensor:
-        rows = []
-        for node in nodes:
-            row = self._lookup(g.path(node), node)
-            rows.append(row if row is not None else torch.full((self.vocab_size,), float("-inf")))
-        return torch.stack(rows)
+    def _node_sparse(self, g: _Growing, nodes: list[int]):
+        return [self._lookup(g.path(node), node) for node in nodes]
 
     def confidence(self, nodes: list[int], logits: torch.Tensor) -> torch.Tensor:
         """Longer matches seen more often predict better (measured on Spec-Bench answers of both built-in models):

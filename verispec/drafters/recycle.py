@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Drafter, _Growing
+from .base import Drafter, _Growing, sparse_row
 
 _RANKS_BELOW = -1e4  # the logit gap between successive successors: exp(-1e4) is 0 in float32, so q is a point mass
 
@@ -24,6 +24,7 @@ _RANKS_BELOW = -1e4  # the logit gap between successive successors: exp(-1e4) is
 class RecycleDrafter(Drafter):
     name = "recycle"
     free_root = True
+    sparse = True  # a row is a token's k successors
     depth_cost = 0.01  # table reads, no model forward
     uses_target_logits = True
 
@@ -50,18 +51,15 @@ class RecycleDrafter(Drafter):
         rows = torch.tensor(list(last.values()))
         self.table[torch.tensor(list(last)), :top.shape[1]] = top[rows]
 
-    def _row(self, token: int) -> torch.Tensor | None:
+    def _row(self, token: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         succ = self.table[token]
         if int(succ[0]) < 0:
             return None
         n = int((succ >= 0).sum())
-        row = torch.full((self.vocab_size,), float("-inf"))
-        row[succ[:n].long()] = self._ranks[:n]  # distinct by construction (a top-k)
-        return row
+        return sparse_row(succ[:n].tolist(), self._ranks[:n])  # distinct by construction (a top-k)
 
-    def _root_logits(self, context):
+    def _root_sparse(self, context):
         return self._row(context[-1])
 
-    def _node_logits(self, g: _Growing, nodes: list[int]) -> torch.Tensor:
-        rows = [self._row(g.tokens[n]) for n in nodes]
-        return torch.stack([r if r is not None else torch.full((self.vocab_size,), float("-inf")) for r in rows])
+    def _node_sparse(self, g: _Growing, nodes: list[int]):
+        return [self._row(g.tokens[n]) for n in nodes]

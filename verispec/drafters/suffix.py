@@ -31,7 +31,7 @@ import threading
 
 import torch
 
-from .base import Drafter, _Growing
+from .base import Drafter, _Growing, sparse_row
 
 
 class SuffixIndex:
@@ -169,6 +169,7 @@ class SuffixDrafter(Drafter):
 
     name = "suffix"
     free_root = True
+    sparse = True  # a row is one token
     depth_cost = 0.01  # a few dictionary reads a step, no model forward
 
     def __init__(self, vocab_size: int, cache: SuffixCache | None = None, min_match: int = 1):
@@ -208,23 +209,17 @@ class SuffixDrafter(Drafter):
             if length > self._match:
                 self._chain, self._match = shared, length
 
-    def _row(self, token: int | None) -> torch.Tensor:
-        row = torch.full((self.vocab_size,), float("-inf"))
-        if token is not None:
-            row[token] = 0.0
-        return row
-
-    def _root_logits(self, context):
+    def _root_sparse(self, context):
         self._plan(context, 16)
-        return self._row(self._chain[0]) if self._chain else None
+        return sparse_row([self._chain[0]], [0.0]) if self._chain else None
 
-    def _node_logits(self, g: _Growing, nodes: list[int]) -> torch.Tensor:
+    def _node_sparse(self, g: _Growing, nodes: list[int]):
         rows = []
         for node in nodes:
             path = g.path(node)  # a chain follows the planned continuation
             ok = path == self._chain[:len(path)] and len(path) < len(self._chain)
-            rows.append(self._row(self._chain[len(path)] if ok else None))
-        return torch.stack(rows)
+            rows.append(sparse_row([self._chain[len(path)]], [0.0]) if ok else None)
+        return rows
 
     def confidence(self, nodes: list[int], logits: torch.Tensor) -> torch.Tensor:
         """Longer matches continue more often: ``min(match, 8) / 8`` for every node of the chain."""
