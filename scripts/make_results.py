@@ -380,6 +380,7 @@ FREE_DRAFTS_LEAD = (
     "mass or an empirical law, so every exact verifier keeps the target's law (tests/test_free_drafts.py enumerates "
     "the loop's law with each).",
 )
+REPETITIVE_HEADING = "## The repetitive workload"
 REPETITIVE_LEAD = (
     "The repetitive workload (`data/repetitive/requests.jsonl`, made by `python scripts/make_repetitive.py`): 18 "
     "requests whose answers repeat earlier text, the kind speculative decoding is deployed for and Spec-Bench "
@@ -416,25 +417,46 @@ def depth_table(res: Results) -> str:
                      "draft ms per drafting step"], body)
 
 
-def free_drafts_section(res: Results, heading: str, lead: tuple[str, ...]) -> list[str]:
+def draft_cost_lines() -> list[str]:
+    """What drafting a chain costs the drafts that run no model, their few tokens a row against whole rows, from
+    results/draft_cost.json (``scripts/experiments/draft_cost.py``)."""
+    from verispec.bench.report import markdown
+
+    file = ROOT / "results" / "draft_cost.json"
+    if not file.exists():
+        return []
+    data = json.loads(file.read_text())
+    body = [[f"{r['T']:g}", r["draft"], str(r["depth"]), str(r["drafted"]), f"{r['dense_ms']:.3f}",
+             f"{r['sparse_ms']:.3f}", f"{r['dense_ms'] / r['sparse_ms']:.2f}x"] for r in data["rows"]]
+    return ["What drafting a chain costs (`propose`, the median of alternated calls after a 300-token Spec-Bench "
+            "context): each draft on its few tokens a row, as it drafts now, against the same draft answering whole "
+            f"rows of the vocabulary, as every draft did before (`{' '.join(data['command'])}` at git "
+            f"{data['git']}, {data['machine'].get('cpu')}):", "",
+            markdown(["T", "draft", "chain", "drafted", "whole rows, ms", "a few tokens a row, ms", "ratio"], body),
+            ""]
+
+
+def free_drafts_section(res: Results, heading: str, lead: tuple[str, ...], costs: bool = False) -> list[str]:
     rows, cats = summarize(res), summarize(res, by_category=True)
     return [heading, "", *run_lines(res), "", *[x for paragraph in lead for x in (paragraph, "")],
-            table_peers(rows), "", "Acceptance by depth:", "", depth_table(res), "", "By category:", "",
+            table_peers(rows), "", "Acceptance by depth:", "", depth_table(res), "",
+            *(draft_cost_lines() if costs else []), "By category:", "",
             by_category_table(cats, (("speedup_ar", "vs ar"),)), "", *step_time_table(res)]
 
 
-def answer_cache_section() -> list[str]:
-    """The server with its answer cache against the same server without it, from results/answer_cache.json
-    (``scripts/experiments/answer_cache.py``): per temperature and pass, per-request tokens/s with the cache over
-    without, the geometric mean over requests and rounds with its 95 % interval."""
+ANSWER_CACHE_HEADING = "## The server's answer cache on repeated requests"
+
+
+def answer_cache_ratios() -> tuple[dict, list[list[str]]] | None:
+    """results/answer_cache.json (``scripts/experiments/answer_cache.py``) and its table: per temperature and pass,
+    per-request tokens/s with the cache over without, the geometric mean over requests and rounds with its 95 %
+    interval."""
     import math
     import statistics
 
-    from verispec.bench.report import markdown
-
     file = ROOT / "results" / "answer_cache.json"
     if not file.exists():
-        return []
+        return None
     data = json.loads(file.read_text())
     logs: dict[tuple, list[float]] = {}
     rounds: dict[float, int] = {}
@@ -451,7 +473,17 @@ def answer_cache_section() -> list[str]:
         half = 1.96 * statistics.stdev(xs) / math.sqrt(len(xs))
         body.append([f"{t:g}", name, str(len(xs)), str(rounds[t]),
                      f"{math.exp(m):.2f}x [{math.exp(m - half):.2f}, {math.exp(m + half):.2f}]"])
-    return ["## The server's answer cache on repeated requests", "",
+    return data, body
+
+
+def answer_cache_section() -> list[str]:
+    from verispec.bench.report import markdown
+
+    got = answer_cache_ratios()
+    if got is None:
+        return []
+    data, body = got
+    return [ANSWER_CACHE_HEADING, "",
             f"Run: `{' '.join(data['command'])}` at git {data['git']}, {data['machine'].get('cpu')}, "
             f"{data['machine'].get('cpu_count')} cores, {data['date']}.", "",
             "`verispec serve` with its answer cache (`--answer-cache " + str(data["cache"]) + "`) against the same "
@@ -467,6 +499,33 @@ def answer_cache_section() -> list[str]:
             "earlier one token for token; at T > 0 it is another sample, which follows the cached one only until "
             "they part.", "",
             markdown(["T", "pass", "pairs", "rounds", "with the cache / without"], body), ""]
+
+
+def repeats_standing() -> list[str]:
+    """"Where it stands" on text that repeats: `default` against `ar` on the repetitive workload, and the server's
+    answer cache on repeated requests."""
+    from verispec.bench.report import markdown
+
+    out = []
+    if path("repetitive").exists():
+        res = Results.load(path("repetitive"))
+        rows = {(r.T, r.draft): r for r in summarize(res) if r.category == "all" and r.method == "default"}
+        temps = sorted({t for t, _ in rows})
+        body = [[f"`{d}`", *[rows[t, d].show("speedup_ar", ".2f", "x") if (t, d) in rows else "-" for t in temps]]
+                for d in sorted({d for _, d in rows}, key=lambda d: (d != "auto", d))]
+        out += ["### Where text repeats", "",
+                "`default` with each draft against `ar` on the repetitive workload (second turns, text and code "
+                "edits; 18 requests, 128 new tokens; tokens/s counts the prefill of their long prompts):", "",
+                markdown(["draft", *[f"T = {t:g}" for t in temps]], body), "",
+                f"From {link(REPETITIVE_HEADING)} ({_short(res)}).", ""]
+    got = answer_cache_ratios()
+    if got is not None:
+        data, body = got
+        repeat = {row[0]: row[4] for row in body if row[1] == "repeat"}
+        out += ["The server drafting from the answers it has served, against the same server without them, on a "
+                "request sent a second time: " + ", ".join(f"{v} at T = {t}" for t, v in repeat.items()) +
+                f" (from {link(ANSWER_CACHE_HEADING)}, git {data['git'][:7]}, {data['machine'].get('cpu')}).", ""]
+    return out
 
 
 def speed_sections(runs, figs: Path) -> list[str]:
@@ -1949,6 +2008,7 @@ def standing_section() -> list[str]:
                 "From " + ("; ".join(f"T = {t:g}: {link(title)} ({_short(res)})" for t, (res, title) in runs.items())
                            if len({title for _, title in runs.values()}) > 1 else
                            f"{link(runs[0.0][1])} ({_short(runs[0.0][0])})") + ".", ""]
+    out += repeats_standing()
     plain = _latest_loops(None)
     if plain:
         res, title = plain
@@ -2018,9 +2078,9 @@ def render() -> str:
     out += speed_sections(SPEED_RUNS[-LATEST_SPEED:], figs)
     if path("free_drafts").exists():
         out += free_drafts_section(Results.load(path("free_drafts")), "## Drafts that run no model (Spec-Bench)",
-                                   FREE_DRAFTS_LEAD)
+                                   FREE_DRAFTS_LEAD, costs=True)
     if path("repetitive").exists():
-        out += free_drafts_section(Results.load(path("repetitive")), "## The repetitive workload", REPETITIVE_LEAD)
+        out += free_drafts_section(Results.load(path("repetitive")), REPETITIVE_HEADING, REPETITIVE_LEAD)
     out += answer_cache_section()
     for i, (run_name, tag, heading, lead) in enumerate(LATEST_LOOPS):
         if path(run_name).exists():
