@@ -200,7 +200,7 @@ def _add_serve(sub):
                    help="prompt + new tokens + draft tree per request (default: the model's context); the batch's "
                         "caches are sized for --max-batch of these at start")
     g.add_argument("--answer-cache", type=int, default=100_000, metavar="TOKENS",
-                   help="draft from the answers already served too, up to this many tokens of them (about 0.3 KB "
+                   help="draft from the answers already served too, up to this many tokens of them (about 0.5 KB "
                         "a token; a draft with prompt lookup reads them: auto, hybrid, ngram, suffix); 0: off. A "
                         "request's law stays the target's, but its seeded text then depends on what was served before")
     g.add_argument("--drain-timeout", type=float, default=30.0,

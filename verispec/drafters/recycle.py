@@ -6,8 +6,8 @@ drafter keeps, for each token, the target's top ``k`` next tokens at the latest 
 token's first successor, or a small tree of its first few (children ``topk``). No model runs to draft.
 
 The table is a sequence's own (cleared when it starts, one per fork), so a request's seeded text does not depend on
-what ran before it; replayed on Spec-Bench answers at T = 0, a table kept across requests drafted 0.02 tokens a step
-more (``scripts/experiments/free_drafts.py --shared``). A node's law is a point mass on its successor (``q``
+what ran before it (``scripts/experiments/free_drafts.py --shared`` replays a table kept across requests: it drafted
+barely more on Spec-Bench answers at T = 0). A node's law is a point mass on its successor (``q``
 one-hot; the ranks below it only order a tree's children), so every exact verifier keeps the target's law. What is
 drafted depends on earlier forwards only, never on this step's randomness.
 """
