@@ -684,6 +684,8 @@ RUNS["concurrency_lookup"] = RUNS["concurrency_rounds"]
 RUNS["concurrency_seeds"] = RUNS["concurrency_rounds"]
 # the same after a float32 prompt's rows went to the linear kernel measured faster for many rows (5bcdbab)
 RUNS["concurrency_prompt"] = RUNS["concurrency_rounds"]
+# the same three rounds on an AMD EPYC with AVX-512 after drafts from a short list grew on that list (eff56d6)
+RUNS["concurrency_sparse"] = RUNS["concurrency_rounds"]
 # the peers at N = 1 and 8 on the machine of concurrency_prompt (an Intel Xeon), one round to fit a session
 RUNS["concurrency_peers_xeon"] = ["--methods", "ar", "default", "hf-generate", "llama-cpp", "llama-server", "--drafts",
                                   "auto", *spec_bench(), "--concurrency", "1", "8"]
@@ -1910,7 +1912,14 @@ LATEST_LOOPS = ((
      "`ar` within the rounds' spread, short of the goals (>= 1.0x at every N, > 1.15x at N = 2). At N = 8 "
      "`default` made 112.5 / 112.2 tokens/s, 1.43x / 1.76x its own N = 1 (goal 3x; design.md, \"Prefill bounds how "
      "far a loop grows with N\"). Greedy text is identical to the one-at-a-time loop for every request at every N, "
-     "the joining prompts' chunks now on MKL beside the others' steps.")))
+     "the joining prompts' chunks now on MKL beside the others' steps.")), (
+    "concurrency_sparse", "_sparse",
+    "Many requests at once on an AVX-512 EPYC (float32), drafts from a short list grown on that list: `default` "
+    "against `ar` in three rounds",
+    ("The three rounds of the section above on an AMD EPYC with AVX-512 (2026-12-07), after prompt lookup's drafts "
+     "grew on their few tokens a row (eff56d6; design.md, \"A draft from a short list grows on that list\"), which "
+     "made the default's lookup steps cheaper to draft. Not comparable with the Intel Xeon run above; compare "
+     "within the run.",)))
 
 
 def earlier_loops(figs: Path) -> list[str]:
