@@ -7,7 +7,8 @@ the answer is accepted, plus one token. Sources:
 
 * ``ngram``: the prompt-lookup drafter verispec ships (``NgramDrafter``, its greedy chain);
 * ``recycle``: token recycling, "token -> the target's top-k after it, the last time it was seen", updated from
-  every row the replayed step's forward would have computed (the root and each drafted node);
+  the rows of the replayed step's forward that the answer has (the root and each accepted node; a rejected node's
+  row is not replayed, so the loop's table, which keeps those too, knows a little more);
 * ``suffix``: the suffix drafter's chain (the longest earlier match in the context, no length limit);
 * ``hybrid``: lookup where its match is at least 2 tokens long, recycling elsewhere; ``suffix+recycle`` the same
   with the suffix drafter.
