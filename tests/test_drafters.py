@@ -185,16 +185,10 @@ def test_a_sparse_drafts_growth_is_the_dense_growth_on_a_few_tokens():
     (a subclass with dense hooks) gives the same drafts: tokens, laws and child probabilities, with the same random
     calls, at every kind of sampling and child mode, under a policy and without one. Top-k siblings whose counts tie
     are taken by token id (a dense row's ``torch.topk`` takes ties as it may, so there the two may differ)."""
-    from verispec.drafters.base import DraftControl, SparseRows
+    from verispec.drafters.base import DraftControl, whole_rows
     from verispec.policies import AutoDepth
 
-    class Dense(NgramDrafter):
-        def _root_logits(self, context):
-            row = self._root_sparse(context)
-            return None if row is None else SparseRows([row], self.vocab_size).dense()[0]
-
-        def _node_logits(self, g, nodes):
-            return SparseRows(self._node_sparse(g, nodes), self.vocab_size).dense()
+    Dense = whole_rows(NgramDrafter)
 
     assert NgramDrafter.sparse and not Dense.sparse
     gen = torch.Generator().manual_seed(0)

@@ -18,23 +18,11 @@ import verispec
 from verispec.bench.records import git_revision, machine
 from verispec.datasets import load_prompts
 from verispec.drafters import NgramDrafter, SuffixDrafter
-from verispec.drafters.base import DraftControl, SparseRows
+from verispec.drafters.base import DraftControl, whole_rows
 from verispec.policies import AutoDepth
 from verispec.probs import Sampling
 from verispec.rng import TorchRandomness
 from verispec.tree import Tree
-
-
-def dense_twin(cls):
-    class Dense(cls):
-        def _root_logits(self, context):
-            row = self._root_sparse(context)
-            return None if row is None else SparseRows([row], self.vocab_size).dense()[0]
-
-        def _node_logits(self, g, nodes):
-            return SparseRows(self._node_sparse(g, nodes), self.vocab_size).dense()
-
-    return Dense
 
 
 def main() -> None:
@@ -55,7 +43,7 @@ def main() -> None:
         for cls in (NgramDrafter, SuffixDrafter):
             for depth in (1, 3, 5):
                 tree, sampling = Tree.chain(depth), Sampling(t)
-                ways = {"sparse": cls(target.vocab_size), "dense": dense_twin(cls)(target.vocab_size)}
+                ways = {"sparse": cls(target.vocab_size), "dense": whole_rows(cls)(target.vocab_size)}
                 times = {k: [] for k in ways}
                 for _ in range(args.repeats):
                     for name, d in ways.items():

@@ -66,6 +66,21 @@ class SparseRows:
         return out
 
 
+def whole_rows(cls: type) -> type:
+    """A sparse drafter class answering whole rows of the vocabulary instead (its own rows densified), as every
+    draft did before ``SparseRows``: for comparing the two growths (tests, ``scripts/experiments/draft_cost.py``)."""
+    class WholeRows(cls):
+        def _root_logits(self, context):
+            row = self._root_sparse(context)
+            return None if row is None else SparseRows([row], self.vocab_size).dense()[0]
+
+        def _node_logits(self, g, nodes):
+            return SparseRows(self._node_sparse(g, nodes), self.vocab_size).dense()
+
+    WholeRows.__name__ = f"WholeRows{cls.__name__}"
+    return WholeRows
+
+
 def sparse_row(tokens: list[int], logits: list[float] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A ``SparseRows`` row from distinct tokens and their logits (sorted by token, as the dense row's order)."""
     t = torch.tensor(tokens, dtype=torch.long)
@@ -100,6 +115,18 @@ class _Growing:
     q_rows: dict[int, torch.Tensor]
     child_prob: list[float]
     soft_rows: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def add_children(self, node: int, tokens: list[int], probs: list[float], tree: Tree) -> list[int]:
+        """Append ``node``'s children (their tokens, in rank order, and conditional probabilities), each standing for
+        the drafted tree's child of that rank; returns their indices."""
+        slots = tree.children[self.tree_node[node]]
+        first = len(self.parents)
+        for rank, (x, cp) in enumerate(zip(tokens, probs)):
+            self.parents.append(node)
+            self.tokens.append(x)
+            self.tree_node.append(slots[rank])
+            self.child_prob.append(cp)
+        return list(range(first, len(self.parents)))
 
     def path(self, node: int) -> list[int]:
         """Drafted tokens from the root's first child down to ``node``."""
@@ -295,12 +322,7 @@ class Drafter:
                 if sampling.greedy and soft is not None:
                     g.soft_rows[node] = soft[row]
                 xs, probs = _draw_children(q, logits[row], k, children, rng)
-                for rank, (x, cp) in enumerate(zip(xs, probs)):
-                    g.parents.append(node)
-                    g.tokens.append(x)
-                    g.tree_node.append(tree.children[g.tree_node[node]][rank])
-                    g.child_prob.append(cp)
-                    new.append(len(g.parents) - 1)
+                new += g.add_children(node, xs, probs, tree)
             expandable = [n for n in new if tree.children[g.tree_node[n]]]
             if not expandable or depth + 1 >= tree.max_depth:
                 break
@@ -314,8 +336,12 @@ class Drafter:
                      rng: Randomness, control: DraftControl | None):
         """``_grow`` on ``SparseRows`` (for a control that reads no laws and no confidence, or none): the same
         decisions, draws and random calls on each row's few tokens, whose laws are those of the whole row (every
-        other token has probability 0; a greedy row's point mass is on its first maximal token, the rows' tokens
-        being ascending). The finished draft's laws are written over the vocabulary once, at the end."""
+        other token has probability 0, so temperature, top-k and top-p give the same law on the list; a greedy row's
+        point mass is on its first maximal token, the rows' tokens being ascending; a categorical's inverse CDF over
+        the list meets the same float64 partial sums as over the whole row). Top-k siblings whose logits tie go by
+        token id (a dense ``torch.topk`` takes ties as it may). The finished draft's laws are written over the
+        vocabulary once, at the end: vocabulary-sized work a depth had made a "free" chain of 5 cost about a sixth
+        of a target step."""
         frontier = [0]
         for depth in range(tree.max_depth):
             alive = [r is not None for r in rows.rows]  # a row's logits are finite (``sparse_row``)
@@ -337,12 +363,7 @@ class Drafter:
                     probs = [1.0] * len(picks)
                 else:
                     picks, probs = _draw_children(q, logits, k, children, rng)
-                for rank, (i, cp) in enumerate(zip(picks, probs)):
-                    g.parents.append(node)
-                    g.tokens.append(int(tokens[i]))
-                    g.tree_node.append(tree.children[g.tree_node[node]][rank])
-                    g.child_prob.append(cp)
-                    new.append(len(g.parents) - 1)
+                new += g.add_children(node, [int(tokens[i]) for i in picks], probs, tree)
             expandable = [n for n in new if tree.children[g.tree_node[n]]]
             if not expandable or depth + 1 >= tree.max_depth:
                 break

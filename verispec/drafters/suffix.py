@@ -182,6 +182,7 @@ class SuffixDrafter(Drafter):
         self.index = SuffixIndex(self.vocab_size)
         self._chain: list[int] = []
         self._match = 0
+        self._planned: tuple[int, int] | None = None  # (length, last token) of the context planned for
 
     def fork(self) -> "SuffixDrafter":
         return SuffixDrafter(self.vocab_size, self.cache, self.min_match)
@@ -194,12 +195,19 @@ class SuffixDrafter(Drafter):
             n = 0
         self.index.extend(context[n:])
 
+    PLAN = 16  # tokens of the matched continuation kept for a step's chain
+
     def match_length(self, context: list[int]) -> int:
         """The longest earlier match of the context's end: in itself, or in the cache (where it would draft)."""
-        self._plan(context, 8)
+        self._plan(context)
         return self._match if self._chain else 0
 
-    def _plan(self, context: list[int], n: int) -> None:
+    def _plan(self, context: list[int]) -> None:
+        """The step's chain and its match, once per context: the hybrid asks ``match_length`` before drafting."""
+        if self._planned == (len(context), context[-1]) and len(self.index) == len(context):
+            return
+        self._planned = (len(context), context[-1])
+        n = self.PLAN
         self._sync(context)
         state, matched = self.index.earlier()
         own = self.index.continuation(state, n) if matched >= self.min_match else []
@@ -210,7 +218,7 @@ class SuffixDrafter(Drafter):
                 self._chain, self._match = shared, length
 
     def _root_sparse(self, context):
-        self._plan(context, 16)
+        self._plan(context)
         return sparse_row([self._chain[0]], [0.0]) if self._chain else None
 
     def _node_sparse(self, g: _Growing, nodes: list[int]):
