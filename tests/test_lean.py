@@ -1,5 +1,8 @@
 """The lean Llama forward (``verispec.backends.lean``) against the ``transformers`` forward of the same model."""
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import gguf_weight, tiny_model, tiny_target
@@ -181,6 +184,36 @@ def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp
     assert clear_stale_lock(tmp_path, now) and not lock.exists()
     assert "stale build lock" in capsys.readouterr().err
     assert not clear_stale_lock(tmp_path, now)  # no lock: nothing to do
+
+
+def test_a_kernels_build_folder_is_keyed_by_what_it_is_built_from_and_not_by_the_checkout(tmp_path, monkeypatch):
+    """Every checkout shares one build of a kernel, and none loads or rebuilds over another's made from other
+    sources or flags: the folder's name is the sources' contents, the flags, torch, the compiler and the CPU."""
+    import shutil
+    import subprocess
+    import sys
+
+    from verispec.backends import native
+
+    monkeypatch.setenv(native.HOME, str(tmp_path / "kernels"))
+    here = native.build_dir("k", ("rope.cpp",), ["-O3"])
+    assert here.parent == tmp_path / "kernels" and here == native.build_dir("k", ("rope.cpp",), ["-O3"])
+    assert native.build_dir("k", ("rope.cpp",), ["-O2"]) != here  # other flags
+    assert native.build_dir("k", ("linear.cpp",), ["-O3"]) != here  # other sources
+    copied = native._sources_in(here, ("layer.cpp", "linear.cpp"))
+    assert copied == [str(here / "src" / "layer.cpp")] and (here / "src" / "linear.cpp").read_bytes() == \
+        (Path(native.__file__).parent / "linear.cpp").read_bytes()
+    # a second checkout of the same sources, elsewhere on disk: the same folder
+    other = tmp_path / "checkout" / "verispec"
+    shutil.copytree(Path(native.__file__).parents[2], other, ignore=shutil.ignore_patterns("__pycache__"))
+    ask = "from verispec.backends import native; print(native.build_dir('k', ('rope.cpp',), ['-O3']))"
+    out = subprocess.run([sys.executable, "-c", ask], cwd=other.parent, capture_output=True, text=True,
+                         env={**os.environ, native.HOME: str(tmp_path / "kernels"), "PYTHONPATH": str(other.parent)})
+    assert out.stdout.strip() == str(here), out.stderr
+    (other / "backends" / "native" / "rope.cpp").write_text("// changed\n")  # ... and a changed source: another
+    out = subprocess.run([sys.executable, "-c", ask], cwd=other.parent, capture_output=True, text=True,
+                         env={**os.environ, native.HOME: str(tmp_path / "kernels"), "PYTHONPATH": str(other.parent)})
+    assert out.stdout.strip() not in ("", str(here)), out.stderr
 
 
 def test_the_float32_attention_kernel_is_softmax_attention_and_a_rows_result_ignores_its_company():

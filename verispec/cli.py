@@ -704,6 +704,31 @@ def cmd_tune_tree(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- kernels
+
+def _add_kernels(sub):
+    k = sub.add_parser(
+        "kernels", help="build the native CPU kernels now (scripts/install.sh does)",
+        description="Build the native CPU kernels the default model's forward uses on this machine, side by side, "
+                    "and say which are here. Builds live in one folder per user (~/.cache/verispec/kernels, or "
+                    "$VERISPEC_KERNELS), keyed by their sources, flags, torch, compiler and CPU: every checkout "
+                    "shares them, and a build is made once. Without a C++ compiler and ninja verispec runs pure "
+                    "torch (so does VERISPEC_NO_NATIVE=1).")
+    k.set_defaults(func=cmd_kernels)
+
+
+def cmd_kernels(args) -> int:
+    from .backends import native  # noqa: PLC0415
+
+    t = time.perf_counter()
+    built = native.build_all()
+    where = native.kernels_home()
+    for what, ok in built.items():
+        print(f"{what:18} {'ready' if ok else 'not built here (the pure-torch path runs)'}")
+    print(f"({time.perf_counter() - t:.0f} s; builds in {where})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="verispec",
@@ -712,7 +737,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"verispec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in (_add_generate, _add_serve, _add_audit, _add_bench, _add_report, _add_plot, _add_train_draft,
-                _add_eval_draft, _add_tune_tree):
+                _add_eval_draft, _add_tune_tree, _add_kernels):
         add(sub)
     return parser
 

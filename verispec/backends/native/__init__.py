@@ -37,13 +37,16 @@ import functools
 import hashlib
 import os
 import shutil
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 from ..cpu import cpu_flags
 
 DISABLE = "VERISPEC_NO_NATIVE"  # set (to anything) to run the pure-torch paths
+HOME = "VERISPEC_KERNELS"  # where the builds live (default: ~/.cache/verispec/kernels, or $XDG_CACHE_HOME's)
 NAME = "verispec_attention_v3"  # raised with attention.cpp's interface or flags, so that an older build is never loaded
 LINEAR_NAME = "verispec_linear_v6"  # the same for linear.cpp
 LINEAR512_NAME = "verispec_linear512_v1"  # the same for linear.cpp's build with its 512-bit paths
@@ -52,7 +55,7 @@ ROPE_NAME = "verispec_rope_v1"  # the same for rope.cpp
 # layer.cpp compiles linear.cpp, attention_f32.cpp and rope.cpp into itself: its builds are named by the four files'
 # contents (``layer_name``), so that a change to any of them builds it again
 LAYER_SOURCES = ("layer.cpp", "linear.cpp", "attention_f32.cpp", "rope.cpp")
-# a build takes 30-120 s here (``layer()``'s the longest): a lock file older than this was left by a build that was
+# a build takes 10-90 s here (``layer()``'s the longest): a lock file older than this was left by a build that was
 # killed
 STALE_LOCK_S = 300
 
@@ -71,21 +74,112 @@ def clear_stale_lock(build_dir: Path, now: float) -> bool:
     return True
 
 
-def _build(name: str, source: str, flags: set[str], cflags: list[str], what: str, seconds: int = 30):
-    """The extension ``name`` built from ``source`` (next to this file), or None where this CPU lacks ``flags``, there
-    is no compiler or ninja, the build fails or ``VERISPEC_NO_NATIVE`` is set."""
+def kernels_home() -> Path:
+    """The folder every checkout and virtual environment of this user shares for its builds."""
+    if os.environ.get(HOME):
+        return Path(os.environ[HOME])
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "verispec" / "kernels"
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler() -> str:
+    """The C++ compiler's first line of ``--version`` (a new compiler builds anew)."""
+    try:
+        out = subprocess.run([os.environ.get("CXX", "c++"), "--version"], capture_output=True, text=True, timeout=30)
+        return out.stdout.splitlines()[0] if out.stdout else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def build_dir(name: str, sources: tuple[str, ...], cflags: list[str]) -> Path:
+    """The folder of ``name``'s build: keyed by what decides the built file -- the sources' contents, the flags, the
+    torch and Python versions, the compiler and this CPU's instruction sets -- so that any number of checkouts
+    share one build, and a checkout never loads, or rebuilds over, a build made from other sources or for another
+    machine."""
+    import torch  # noqa: PLC0415 - its version keys the build
+
+    key = hashlib.sha256()
+    for source in sources:
+        key.update(source.encode() + b"\0" + Path(__file__).with_name(source).read_bytes() + b"\0")
+    key.update(repr((cflags, torch.__version__, sys.version_info[:2], _compiler(),
+                     sorted(cpu_flags()))).encode())
+    return kernels_home() / f"{name}-{key.hexdigest()[:16]}"
+
+
+def _sources_in(folder: Path, sources: tuple[str, ...]) -> list[str]:
+    """The sources copied into ``folder/src`` (once: its key holds their contents), so that every checkout builds
+    from the same paths and ninja finds the build up to date whichever checkout asks."""
+    src = folder / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    for source in sources:
+        if not (src / source).exists():
+            tmp = src / f".{source}.{os.getpid()}"
+            shutil.copyfile(Path(__file__).with_name(source), tmp)
+            os.replace(tmp, src / source)
+    return [str(src / sources[0])]
+
+
+# about how long each build takes alone on 2 cores of an AMD EPYC with g++ 12 (the first run at 910740d built the
+# four the default model uses one after another in about 90 s; ``verispec kernels`` builds them side by side in
+# about 50): the estimate a build prints
+BUILD_SECONDS = {"attention kernels": 20, "linear kernel": 25, "512-bit linear kernel": 30,
+                 "float32 attention kernel": 15, "rotary kernel": 10, "decoder layer kernel": 45}
+
+
+class _Ticker:
+    """While a build runs, one line on stderr saying what is built, how long it has taken and about how long it
+    takes; on a terminal the line counts the seconds up."""
+
+    def __init__(self, what: str):
+        self.what, self.start, self._stop = what, time.perf_counter(), threading.Event()
+        self.tty = sys.stderr.isatty()
+        estimate = BUILD_SECONDS.get(what)
+        self.about = f", about {estimate} s" if estimate else ""
+
+    def __enter__(self):
+        print(f"verispec: building the native {self.what} (once per machine{self.about}) ...", file=sys.stderr,
+              flush=True)
+        if self.tty:
+            threading.Thread(target=self._tick, daemon=True).start()
+        return self
+
+    def _tick(self) -> None:
+        while not self._stop.wait(1.0):
+            print(f"\r  {self.what}: {time.perf_counter() - self.start:.0f} s", end="", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        took = time.perf_counter() - self.start
+        end = "\n" if self.tty else ""
+        print(f"{end}verispec: the native {self.what} {'failed to build' if exc[0] else 'built'} in {took:.0f} s",
+              file=sys.stderr, flush=True)
+        return False
+
+
+def _build(name: str, source: str | tuple[str, ...], flags: set[str], cflags: list[str], what: str):
+    """The extension ``name`` built from ``source`` (next to this file; a tuple: the first includes the others) in
+    its keyed folder (``build_dir``), or None where this CPU lacks ``flags``, there is no compiler or ninja, the
+    build fails or ``VERISPEC_NO_NATIVE`` is set."""
     if os.environ.get(DISABLE) or not flags <= cpu_flags() or shutil.which("ninja") is None \
             or shutil.which(os.environ.get("CXX", "c++")) is None:
         return None
+    sources = (source,) if isinstance(source, str) else tuple(source)
     try:
-        from torch.utils.cpp_extension import _get_build_directory, load  # noqa: PLC0415 - only where it is built
+        from torch.utils.cpp_extension import load  # noqa: PLC0415 - only where it is built
 
-        build_dir = Path(_get_build_directory(name, False))
-        clear_stale_lock(build_dir, time.time())
-        if not list(build_dir.glob(f"{name}*.so")):
-            print(f"verispec: building the native {what} (once, about {seconds} s)", file=sys.stderr, flush=True)
-        return load(name, [str(Path(__file__).with_name(source))], extra_cflags=["-O3", *cflags],
-                    extra_ldflags=[f for f in cflags if f == "-fopenmp"], verbose=False)
+        cflags = ["-O3", *cflags]
+        folder = build_dir(name, sources, cflags)
+        paths = _sources_in(folder, sources)
+        clear_stale_lock(folder, time.time())
+
+        def build():
+            return load(name, paths, extra_cflags=cflags, extra_ldflags=[f for f in cflags if f == "-fopenmp"],
+                        build_directory=str(folder), verbose=False)
+        if list(folder.glob(f"{name}*.so")):
+            return build()
+        with _Ticker(what):
+            return build()
     except Exception:  # noqa: BLE001 - any failure to build means the pure-torch path
         return None
 
@@ -142,10 +236,21 @@ def rope():
     return _build(ROPE_NAME, "rope.cpp", set(), ["-ffp-contract=off"], "rotary kernel")
 
 
-def layer_name() -> str:
-    """The name of ``layer()``'s build for this CPU (512-bit paths or not) and the sources it is made of."""
+def layer_name(wide: bool | None = None) -> str:
+    """The name of ``layer()``'s build for this CPU (512-bit paths or not; ``wide``, default: whether
+    ``linear_avx512()`` builds) and the sources it is made of."""
+    wide = linear_avx512() is not None if wide is None else wide
     digest = hashlib.sha256(b"".join(Path(__file__).with_name(f).read_bytes() for f in LAYER_SOURCES)).hexdigest()
-    return f"verispec_layer{'512' if linear_avx512() is not None else ''}_{digest[:12]}"
+    return f"verispec_layer{'512' if wide else ''}_{digest[:12]}"
+
+
+@functools.lru_cache(maxsize=None)
+def _build_layer(wide: bool):
+    """layer.cpp built with or without the 512-bit paths."""
+    flags = {"avx2", "fma", "f16c", *(AVX512 if wide else ())}
+    return _build(layer_name(wide), LAYER_SOURCES, flags,
+                  ["-mavx2", "-mfma", "-mf16c", *(f"-m{f}" for f in AVX512 if wide), "-fopenmp"],
+                  "decoder layer kernel")
 
 
 @functools.lru_cache(maxsize=None)
@@ -156,7 +261,22 @@ def layer():
     built with the flags of ``linear()``'s build; None where any of those kernels cannot be built or run here."""
     if linear() is None or attention_f32() is None or rope() is None:
         return None
-    wide = linear_avx512() is not None
-    flags = {"avx2", "fma", "f16c", *(AVX512 if wide else ())}
-    return _build(layer_name(), "layer.cpp", flags, ["-mavx2", "-mfma", "-mf16c", *(f"-m{f}" for f in AVX512 if wide),
-                                                    "-fopenmp"], "decoder layer kernel", seconds=120)
+    return _build_layer(linear_avx512() is not None)
+
+
+def build_all() -> dict[str, bool]:
+    """Build every kernel the default model's forward runs on this machine, at once (one thread each: the compilers
+    run side by side, the decoder layers' -- the longest -- from the start), and say which are here: {kernel: built}.
+    What ``scripts/install.sh`` runs (``verispec kernels``), so that the first generation builds nothing. The
+    bfloat16 attention, for the lean forward's bfloat16 cache only, is built where it is first used."""
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+    wide = set(AVX512) <= cpu_flags()
+    jobs = {"decoder layers": lambda: _build_layer(wide) or _build_layer(False),
+            "float32 attention": attention_f32, "rotary positions": rope,
+            "float32 linear": lambda: linear_avx512() or linear_avx2()}
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {what: pool.submit(job) for what, job in jobs.items()}
+        built = {what: f.result() is not None for what, f in futures.items()}
+    built["decoder layers"] = layer() is not None  # the build that matches the linear kernel that built
+    return built
