@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import gzip
 import json
-from pathlib import Path
 
 import verispec
 from verispec.datasets import DATA_DIR, spec_bench

@@ -294,7 +294,7 @@ def test_a_layer_allowed_float16_reads_gguf_blocks_unrounded_and_anything_else_i
     """A draft's layer may be rounded to float16 (``_verispec_half``, the head's restricted output layer): where its
     weight is de-quantised GGUF blocks it reads the blocks instead, fewer bytes and the float32 results bit for bit;
     any other weight reads float16 panels (its float16 rounding)."""
-    from verispec.backends import kernels, native
+    from verispec.backends import native
     from verispec.eagle.head import _SubsetHead
 
     kernel = native.linear()

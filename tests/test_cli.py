@@ -85,8 +85,9 @@ def test_default_model_speculative_greedy_equals_autoregressive(smollm):
     prompt = "List three colours of the rainbow."
     kw = dict(max_new_tokens=24, temperature=0.0)
     ref = generate(smollm, NoDrafter(), get_verifier("chain"), prompt, tree=Tree.root_only(), **kw).token_ids
-    spec = generate(smollm, layer_skip_drafter(smollm, 10), get_verifier("chain"), prompt, tree=Tree.chain(4), **kw)
-    tree = generate(smollm, NgramDrafter(smollm.vocab_size), get_verifier("greedy"), prompt, tree=Tree.complete(2, 2),
+    spec = generate(smollm, layer_skip_drafter(smollm, 10), get_verifier("chain"), prompt, tree=Tree.chain(4),
+                    policy="fixed", **kw)
+    tree = generate(smollm, NgramDrafter(smollm.vocab_size), get_verifier("greedy"), prompt, tree=Tree.complete(2, 2), policy="fixed",
                     children="topk", **kw)
     assert spec.token_ids == ref and tree.token_ids == ref
 
@@ -191,7 +192,7 @@ def test_shipped_head_reproduces_its_recorded_acceptance_and_fits_the_budget(smo
     ref = generate(smollm, NoDrafter(), get_verifier("chain"), prompt, tree=Tree.root_only(), **kw).token_ids
     for tree in (Tree.chain(3), Tree.complete(2, 2)):
         out = generate(smollm, EagleDrafter(head), get_verifier("chain" if tree.is_chain else "greedy"), prompt,
-                       tree=tree, children="iid" if tree.is_chain else "topk", **kw)
+                       tree=tree, policy="fixed", children="iid" if tree.is_chain else "topk", **kw)
         assert out.token_ids == ref, tree.describe()
     # the default draft on a text its answer copies: prompt lookup drafts some steps, the head the others
     prompt = "Summarize: The city council met on Tuesday and voted to build a new library near the river park."
@@ -217,6 +218,6 @@ def test_bfloat16_default_model_decodes_the_same_tokens_whatever_its_rows_and_ba
     ref = [generate(target, NoDrafter(), get_verifier("chain"), p, tree=Tree.root_only(), **kw).token_ids
            for p in prompts]
     draft = build_drafter("auto", target, dtype="bfloat16")
-    alone = [generate(target, draft, "chain", p, tree=Tree.chain(4), **kw).token_ids for p in prompts]
-    batch = [r.token_ids for r in generate_batch(target, draft, "chain", prompts, tree="chain:4", **kw)]
+    alone = [generate(target, draft, "chain", p, tree=Tree.chain(4), policy="fixed", **kw).token_ids for p in prompts]
+    batch = [r.token_ids for r in generate_batch(target, draft, "chain", prompts, tree="chain:4", policy="fixed", **kw)]
     assert alone == ref and batch == ref

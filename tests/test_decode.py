@@ -5,8 +5,7 @@ import torch
 from conftest import Contrarian, tiny_model
 
 from verispec import Tree, generate, get_verifier
-from verispec.drafters import (ModelDrafter, NgramDrafter, NoDrafter, RecycleDrafter, SuffixDrafter,
-                               layer_skip_drafter)
+from verispec.drafters import ModelDrafter, NgramDrafter, NoDrafter, RecycleDrafter, SuffixDrafter, layer_skip_drafter
 from verispec.errors import VerispecError
 
 PROMPT = [5, 17, 33, 8, 9, 41, 5, 17]
@@ -36,7 +35,7 @@ def drafters(target):
 
 
 def run(target, drafter, tree, verifier="greedy", temperature=0.0, children="topk", n=24, seed=0):
-    return generate(target, drafter, get_verifier(verifier), PROMPT, tree=tree, max_new_tokens=n,
+    return generate(target, drafter, get_verifier(verifier), PROMPT, tree=tree, policy="fixed", max_new_tokens=n,
                     temperature=temperature, children=children, seed=seed)
 
 
@@ -91,6 +90,7 @@ def test_tree_verifiers_sample_through_the_loop(target, verifier, children):
     else:
         assert all(s.accepted_length == 3 for s in good.steps[:-1]), [s.accepted_length for s in good.steps]
     bad = generate(target, Contrarian(target.vocab_size), get_verifier(verifier), PROMPT, tree=Tree.complete(2, 2),
+                   policy="fixed",
                    max_new_tokens=12, temperature=0.8, top_k=1, children=children, seed=3)
     assert all(s.accepted_length == 1 for s in bad.steps)
 
@@ -137,13 +137,13 @@ def test_records_count_what_verification_did(target):
     always wrong never is (accepted length 1, one candidate tested at depth 1)."""
     reference = run(target, NoDrafter(), Tree.root_only(), n=20).token_ids
     right = generate(target, Oracle(target.vocab_size, reference, len(PROMPT)), get_verifier("chain"), PROMPT,
-                     tree=Tree.chain(3), max_new_tokens=20, temperature=0.0)
+                     tree=Tree.chain(3), policy="fixed", max_new_tokens=20, temperature=0.0)
     assert right.token_ids == reference
     assert [s.accepted_length for s in right.steps] == [4] * 5
     assert all(s.tested == (1, 1, 1) and s.accepted_ranks == (0, 0, 0) and s.drafted == 3 for s in right.steps)
     assert [len(s.emitted) for s in right.steps] == [4] * 5
     wrong = generate(target, Oracle(target.vocab_size, reference, len(PROMPT), shift=1), get_verifier("chain"),
-                     PROMPT, tree=Tree.chain(3), max_new_tokens=20, temperature=0.0)
+                     PROMPT, tree=Tree.chain(3), policy="fixed", max_new_tokens=20, temperature=0.0)
     assert wrong.token_ids == reference and len(wrong.steps) == 20
     assert all(s.accepted_length == 1 and s.tested == (1,) and s.accepted_ranks == () for s in wrong.steps)
     assert out_summary_tokens(wrong) == 20

@@ -173,14 +173,17 @@ def test_eagle_greedy_equals_autoregressive_and_sampling_runs(tmp_path, decoder_
                   temperature=0.0)
     for tree, verifier in (("chain:4", "chain"), ("2x3", "greedy"), ("3,2,1", "greedy"), ("chain:1", "chain")):
         out = generate(target, EagleDrafter(loaded), get_verifier(verifier), prompt, tree=Tree.parse(tree),
+                       policy="fixed",
                        max_new_tokens=30, temperature=0.0)
         assert out.token_ids == ar.token_ids, tree
     for verifier, tree in (("chain", "chain:5"), ("specinfer", "2x3"), ("reserve", "3,1"), ("swor", "2x2")):
         out = generate(target, EagleDrafter(loaded), get_verifier(verifier), prompt, tree=Tree.parse(tree),
+                       policy="fixed",
                        max_new_tokens=20, temperature=0.8, seed=3)
         accounted(out, target, 20)
         assert all(len(s.accepted_ranks) <= s.draft_depth for s in out.steps)
         again = generate(target, EagleDrafter(loaded), get_verifier(verifier), prompt, tree=Tree.parse(tree),
+                         policy="fixed",
                          max_new_tokens=20, temperature=0.8, seed=3)
         assert again.token_ids == out.token_ids  # the head's state is reset per sequence: same seed, same text
 
@@ -209,7 +212,8 @@ def test_trained_head_drafts_better_than_untrained(tmp_path):
     prompts = [records[i].tokens[:8] for i in _split(records, cfg)[1]]
     lengths = {}
     for name, head in (("untrained", EagleHead(target)), ("trained", trained)):
-        outs = [generate(target, EagleDrafter(head), get_verifier("chain"), p, tree=Tree.chain(4), max_new_tokens=40,
+        outs = [generate(target, EagleDrafter(head), get_verifier("chain"), p, tree=Tree.chain(4), policy="fixed",
+                         max_new_tokens=40,
                          temperature=0.0) for p in prompts]
         lengths[name] = sum(o.mean_accepted_length for o in outs) / len(outs)
     assert lengths["trained"] > lengths["untrained"]
@@ -299,9 +303,11 @@ def test_restricted_vocabulary_head_is_exact_cheaper_and_trains(tmp_path):
     assert torch.equal(loaded.vocab, vocab) and loaded.shape()["draft_vocab"] == len(vocab)
     for tree, verifier in (("chain:4", "chain"), ("2x3", "greedy")):
         out = generate(target, EagleDrafter(loaded), get_verifier(verifier), prompt, tree=Tree.parse(tree),
+                       policy="fixed",
                        max_new_tokens=30, temperature=0.0)
         assert out.token_ids == ar.token_ids, tree
     out = generate(target, EagleDrafter(loaded), get_verifier("specinfer"), prompt, tree=Tree.parse("2x2"),
+                   policy="fixed",
                    max_new_tokens=20, temperature=0.8, seed=1)
     accounted(out, target, 20)
     # the loss is the cross-entropy against the target's law conditioned on the draft vocabulary, and it falls
@@ -325,7 +331,8 @@ def test_dynamic_tree_is_exact_greedy_prunes_by_path_probability_and_refuses_sam
     shape = Tree.parse("dyn:4,3,7")
     assert shape == DynamicTree(4, 3, 7) and shape.size == 8 and shape.max_depth == 4
     for drafter in (EagleDrafter(EagleHead(target)), layer_skip_drafter(target, 2)):
-        out = generate(target, drafter, get_verifier("greedy"), prompt, tree=shape, max_new_tokens=30, temperature=0.0)
+        out = generate(target, drafter, get_verifier("greedy"), prompt, tree=shape, policy="fixed",
+                       max_new_tokens=30, temperature=0.0)
         assert out.token_ids == ar.token_ids
     drafter = layer_skip_drafter(target, 2)
     drafter.reset(prompt)
@@ -344,11 +351,12 @@ def test_dynamic_tree_is_exact_greedy_prunes_by_path_probability_and_refuses_sam
         else:
             kids = [int(draft.tokens[c]) for c in tree.children[n]]
             assert kids == draft.q[n].topk(len(kids)).indices.tolist()
-    out = generate(target, layer_skip_drafter(target, 2), get_verifier("topk"), prompt, tree=shape, max_new_tokens=20,
+    out = generate(target, layer_skip_drafter(target, 2), get_verifier("topk"), prompt, tree=shape, policy="fixed",
+                   max_new_tokens=20,
                    temperature=0.8, seed=2, children="topk")
     accounted(out, target, 20)
     with pytest.raises(VerispecError, match="children topk"):
-        generate(target, layer_skip_drafter(target, 2), get_verifier("specinfer"), prompt, tree=shape,
+        generate(target, layer_skip_drafter(target, 2), get_verifier("specinfer"), prompt, tree=shape, policy="fixed",
                  max_new_tokens=5, temperature=0.8)
     with pytest.raises(VerispecError, match="dyn:DEPTH"):
         Tree.parse("dyn:0,2,3")

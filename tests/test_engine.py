@@ -14,7 +14,9 @@ from verispec.backends.costs import BATCH_CONTEXT, LONG_CONTEXT, BatchCosts
 from verispec.drafters import HybridDrafter, ModelDrafter, NgramDrafter, layer_skip_drafter
 from verispec.drafters.eagle import EagleDrafter
 from verispec.eagle import EagleHead
-from verispec.engine import Engine, batch_depths, run_all
+from verispec.engine import Engine, run_all
+from verispec.methods import Recipe
+from verispec.planner import CostBook, batch_depths
 from verispec.policies import AutoDepth, Fixed
 from verispec.probs import Sampling
 from verispec.rng import TorchRandomness
@@ -157,10 +159,11 @@ def drafters(target):
                                                     ("reserve", "2x2", "iid"), ("block", "chain:3", "iid")])
 def test_greedy_batched_equals_greedy_alone_for_every_drafter_and_verifier(target, verifier, tree, children):
     for name, d in drafters(target).items():
-        alone = [generate(target, d, verifier, p, tree=tree, children=children, temperature=0.0,
+        alone = [generate(target, d, verifier, p, tree=tree, policy="fixed", children=children, temperature=0.0,
                           max_new_tokens=16).token_ids for p in PROMPTS]
         # three slots for five prompts: sequences leave as they finish and the waiting ones join
-        batch = generate_batch(target, d, verifier, PROMPTS, tree=tree, children=children, temperature=0.0,
+        batch = generate_batch(target, d, verifier, PROMPTS, tree=tree, policy="fixed", children=children,
+                               temperature=0.0,
                                max_new_tokens=[16, 9, 16, 5, 16], max_batch=3)
         got = [b.token_ids for b in batch]
         assert got == [a[:n] for a, n in zip(alone, [16, 9, 16, 5, 16])], (name, verifier)
@@ -183,11 +186,12 @@ def test_prompts_joining_by_chunks_give_the_tokens_of_decoding_alone_and_skip_th
     for name in ("eagle", "hybrid", "ngram"):
         d = drafters(target)[name]
         engine = Engine(target, max_batch=3, prefill_chunk=2)
-        seqs = [engine.submit(p, drafter=d.fork(), verifier=get_verifier("chain"), tree=Tree.parse("chain:3"),
+        seqs = [engine.submit(p, Recipe(get_verifier("chain"), Tree.parse("chain:3"), d.fork()),
                               sampling=Sampling(0.0), max_new_tokens=12) for p in PROMPTS]
         run_all(engine)
         for s, p in zip(seqs, PROMPTS):
-            alone = generate(target, d.fork(), "chain", p, tree="chain:3", temperature=0.0, max_new_tokens=12)
+            alone = generate(target, d.fork(), "chain", p, tree="chain:3", policy="fixed", temperature=0.0,
+                             max_new_tokens=12)
             assert s.token_ids == alone.token_ids, name
     chunks = [(rows, got) for rows, got, only in logit_rows if only]
     assert chunks and all(got == 1 for _, got in chunks) and any(rows > 1 for rows, _ in chunks)
@@ -197,7 +201,7 @@ def test_prompts_joining_by_chunks_give_the_tokens_of_decoding_alone_and_skip_th
 def test_sequences_join_and_leave_between_steps(target):
     engine = Engine(target, max_batch=2)
     d = NgramDrafter(target.vocab_size)
-    seqs = [engine.submit(p, drafter=d.fork(), verifier=get_verifier("chain"), tree=Tree.parse("chain:3"),
+    seqs = [engine.submit(p, Recipe(get_verifier("chain"), Tree.parse("chain:3"), d.fork()),
                           sampling=Sampling(0.0), max_new_tokens=n, id=i)
             for i, (p, n) in enumerate(zip(PROMPTS[:4], [3, 12, 6, 12]))]
     seen = []
@@ -208,7 +212,8 @@ def test_sequences_join_and_leave_between_steps(target):
         assert all(s not in engine.running for s in seqs if s.done)  # a finished sequence frees its slot at once
     assert seen[0] == [0, 1] and any(2 in ids for ids in seen) and seen[-1] == [3]
     for s, p, n in zip(seqs, PROMPTS, [3, 12, 6, 12]):
-        ref = generate(target, NgramDrafter(target.vocab_size), "chain", p, tree="chain:3", temperature=0.0,
+        ref = generate(target, NgramDrafter(target.vocab_size), "chain", p, tree="chain:3", policy="fixed",
+                       temperature=0.0,
                        max_new_tokens=n)
         assert s.token_ids == ref.token_ids and s.stop_reason == ref.stop_reason and s.state is None
 
@@ -216,9 +221,11 @@ def test_sequences_join_and_leave_between_steps(target):
 def test_the_same_seed_gives_the_same_sample_as_alone(target):
     """At T > 0 with a fixed draft length, a sequence's random calls are its own: the same tokens as alone."""
     d = layer_skip_drafter(target, 2)
-    alone = [generate(target, d, "chain", p, tree="chain:3", temperature=0.8, seed=10 + i, max_new_tokens=20)
+    alone = [generate(target, d, "chain", p, tree="chain:3", policy="fixed", temperature=0.8, seed=10 + i,
+                      max_new_tokens=20)
              for i, p in enumerate(PROMPTS)]
-    batch = generate_batch(target, d, "chain", PROMPTS, tree="chain:3", temperature=0.8, seed=10, max_new_tokens=20)
+    batch = generate_batch(target, d, "chain", PROMPTS, tree="chain:3", policy="fixed", temperature=0.8, seed=10,
+                           max_new_tokens=20)
     assert [b.token_ids for b in batch] == [a.token_ids for a in alone]
     assert [len(b.steps) for b in batch] == [len(a.steps) for a in alone]
     assert max(s.batch for b in batch for s in b.steps) == len(PROMPTS)
@@ -259,11 +266,13 @@ def test_a_failing_sequence_fails_alone(target):
                 raise RuntimeError("this draft broke")
 
     batch = generate_batch(target, Fragile(target.vocab_size), "chain", PROMPTS + [[], [3] * 300], tree="chain:3",
+                           policy="fixed",
                            temperature=0.0, max_new_tokens=12)
     assert [b.stop_reason for b in batch][4:] == ["error", "error", "error"]
     assert batch[4].error == "this draft broke" and "empty" in batch[5].error and "context" in batch[6].error
     for b, p in zip(batch[:4], PROMPTS[:4]):
-        ref = generate(target, NgramDrafter(target.vocab_size), "chain", p, tree="chain:3", temperature=0.0,
+        ref = generate(target, NgramDrafter(target.vocab_size), "chain", p, tree="chain:3", policy="fixed",
+                       temperature=0.0,
                        max_new_tokens=12)
         assert b.error is None and b.token_ids == ref.token_ids
 
@@ -276,11 +285,13 @@ def test_a_draft_that_raises_fails_its_sequence_alone(target):
                 raise RuntimeError("this draft cannot propose")
             return super()._root_sparse(context)
 
-    batch = generate_batch(target, Broken(target.vocab_size), "chain", PROMPTS, tree="chain:3", temperature=0.0,
+    batch = generate_batch(target, Broken(target.vocab_size), "chain", PROMPTS, tree="chain:3", policy="fixed",
+                           temperature=0.0,
                            max_new_tokens=12)
     assert batch[4].stop_reason == "error" and batch[4].error == "this draft cannot propose"
     for b, p in zip(batch[:4], PROMPTS[:4]):
-        ref = generate(target, NgramDrafter(target.vocab_size), "chain", p, tree="chain:3", temperature=0.0,
+        ref = generate(target, NgramDrafter(target.vocab_size), "chain", p, tree="chain:3", policy="fixed",
+                       temperature=0.0,
                        max_new_tokens=12)
         assert b.error is None and b.token_ids == ref.token_ids
 
@@ -297,11 +308,13 @@ def test_a_failed_forward_fails_the_sequences_in_it_and_the_engine_goes_on():
 
     target.forward_batch = once
     engine = Engine(target, max_batch=2, isolate=True)
-    kw = dict(verifier=get_verifier("chain"), tree=Tree.chain(2), sampling=Sampling(0.0), max_new_tokens=8)
-    first = [engine.submit(p, drafter=NgramDrafter(target.vocab_size), **kw) for p in PROMPTS[:2]]
+    kw = dict(sampling=Sampling(0.0), max_new_tokens=8)
+    first = [engine.submit(p, Recipe(get_verifier("chain"), Tree.chain(2), NgramDrafter(target.vocab_size)), **kw)
+             for p in PROMPTS[:2]]
     run_all(engine)
     assert [s.error for s in first] == ["the forward broke"] * 2 and not engine.running
-    later = engine.submit(PROMPTS[2], drafter=NgramDrafter(target.vocab_size), **kw)
+    later = engine.submit(PROMPTS[2], Recipe(get_verifier("chain"), Tree.chain(2), NgramDrafter(target.vocab_size)),
+                          **kw)
     run_all(engine)
     assert later.error is None and later.stop_reason in ("eos", "max_new_tokens") and later.token_ids
 
@@ -380,7 +393,7 @@ def test_the_plan_drafts_for_the_whole_batch_where_no_sequence_alone_would_pay()
     sequence's attention -- make one sequence drafting alone a loss where all of them drafting together is a clear
     gain (the shape measured here in bfloat16: 1-7 rows cost one plain step, 8 rows 1.18, 16 rows 1.31). The plan
     tries groups, so it crosses that step; the batch's rate it reaches is the best of the plans tried."""
-    from verispec.engine import _StepCost
+    from verispec.planner import StepCost
 
     costs = BatchCosts(rows=(1, 7, 8, 16, 32), seconds_by_rows=(1.0, 1.0, 1.18, 1.31, 1.86), per_sequence=0.0,
                        padding=(0.0, 0.003, 0.013, 0.035, 0.055, 0.066))
@@ -391,14 +404,14 @@ def test_the_plan_drafts_for_the_whole_batch_where_no_sequence_alone_would_pay()
     head = Head(97)
     trees, proposers = [Tree.chain(3)] * 8, [head] * 8
     fair = AutoDepth(prior=0.45, prior_weight=50.0).expected_tokens(3)
-    alone = _StepCost([fair] * 8, trees, proposers, costs, [0] * 8)
+    alone = StepCost([fair] * 8, trees, proposers, costs, [0] * 8)
     before = alone.rate()
     alone.add(0)
     assert alone.rate() < before  # one sequence alone: a loss
-    together = _StepCost([fair] * 8, trees, proposers, costs, [1] * 8)
+    together = StepCost([fair] * 8, trees, proposers, costs, [1] * 8)
     assert together.rate() > before * 1.1  # all eight: a clear gain
     depth = batch_depths([fair] * 8, trees, proposers, costs, [None] * 8)
-    assert min(depth) >= 1 and _StepCost([fair] * 8, trees, proposers, costs, depth).rate() >= together.rate()
+    assert min(depth) >= 1 and StepCost([fair] * 8, trees, proposers, costs, depth).rate() >= together.rate()
     # where drafting is poor, no group pays either
     poor = AutoDepth(prior=0.1, prior_weight=50.0).expected_tokens(3)
     assert batch_depths([poor] * 8, trees, proposers, costs, [None] * 8) == [0] * 8
@@ -407,18 +420,18 @@ def test_the_plan_drafts_for_the_whole_batch_where_no_sequence_alone_would_pay()
 def test_a_probe_is_judged_at_the_margin_of_the_batch():
     """A policy probes a deeper depth where a good draft of it would yield tokens at a better rate than the batch's:
     in a large batch one sequence's depth moves the whole batch's rate little, so the batch's rate cannot judge it."""
-    from verispec.engine import _StepCost, _pays
+    from verispec.planner import StepCost, pays
 
     rows = BatchCosts(rows=(1, 64), seconds_by_rows=(1.0, 1.6), per_sequence=0.0)  # each row about 1 % of a step
     trees, proposers = [Tree.chain(3)] * 16, [NgramDrafter(97)] * 16
     fair = AutoDepth(prior=0.5, prior_weight=50.0).expected_tokens(3)
-    plan = _StepCost([fair] * 16, trees, proposers, rows, [1] * 16)
-    assert _pays(plan, 0)  # 0.8 tokens for about 1 % of a step: far above the batch's rate
+    plan = StepCost([fair] * 16, trees, proposers, rows, [1] * 16)
+    assert pays(plan, 0)  # 0.8 tokens for about 1 % of a step: far above the batch's rate
     assert plan.depths == [1] * 16  # judged without changing the plan
     dear = BatchCosts(rows=(1, 64), seconds_by_rows=(1.0, 64.0), per_sequence=0.0)  # a row costs a plain step
-    assert not _pays(_StepCost([fair] * 16, trees, proposers, dear, [0] * 16), 0)
-    deepest = _StepCost([fair] * 16, trees, proposers, rows, [3] * 16)
-    assert not _pays(deepest, 0)  # no deeper depth in its tree
+    assert not pays(StepCost([fair] * 16, trees, proposers, dear, [0] * 16), 0)
+    deepest = StepCost([fair] * 16, trees, proposers, rows, [3] * 16)
+    assert not pays(deepest, 0)  # no deeper depth in its tree
 
 
 def test_a_forward_table_is_fitted_non_decreasing():
@@ -462,7 +475,7 @@ def test_a_measured_draft_is_costed_by_how_many_sequences_draft_each_depth():
     draft dearer by the sequence leaves more of a large batch undrafted than one whose forward costs the same for
     any number."""
     from verispec.drafters.costs import DraftCosts
-    from verispec.engine import _StepCost
+    from verispec.planner import StepCost
 
     costs = BatchCosts(rows=(1, 64), seconds_by_rows=(1.0, 1.3), per_sequence=0.0)
     head = ModelDrafter.__new__(ModelDrafter)  # only its batch key is read
@@ -472,8 +485,8 @@ def test_a_measured_draft_is_costed_by_how_many_sequences_draft_each_depth():
     assert per_sequence.seconds([0, 0]) == 0.0 and per_sequence.seconds([16]) == pytest.approx(1.6)  # the slope on
     trees, proposers = [Tree.chain(3)] * 8, [head] * 8
     fair = AutoDepth(prior=0.5, prior_weight=50.0).expected_tokens(3)
-    plan = _StepCost([fair] * 8, trees, proposers, costs, [2, 1, 0, 0, 0, 0, 0, 0], {head.batch_key: per_sequence})
-    drafted = plan.seconds() - _StepCost([fair] * 8, trees, proposers, costs, [0] * 8).seconds()
+    plan = StepCost([fair] * 8, trees, proposers, costs, [2, 1, 0, 0, 0, 0, 0, 0], {head.batch_key: per_sequence})
+    drafted = plan.seconds() - StepCost([fair] * 8, trees, proposers, costs, [0] * 8).seconds()
     assert drafted == pytest.approx(costs.seconds(11, 8) - costs.seconds(8, 8) + per_sequence.seconds([2, 1]))
     mark = plan.mark()
     plan.add(2)
@@ -493,7 +506,8 @@ def test_a_draft_that_sat_steps_out_is_charged_the_rows_it_catches_up_on():
     from types import SimpleNamespace
 
     from verispec.drafters.costs import DraftCosts
-    from verispec.engine import _lag, _StepCost
+    from verispec.engine import _lag
+    from verispec.planner import StepCost
 
     costs = BatchCosts(rows=(1, 64), seconds_by_rows=(1.0, 1.3), per_sequence=0.0)
     head = ModelDrafter.__new__(ModelDrafter)  # only its batch key is read
@@ -502,8 +516,8 @@ def test_a_draft_that_sat_steps_out_is_charged_the_rows_it_catches_up_on():
     trees, proposers = [Tree.chain(3)] * 8, [head] * 8
     fair = AutoDepth(prior=0.5, prior_weight=50.0).expected_tokens(3)
     lag = [0, 10, 0, 0, 0, 0, 0, 30]
-    plan = _StepCost([fair] * 8, trees, proposers, costs, [1, 1, 2, 0, 0, 0, 0, 0], drafts, lag=lag)
-    level = _StepCost([fair] * 8, trees, proposers, costs, [1, 1, 2, 0, 0, 0, 0, 0], drafts)
+    plan = StepCost([fair] * 8, trees, proposers, costs, [1, 1, 2, 0, 0, 0, 0, 0], drafts, lag=lag)
+    level = StepCost([fair] * 8, trees, proposers, costs, [1, 1, 2, 0, 0, 0, 0, 0], drafts)
     assert plan.seconds() - level.seconds() == pytest.approx(10 * 0.01)  # only drafting sequences pay theirs
     mark, level_mark = plan.mark(), level.mark()
     plan.add(7)
@@ -530,7 +544,7 @@ def test_each_drafting_sequence_is_charged_its_verification():
     draws from one row. The plan charges each drafting sequence its ``VerifyCosts`` for its rows (none to a plain
     one, none where not measured), undone with the depths it came with; dear verification leaves a batch undrafted
     where free verification drafts it all."""
-    from verispec.engine import _StepCost
+    from verispec.planner import StepCost
     from verispec.verifiers.costs import VerifyCosts
 
     costs = BatchCosts(rows=(1, 64), seconds_by_rows=(1.0, 1.3), per_sequence=0.0)
@@ -540,8 +554,8 @@ def test_each_drafting_sequence_is_charged_its_verification():
     fair = AutoDepth(prior=0.5, prior_weight=50.0).expected_tokens(3)
     verify = [check] * 7 + [None]
     depths = [2, 1, 0, 0, 0, 0, 0, 3]
-    plan = _StepCost([fair] * 8, trees, proposers, costs, depths, verify=verify)
-    free = _StepCost([fair] * 8, trees, proposers, costs, depths)
+    plan = StepCost([fair] * 8, trees, proposers, costs, depths, verify=verify)
+    free = StepCost([fair] * 8, trees, proposers, costs, depths)
     assert plan.seconds() - free.seconds() == pytest.approx(check.seconds(3) + check.seconds(2))
     mark = plan.mark()
     plan.add(2)
@@ -560,8 +574,8 @@ def test_each_drafting_sequence_is_charged_its_verification():
     from verispec.verifiers.costs import cost_key
 
     greedy, sampled = (SimpleNamespace(verifier=get_verifier("chain"), sampling=Sampling(t)) for t in (0.0, 0.7))
-    given = Engine(tiny_target("lean"), costs=costs, verify_costs={cost_key(greedy.verifier, greedy.sampling): check})
-    assert given.verifying([greedy, sampled]) == [check, None]
+    given = CostBook(tiny_target("lean"), costs, verify={cost_key(greedy.verifier, greedy.sampling): check})
+    assert given.verifying([(greedy.verifier, greedy.sampling), (sampled.verifier, sampled.sampling)]) == [check, None]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -617,10 +631,10 @@ def test_draft_costs_are_measured_once_per_draft_and_cached(tmp_path, monkeypatc
 
 def test_the_engine_plans_for_the_batch_and_keeps_the_policys_own_plan_alone(target):
     def run(costs):
-        engine = Engine(target, max_batch=4, costs=costs)
-        seqs = [engine.submit(p, drafter=layer_skip_drafter(target, 2), verifier=get_verifier("chain"),
-                              tree=Tree.chain(4), sampling=Sampling(0.0), max_new_tokens=10,
-                              policy=AutoDepth(costs=(1.0, 1.05, 1.1, 1.15, 1.2), probe_every=1000, prior=0.9))
+        engine = Engine(target, max_batch=4, costs=CostBook(target, costs))
+        policy = lambda: AutoDepth(costs=(1.0, 1.05, 1.1, 1.15, 1.2), probe_every=1000, prior=0.9)  # noqa: E731
+        seqs = [engine.submit(p, Recipe(get_verifier("chain"), Tree.chain(4), layer_skip_drafter(target, 2),
+                                        policy=policy()), sampling=Sampling(0.0), max_new_tokens=10)
                 for p in PROMPTS[:4]]
         run_all(engine)
         return seqs
@@ -646,11 +660,10 @@ def test_what_the_engine_refuses():
     with pytest.raises(VerispecError, match="row budget"):
         Engine(t, max_batch=4, row_budget=2)
     engine = Engine(t)
-    kw = dict(drafter=NgramDrafter(t.vocab_size), verifier=get_verifier("chain"), tree=Tree.chain(2),
-              sampling=Sampling(0.0))
+    recipe = Recipe(get_verifier("chain"), Tree.chain(2), NgramDrafter(t.vocab_size))
     for bad, message in (([], "empty"), ([1000], "lie in"), ([1] * 300, "context")):
         with pytest.raises(VerispecError, match=message):
-            engine.submit(bad, max_new_tokens=4, **kw)
+            engine.submit(bad, recipe, max_new_tokens=4, sampling=Sampling(0.0))
     with pytest.raises(VerispecError, match="one sequence at a time, not a batch of 2"):
         LlamaCppTarget.forward_batch(None, [object(), object()], [], [], [])
     with pytest.raises(VerispecError, match="by name"):

@@ -11,11 +11,21 @@ from conftest import tiny_model
 from verispec import Tree, generate, get_verifier
 from verispec.audit.law import loop_law, random_tables, target_law, tv_and_kl
 from verispec.datasets import REPETITIVE_GROUPS, jsonl_problems, load_prompts
-from verispec.drafters import (DraftSpec, HybridDrafter, NgramDrafter, NoDrafter, RecycleDrafter, SuffixCache,
-                               SuffixDrafter, build_drafter, with_answer_cache)
+from verispec.drafters import (
+    DraftSpec,
+    HybridDrafter,
+    NgramDrafter,
+    NoDrafter,
+    RecycleDrafter,
+    SuffixCache,
+    SuffixDrafter,
+    build_drafter,
+    with_answer_cache,
+)
 from verispec.drafters.suffix import SuffixIndex
 from verispec.engine import Engine, run_all
 from verispec.errors import VerispecError
+from verispec.methods import Recipe
 from verispec.policies import AutoDepth
 from verispec.probs import Sampling
 from verispec.rng import TorchRandomness
@@ -135,8 +145,7 @@ def test_the_engine_adds_finished_answers_to_the_cache_and_a_repeat_drafts_from_
     outs = []
     for _ in range(2):
         engine = Engine(target, answer_cache=cache)
-        mine = drafter.fork()
-        seq = engine.submit(prompt, drafter=mine, verifier=get_verifier("chain"), tree=Tree.chain(4),
+        seq = engine.submit(prompt, Recipe(get_verifier("chain"), Tree.chain(4), drafter.fork()),
                             sampling=Sampling(0.0), max_new_tokens=24)
         run_all(engine)
         outs.append(seq)

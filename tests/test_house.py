@@ -354,3 +354,66 @@ def test_default_threads_follow_the_cores_and_omp_num_threads(monkeypatch):
     assert default_threads() == cores  # never more threads than cores
     monkeypatch.setenv("OMP_NUM_THREADS", "nonsense")
     assert default_threads() == cores
+
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "archive").glob("*.md"))]
+
+
+def test_the_docs_name_no_file_that_is_not_there_and_design_md_is_a_map():
+    """Every relative link and every repository path in backticks (``verispec/...``, ``tests/...``, ``scripts/...``,
+    ``docs/...``, ``data/...``) in the README and docs/ names a file or folder that exists (docs/archive/ is history:
+    its links are checked, not the files of its time); docs/design.md stays a map of at most 300 lines (figures live
+    in results.md, studies in docs/archive/)."""
+    missing = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+            if "://" not in target and not (doc.parent / target).exists():
+                missing.append(f"{doc.relative_to(ROOT)}: link {target}")
+        for path in re.findall(r"`((?:verispec|tests|scripts|docs|data)/[\w./-]+)`", text) * (doc.parent.name != "archive"):
+            path = path.split("::")[0].rstrip(".")
+            if "*" not in path and not (ROOT / path).exists():
+                missing.append(f"{doc.relative_to(ROOT)}: {path}")
+    assert not missing, missing
+    assert len((ROOT / "docs" / "design.md").read_text().splitlines()) <= 300
+
+
+def test_a_registered_draft_kind_reaches_the_cli_its_docs_and_the_benchmark_with_no_other_edit():
+    """docs/design.md, "Where new things go": a drafter is its class and a builder registered with
+    ``register_draft``; parsing, building, ``--draft``'s help (so docs/cli.md, rendered from the parser) and the
+    benchmark's ``--drafts`` all read the registry."""
+    import importlib.util
+
+    from verispec import cli
+    from verispec.drafters import DRAFTS, DraftSpec, NgramDrafter, build_drafter, register_draft
+
+    @register_draft("echo", help="'echo' (this test's own draft)", takes_arg=False)
+    def _echo(target, arg, **_):
+        return NgramDrafter(target.vocab_size, max_n=2)
+
+    try:
+        assert DraftSpec.parse("echo") == DraftSpec("echo") and "echo" in DRAFTS
+        assert isinstance(build_drafter("echo", tiny_model("llama")), NgramDrafter)
+        spec = importlib.util.spec_from_file_location("make_cli_doc", ROOT / "scripts" / "make_cli_doc.py")
+        doc = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(doc)
+        rendered = doc.render()
+        assert rendered.count("'echo' (this test's own draft)") >= 3  # generate, bench --drafts, tune-tree
+        args = cli.build_parser().parse_args(["bench", "--drafts", "echo", "--methods", "ar"])
+        assert [DraftSpec.parse(d) for d in args.drafts] == [DraftSpec("echo")]  # what cmd_bench checks
+    finally:
+        DRAFTS.pop("echo", None)
+
+
+@pytest.mark.slow
+def test_results_md_is_what_make_results_renders_from_the_committed_records(tmp_path):
+    """docs/results.md is derived, never edited: ``python scripts/make_results.py --render`` writes exactly it from
+    ``results/*.jsonl.gz`` (figures drawn into a folder of the test's own)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_results", ROOT / "scripts" / "make_results.py")
+    make_results = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_results)
+    rendered = make_results.render(tmp_path / "figures") + "\n"
+    assert rendered == (ROOT / "docs" / "results.md").read_text(), \
+        "docs/results.md is not what make_results.py renders: run python scripts/make_results.py --render"

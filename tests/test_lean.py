@@ -142,6 +142,7 @@ def test_greedy_generation_equals_the_transformers_forward_token_for_token(kind)
     lean, stock = pair(kind, seed=3)
     prompt = [1, 10, 20, 30, 10, 20, 30, 10, 20]
     texts = [generate(m, NgramDrafter(lean.vocab_size), get_verifier("specinfer"), prompt, tree=Tree.parse("2x2"),
+                      policy="fixed",
                       max_new_tokens=40, temperature=0.0).token_ids for m in (lean, stock)]
     assert texts[0] == texts[1] and len(texts[0]) == 40
 
@@ -166,6 +167,7 @@ def test_a_bfloat16_model_runs_lean_and_matches_its_transformers_forward():
     a, b = (m.prefill(m.new_state(), prompt) for m in (lean, stock))
     assert torch.allclose(a, b, atol=0.1, rtol=0.02), (a - b).abs().max()
     texts = [generate(m, NgramDrafter(lean.vocab_size), get_verifier("specinfer"), prompt, tree=Tree.parse("2x2"),
+                      policy="fixed",
                       max_new_tokens=24, temperature=0.0).token_ids for m in (lean, stock)]
     assert texts[0] == texts[1]
 

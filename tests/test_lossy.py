@@ -101,7 +101,7 @@ def test_adasd_learns_through_the_loop():
     target.eos_token_ids = frozenset()
     state = AdaSDState()
     generate(target, ModelDrafter(tiny_model("llama", seed=1, layers=2)), get_verifier("adasd"), [5, 17, 33, 8],
-             tree=Tree.chain(4), max_new_tokens=40, temperature=1.0, verifier_state=state)
+             tree=Tree.chain(4), policy="fixed", max_new_tokens=40, temperature=1.0, verifier_state=state)
     assert len(state.accepted) + len(state.rejected) > 10 and state.has_data
 
 

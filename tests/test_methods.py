@@ -60,14 +60,24 @@ def test_an_auto_tree_is_checked_when_the_draft_is_known():
     assert plan.build(None, NoDrafter()).tree == Tree.root_only()  # plain decoding drafts nothing
 
 
-def test_generate_takes_names_or_objects_and_its_defaults_are_the_method_fixed():
-    from verispec import generate, get_verifier
+def test_generate_takes_names_objects_or_a_recipe_and_its_defaults_are_the_method_default():
+    """The library's ``generate`` decodes what ``verispec generate`` does with no options (the method ``default``),
+    and a recipe built once (``Plan.build``, as the CLI does) is decoded with as it is."""
+    from verispec import generate, get_verifier, resolve
 
     target = tiny_model("llama")
     prompt = [5, 17, 33, 8, 61, 42]
     drafter = NgramDrafter(target.vocab_size)
     by_name = generate(target, drafter, "chain", prompt, max_new_tokens=12, temperature=0.7, seed=2)
-    by_object = generate(target, drafter, get_verifier("chain"), prompt, tree=Tree.parse(DEFAULT_TREE),
-                         policy="fixed", max_new_tokens=12, temperature=0.7, seed=2)
-    assert by_name.token_ids == by_object.token_ids and by_name.config["policy"] == "fixed"
-    assert by_name.config["tree"] == list(Tree.parse(DEFAULT_TREE).parents)
+    by_recipe = generate(target, drafter, resolve("default").build(target, drafter), prompt, max_new_tokens=12,
+                         temperature=0.7, seed=2)
+    by_object = generate(target, drafter, get_verifier("chain"), prompt, tree="auto", policy="auto",
+                         max_new_tokens=12, temperature=0.7, seed=2)
+    assert by_name.token_ids == by_recipe.token_ids == by_object.token_ids
+    assert by_name.config["policy"] == "auto" and by_name.config["verifier"] == "chain"
+    assert by_name.config["tree"] == list(resolve("default").tree_for(drafter).parents)
+    fixed = generate(target, drafter, "chain", prompt, tree=DEFAULT_TREE, policy="fixed", max_new_tokens=12,
+                     temperature=0.7, seed=2)
+    assert fixed.config["policy"] == "fixed"
+    with pytest.raises(VerispecError, match="as it is"):
+        generate(target, drafter, resolve("default").build(target, drafter), prompt, tree="chain:2")

@@ -36,6 +36,7 @@ METHOD = "fixed@chain:3"
 def make_service(target=None, drafter=None, **kw) -> Service:
     target = target or tiny_text_model()
     kw.setdefault("max_context", 256)
+    kw.setdefault("warm", False)  # the warm-up has its test (below); others gate the engine's steps themselves
     return Service(target, drafter or build_drafter("ngram", target), resolve(METHOD), **kw)
 
 
@@ -205,7 +206,7 @@ BAD_COMPLETIONS = [
 ]
 
 
-def test_bad_requests_get_a_4xx_json_error_and_the_server_keeps_serving():
+def test_bad_requests_get_a_4xx_json_error_and_the_server_keeps_serving(capfd):
     service = make_service()
     with serving(service) as url:
         for route, cases in (("/v1/chat/completions", BAD), ("/v1/completions", BAD_COMPLETIONS)):
@@ -220,6 +221,92 @@ def test_bad_requests_get_a_4xx_json_error_and_the_server_keeps_serving():
         assert httpx2.post(url + "/v1/chat/completions", json=GOOD, timeout=30).status_code == 200
         assert httpx2.get(url + "/health").json() == {"status": "ok"}
     assert service.running() == 0 and service.queue_depth() == 0
+    err = capfd.readouterr().err
+    assert "Traceback" not in err  # each refusal is one line in the log, never a traceback
+    assert sum(line.startswith("verispec serve: 4") for line in err.splitlines()) >= len(BAD) + len(BAD_COMPLETIONS)
+
+
+def test_a_half_sent_body_is_answered_408_and_a_client_leaving_mid_upload_leaves_no_traceback(capfd):
+    import socket
+
+    service = make_service()
+    sock = bind("127.0.0.1", 0)
+    srv = server(service, "tiny", drain_s=5, body_timeout=0.5)
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    port = sock.getsockname()[1]
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 200\r\n\r\n{\"model\": ")
+    try:
+        deadline = time.monotonic() + 20
+        while not srv.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as c:  # 20 of 200 bytes, then silence
+            c.sendall(head)
+            t = time.monotonic()
+            answer = b""
+            while b"did not arrive whole" not in answer and time.monotonic() - t < 5:
+                answer += c.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive whole" in answer
+            assert time.monotonic() - t < 5
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as c:  # part of the body, then gone
+            c.sendall(head)
+        time.sleep(0.3)
+        assert httpx2.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=GOOD, timeout=30).status_code == 200
+    finally:
+        srv.should_exit = True
+        thread.join(15)
+        sock.close()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "408 POST /v1/chat/completions" in err, err
+
+
+def test_a_fresh_server_says_starting_until_it_has_warmed_up_and_then_serves():
+    """``/health`` is 503 "starting" and a request is refused 503 with ``Retry-After`` while the service measures
+    and warms up (``Service.warm``); then both are served, and the warm-up left no answer in the answer cache."""
+    from verispec.drafters import SuffixCache, with_answer_cache
+    from verispec.serve.api import create_app
+
+    target = tiny_text_model()
+    cache = SuffixCache(target.vocab_size)
+    drafter, _ = with_answer_cache(build_drafter("ngram", target), cache)
+    service = make_service(target, drafter, answer_cache=cache, warm=True)
+    release, warming = threading.Event(), threading.Event()
+    warm = service.warm
+    service.warm = lambda: (warming.set(), release.wait(20), warm())[2]
+    sock = bind("127.0.0.1", 0)
+    import uvicorn
+
+    srv = uvicorn.Server(uvicorn.Config(create_app(service, "tiny", manage=False), log_level="warning"))
+    http = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    engine = threading.Thread(target=service.run, kwargs={"started": http.start}, daemon=True)
+    engine.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        assert warming.wait(20)
+        deadline = time.monotonic() + 20
+        while not srv.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        health = httpx2.get(url + "/health", timeout=5)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "starting"
+        early = httpx2.post(url + "/v1/chat/completions", json=GOOD, timeout=5)
+        assert early.status_code == 503 and early.headers["Retry-After"] == "5"
+        release.set()
+        deadline = time.monotonic() + 30
+        while httpx2.get(url + "/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, "the service never became ready"
+            time.sleep(0.05)
+        assert len(cache) == 0  # the warm-up's answers are not served text
+        assert httpx2.post(url + "/v1/chat/completions", json=GOOD, timeout=30).status_code == 200
+    finally:
+        release.set()
+        srv.should_exit = True
+        service.stop()
+        engine.join(15)
+        http.join(15)
+        sock.close()
 
 
 def test_an_api_key_guards_every_route_but_health():

@@ -95,7 +95,7 @@ def test_loop_step_costs_are_whole_steps_by_drafted_depth(monkeypatch):
     drafted depth over the plain one, steps that drafted less than asked and each prompt's first step left out, never
     decreasing; None where a depth ran no step of its own."""
     import verispec.tune as tune
-    from verispec.engine import StepRecord
+    from verispec.sequence import StepRecord
 
     def step(depth, seconds):
         return StepRecord(drafted=depth, draft_depth=depth, accepted_length=1, accepted_ranks=(), tested=(),

@@ -35,7 +35,7 @@ from .bench.report import loop_summary, loops_csv, report, rows_csv, summarize
 from .bench.runner import BENCH_HELP
 from .datasets import DATASETS_HELP
 from .decode import TextStream, generate
-from .drafters import CHILD_MODES, DRAFT_HELP, DraftSpec, ModelDrafter, build_drafter
+from .drafters import CHILD_MODES, DraftSpec, ModelDrafter, build_drafter, draft_help
 from .eagle.corpus import is_corpus
 from .eagle.train import TRAIN_HELP, TrainConfig, train
 from .errors import VerispecError
@@ -105,7 +105,7 @@ def _recipe_args(g, dtype: str = "float32") -> None:
     """What a run decodes with: the target and its engine, the draft, the method and its overrides."""
     g.add_argument("--target", default="smollm2-135m",
                    help=f"target model: built-in alias ({BUILTIN}), .gguf file, local folder or hub id")
-    g.add_argument("--draft", default="auto", help="the draft: " + DRAFT_HELP)
+    g.add_argument("--draft", default="auto", help="the draft: " + draft_help())
     g.add_argument("--method", default=None, metavar="METHOD",
                    help="a named method (verifier + policy + tree; default 'default'): "
                         + "; ".join(f"{m.name}: {m.note}" for m in METHODS.values())
@@ -156,8 +156,7 @@ def cmd_generate(args) -> int:
         sys.stdout.write(stream.push(tokens))
         sys.stdout.flush()
 
-    result = generate(target, drafter, run.verifier, args.prompt, tree=run.tree, policy=run.policy,
-                      children=run.children, verifier_state=run.verifier_state, max_new_tokens=args.max_new_tokens,
+    result = generate(target, drafter, run, args.prompt, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                       chat=not args.no_chat, on_tokens=None if args.json else show)
     if args.json:
@@ -411,7 +410,7 @@ def _add_bench(sub):
     b.add_argument("--quick", action="store_true",
                    help="a small preset that exercises every part on the default model in under 10 minutes on 2 CPU "
                         "cores (the other options then default to the preset's)")
-    extra = {"drafts": " (" + DRAFT_HELP + ")", "datasets": ": " + DATASETS_HELP,
+    extra = {"drafts": " (" + draft_help() + ")", "datasets": ": " + DATASETS_HELP,
              "methods": ": " + METHODS_HELP + "; or a peer: " + "; ".join(f"{p.name} ({p.note})" for p in PEERS.values())}
     for f in dataclasses.fields(BenchConfig):
         default = getattr(d, f.name)
@@ -669,7 +668,7 @@ def _add_tune_tree(sub):
     t.add_argument("--target", default="smollm2-135m", help="target model")
     t.add_argument("--backend", default="hf", choices=("hf", "llama"),
                    help="engine computing the target: Hugging Face transformers, or llama.cpp on the GGUF file")
-    t.add_argument("--draft", default="eagle", help="the draft: " + DRAFT_HELP)
+    t.add_argument("--draft", default="eagle", help="the draft: " + draft_help())
     t.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the acceptance runs")
     t.add_argument("--children", default="iid", choices=CHILD_MODES, help="how children are drawn")
     t.add_argument("--prompts", type=int, default=6,

@@ -11,18 +11,20 @@ logits' argmax, without the one-hot law a verifier would need.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator
 
 from .backends.base import Target
 from .drafters.base import Drafter
-from .engine import Engine, StepRecord, run_all
+from .engine import Engine, run_all
 from .errors import VerispecError
-from .methods import resolve
+from .methods import DEFAULT_METHOD, Recipe, resolve
 from .policies import Policy
 from .probs import DEFAULT_TEMPERATURE, Sampling
 from .rng import Randomness
+from .sequence import StepRecord
 from .tree import DynamicTree, Tree
 from .verifiers.base import VerifierSpec
 
@@ -106,31 +108,25 @@ class TextStream:
 
 def generate_steps(
     target: Target,
-    drafter: Drafter,
-    verifier: VerifierSpec,
+    recipe: Recipe,
     prompt_ids: list[int],
     *,
-    tree: Tree | DynamicTree,
     max_new_tokens: int,
     sampling: Sampling,
-    children: str = "iid",
-    policy: Policy | None = None,
-    verifier_state=None,
     seed: int = 0,
     stats: dict | None = None,
     rng: Randomness | None = None,
 ) -> Iterator[StepRecord]:
-    """Yield one ``StepRecord`` per step; the emitted tokens of all steps are the generated text.
+    """Yield one ``StepRecord`` per step of decoding ``prompt_ids`` with ``recipe`` (``Plan.build``); the emitted
+    tokens of all steps are the generated text.
 
-    ``policy`` and, for a learning verifier, ``verifier_state`` carry what was learned; pass the same
-    objects to later calls to keep learning across prompts (by default both start fresh).
-    ``stats``, if given, receives ``prefill_s`` (the target's prefill of the prompt). ``rng`` replaces the
-    seeded randomness (the audit passes a scripted one to enumerate every outcome of the whole loop).
+    The recipe's policy and, for a learning verifier, its ``verifier_state`` carry what was learned; pass the same
+    recipe to later calls to keep learning across prompts. ``stats``, if given, receives ``prefill_s`` (the target's
+    prefill of the prompt). ``rng`` replaces the seeded randomness (the audit passes a scripted one to enumerate
+    every outcome of the whole loop).
     """
     engine = Engine(target)
-    seq = engine.submit(prompt_ids, drafter=drafter, verifier=verifier, tree=tree, sampling=sampling,
-                        max_new_tokens=max_new_tokens, children=children, policy=policy,
-                        verifier_state=verifier_state, seed=seed, rng=rng)
+    seq = engine.submit(prompt_ids, recipe, sampling=sampling, max_new_tokens=max_new_tokens, seed=seed, rng=rng)
     engine.step()  # the prefill, and the first step
     if stats is not None:
         stats["prefill_s"] = seq.prefill_s
@@ -143,7 +139,7 @@ def generate_steps(
 def generate(
     target: Target,
     drafter: Drafter,
-    verifier: VerifierSpec | str,
+    verifier: VerifierSpec | str | Recipe,
     prompt: str | list[int],
     *,
     tree: Tree | DynamicTree | str | None = None,
@@ -162,21 +158,19 @@ def generate(
 
     ``verifier``, ``tree`` and ``policy`` are objects or the names ``verispec generate`` takes (``"specinfer"``,
     ``"3x2"`` or ``"auto"``, ``"auto"`` or ``"fixed:3"``), resolved by ``methods.resolve``; left out, they are those
-    of the method ``fixed``: the whole ``DEFAULT_TREE`` every step. ``children`` defaults to the child mode the
-    verifier needs (``iid`` for those that take any). ``on_tokens`` is called with each step's emitted tokens as
-    soon as they are verified (streaming).
+    of the method ``default``, as in ``verispec generate``: the draft's tuned tree, and the ``auto`` policy choosing
+    each step's depth. ``children`` defaults to the child mode the verifier needs (``iid`` for those that take any).
+    A ``methods.Recipe`` (``Plan.build``) in the verifier's place is decoded with as it is (its tree, policy, child
+    mode and learning state: then leave those out). ``on_tokens`` is called with each step's emitted tokens as soon
+    as they are verified (streaming).
     """
     sampling = Sampling(temperature, top_k, top_p)
-    recipe = resolve("fixed", verifier=verifier, tree=tree, policy=policy, children=children).build(
-        target, drafter, verifier_state)
+    recipe = _recipe(target, drafter, verifier, tree, policy, children, verifier_state)
     prompt_ids = target.encode_prompt(prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
     start = time.perf_counter()
     steps, out, stats = [], [], {}
-    for rec in generate_steps(
-        target, drafter, recipe.verifier, prompt_ids, tree=recipe.tree, max_new_tokens=max_new_tokens,
-        sampling=sampling, children=recipe.children, policy=recipe.policy, verifier_state=recipe.verifier_state,
-        seed=seed, stats=stats,
-    ):
+    for rec in generate_steps(target, recipe, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                              stats=stats):
         steps.append(rec)
         out.extend(rec.emitted)
         if on_tokens is not None:
@@ -193,6 +187,16 @@ def generate(
         text=target.decode(out), token_ids=out, prompt_ids=prompt_ids, steps=steps, stop_reason=stop,
         prefill_s=stats.get("prefill_s", 0.0), wall_s=wall, config=config,
     )
+
+
+def _recipe(target, drafter, verifier, tree, policy, children, verifier_state) -> Recipe:
+    """What ``generate`` decodes with: a recipe given whole, or the method ``default`` with the given overrides."""
+    if not isinstance(verifier, Recipe):
+        return resolve(DEFAULT_METHOD, verifier=verifier, tree=tree, policy=policy, children=children).build(
+            target, drafter, verifier_state)
+    if tree is not None or policy is not None or children is not None or verifier_state is not None:
+        raise VerispecError("a recipe is decoded with as it is: leave tree, policy, children and verifier_state out")
+    return verifier if verifier.drafter is not None else dataclasses.replace(verifier, drafter=drafter)
 
 
 def generate_batch(
@@ -235,7 +239,7 @@ def generate_batch(
     seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed + i for i in range(n)]
     if not len(budgets) == len(temperatures) == len(seeds) == n:
         raise VerispecError(f"max_new_tokens, temperature and seed must be given once or once per prompt ({n})")
-    plan = resolve("fixed", verifier=verifier, tree=tree, policy=policy, children=children)
+    plan = resolve(DEFAULT_METHOD, verifier=verifier, tree=tree, policy=policy, children=children)
     encoded: list[list[int] | str] = []  # a prompt's ids, or why it has none
     for prompt in prompts:
         try:
@@ -253,11 +257,8 @@ def generate_batch(
         try:
             if isinstance(prompt_ids, str):
                 raise VerispecError(prompt_ids)
-            mine = drafter.fork()
-            run = plan.build(target, mine)
-            seqs.append(engine.submit(prompt_ids, drafter=mine, verifier=run.verifier, tree=run.tree,
+            seqs.append(engine.submit(prompt_ids, plan.start(target, drafter),
                                       sampling=Sampling(temperatures[i], top_k, top_p), max_new_tokens=budgets[i],
-                                      children=run.children, policy=run.policy, verifier_state=run.verifier_state,
                                       seed=seeds[i], id=i))
         except VerispecError as exc:
             failed[i] = ([] if isinstance(prompt_ids, str) else prompt_ids, str(exc))

@@ -18,82 +18,30 @@ the same law (lengths never change the law: every verifier is exact for any draf
 enumerates two sequences sharing steps). At temperature 0 lengths do not matter: the tokens are the argmax chain.
 
 **Load-aware speculation.** With several sequences running and ``auto`` policies, the depths are chosen for the
-batch: each sequence's policy says how many tokens each depth is expected to yield on its text
-(``Policy.expected_tokens``), the measured cost of a forward of R rows and of each draft depth says what a step costs
-(``backends.costs.BatchCosts``), and depths are added one at a time, where the batch's expected tokens per second rise
-most, until no addition pays -- down to none at all when rows are dear. A batch of one keeps the policy's own plan.
+batch from measured costs (``planner``); a batch of one keeps the policy's own plan.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from .backends.base import Target
-from .backends.costs import BATCH_CONTEXT, BatchCosts, batch_costs
 from .drafters.base import Draft, DraftControl, Drafter, propose_batch
-from .drafters.costs import DraftCosts, draft_costs
 from .drafters.suffix import SuffixCache
 from .errors import VerispecError
-from .policies import Feedback, Fixed, Policy
+from .methods import Recipe
+from .planner import CostBook, nothing_pays, plan_depths
+from .policies import Feedback
 from .probs import Sampling
 from .rng import Randomness, TorchRandomness
+from .sequence import Sequence, StepRecord
 from .tree import DynamicTree, Tree
 from .verifiers import check
-from .verifiers.base import VerifierSpec, step_verdict
-from .verifiers.costs import VerifyCosts, cost_key, verify_costs
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    drafted: int  # drafted tokens (tree nodes) this step
-    draft_depth: int
-    accepted_length: int  # accepted drafted tokens + 1 (recovered/bonus), before EOS/budget truncation
-    accepted_ranks: tuple[int, ...]  # candidate index accepted at each depth
-    tested: tuple[int, ...]  # candidates tested at each depth reached
-    emitted: tuple[int, ...]  # tokens appended to the output (after EOS/budget truncation)
-    draft_s: float
-    target_s: float
-    verify_s: float
-    source: str | None = None  # which draft source proposed (a drafter with several), else None
-    batch: int = 1  # sequences in the step's target forward
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One request as the engine runs it: what it decodes with, its own states, and what it has produced."""
-
-    prompt_ids: list[int]
-    max_new_tokens: int
-    sampling: Sampling
-    drafter: Drafter
-    verifier: VerifierSpec
-    tree: Tree | DynamicTree
-    children: str
-    policy: Policy
-    rng: Randomness
-    verifier_state: object | None = None
-    id: object = None
-    state: object = None  # the target's cache, once prefilled
-    context: list[int] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    steps: list[StepRecord] = field(default_factory=list)
-    stop_reason: str | None = None  # "eos", "max_new_tokens", "cancelled", "error"; None while running
-    error: str | None = None
-    prefill_s: float = 0.0
-    prefilled: int = 0  # prompt tokens in the cache (all but the last once it decodes)
-    submitted: float = 0.0  # perf_counter times
-    admitted: float | None = None
-    started: float | None = None  # prefilled and running
-    first_token: float | None = None
-    finished: float | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.stop_reason is not None
+from .verifiers.base import step_verdict
 
 
 @dataclass
@@ -119,20 +67,13 @@ class Engine:
     along a compute-bound prefill nearly free) instead of in a forward of its own first. ``isolate``: a sequence
     whose step raises (its draft, verification or commit) fails alone (``stop_reason`` "error", ``error`` its
     message) while the others go on, and a failed forward fails the sequences in it; without it the error
-    propagates (one sequence alone: the caller sees it). ``costs``: the measured forward costs the load-aware plan
-    reads (default: measured on first use and cached, ``backends.costs.batch_costs``); ``draft_costs``: the drafts'
-    measured batch costs by ``Drafter.cost_id`` (default: measured on first use and cached,
-    ``drafters.costs.draft_costs``, where ``costs`` is too; none where ``costs`` is given, since the two must share
-    one clock: then each draft's ``depth_cost`` of a plain step stands for its cost); ``verify_costs``: each drafting
-    sequence's verification by ``verifiers.costs.cost_key`` (default: measured on first use and cached,
-    ``verifiers.costs.verify_costs``, where ``costs`` and ``draft_costs`` are too; elsewhere only those given are
-    charged); ``answer_cache``: a ``drafters.SuffixCache`` that every answer which ends well (not failed or
-    cancelled) is added to, for the drafts that read it (``drafters.with_answer_cache``)."""
+    propagates (one sequence alone: the caller sees it). ``costs``: what the load-aware plan charges
+    (``planner.CostBook``; default: each cost measured on first use and cached). ``answer_cache``: a
+    ``drafters.SuffixCache`` that every answer which ends well is added to (``drafters.with_answer_cache``)."""
 
     def __init__(self, target: Target, *, max_batch: int = 8, row_budget: int | None = None,
-                 costs: BatchCosts | None = None, draft_costs: dict[str, DraftCosts] | None = None,
-                 load_aware: bool = True, isolate: bool = False, max_context: int | None = None,
-                 prefill_chunk: int | None = None, verify_costs: dict[tuple, VerifyCosts] | None = None,
+                 costs: CostBook | None = None, load_aware: bool = True, isolate: bool = False,
+                 max_context: int | None = None, prefill_chunk: int | None = None,
                  answer_cache: SuffixCache | None = None):
         if max_batch < 1:
             raise VerispecError(f"max_batch must be >= 1, got {max_batch}")
@@ -149,38 +90,33 @@ class Engine:
         self._pool = target.state_pool(max_batch, max_context) if max_context is not None and max_batch > 1 else None
         self.load_aware, self.isolate = load_aware, isolate
         self.answer_cache = answer_cache  # every finished answer goes in (drafts that read it: ``with_answer_cache``)
-        self._costs = costs
-        self._measure_drafts = costs is None and draft_costs is None
-        self._draft_costs: dict[str, DraftCosts | None] = dict(draft_costs or {})
-        self._verify_costs: dict[tuple, VerifyCosts | None] = dict(verify_costs or {})
+        self.book = costs or CostBook(target)  # what the load-aware plan charges
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.steps = 0
 
     # ---------------------------------------------------------------- requests
 
-    def submit(self, prompt_ids: list[int], *, drafter: Drafter, verifier: VerifierSpec, tree: Tree | DynamicTree,
-               sampling: Sampling, max_new_tokens: int, children: str = "iid", policy: Policy | None = None,
-               verifier_state=None, seed: int = 0, rng: Randomness | None = None, id=None) -> Sequence:
-        """Queue one sequence (its own ``drafter`` and ``policy``: a batch needs one of each per sequence)."""
-        policy = policy or Fixed()
+    def submit(self, prompt_ids: list[int], recipe: Recipe, *, sampling: Sampling, max_new_tokens: int,
+               seed: int = 0, rng: Randomness | None = None, id=None) -> Sequence:
+        """Queue one sequence, decoded with ``recipe``'s pieces (its own ``drafter`` and ``policy``: a batch needs
+        one of each per sequence, ``Plan.start``) from ``seed``'s randomness or ``rng``."""
         prompt_ids = list(prompt_ids)
-        self.check_request(prompt_ids, max_new_tokens, drafter=drafter, verifier=verifier, tree=tree,
-                           sampling=sampling, children=children, policy=policy)
+        self.check_request(prompt_ids, max_new_tokens, recipe, sampling)
         others = self.running + self.waiting
-        if others and others[0].drafter.feature_layers != drafter.feature_layers:
+        if others and others[0].drafter.feature_layers != recipe.drafter.feature_layers:
             raise VerispecError("the sequences of one engine share the target's forward, so their drafts must read the "
                                 "same target features")
-        if verifier.new_state is not None and verifier_state is None:
-            verifier_state = verifier.new_state()
-        seq = Sequence(prompt_ids, max_new_tokens, sampling, drafter, verifier, tree, children, policy,
-                       rng if rng is not None else TorchRandomness(seed), verifier_state, id,
+        state = recipe.verifier_state
+        if recipe.verifier.new_state is not None and state is None:
+            state = recipe.verifier.new_state()
+        seq = Sequence(prompt_ids, max_new_tokens, sampling, recipe.drafter, recipe.verifier, recipe.tree,
+                       recipe.children, recipe.policy, rng if rng is not None else TorchRandomness(seed), state, id,
                        submitted=time.perf_counter())
         self.waiting.append(seq)
         return seq
 
-    def check_request(self, prompt_ids: list[int], max_new_tokens: int, *, drafter: Drafter, verifier: VerifierSpec,
-                      tree: Tree | DynamicTree, sampling: Sampling, children: str, policy: Policy,
+    def check_request(self, prompt_ids: list[int], max_new_tokens: int, recipe: Recipe, sampling: Sampling,
                       budget_name: str = "max_new_tokens") -> None:
         """Refuse (``VerispecError``, one sentence) a sequence that could not run: what ``submit`` checks first. It
         reads only the engine's fixed configuration, so any thread may ask it (a server does, to answer at once)."""
@@ -190,9 +126,10 @@ class Engine:
             raise VerispecError("the prompt is empty")
         if any(not 0 <= t < self.target.vocab_size for t in prompt_ids):
             raise VerispecError(f"prompt token ids must lie in [0, {self.target.vocab_size})")
-        self.check_length(len(prompt_ids), max_new_tokens, tree, budget_name)
-        check(verifier, tree, children, policy.name, 0.0 if sampling.greedy else sampling.temperature)
-        drafter.check_compatible(self.target)
+        self.check_length(len(prompt_ids), max_new_tokens, recipe.tree, budget_name)
+        check(recipe.verifier, recipe.tree, recipe.children, recipe.policy.name,
+              0.0 if sampling.greedy else sampling.temperature)
+        recipe.drafter.check_compatible(self.target)
 
     def room(self, tree: Tree | DynamicTree) -> int:
         """Context left for a prompt and its new tokens: positions reach them and a draft's depth, and a pooled cache
@@ -230,21 +167,18 @@ class Engine:
         others' trees (it returns from ``step`` once it decodes). Three verbs: schedule (who drafts what, which
         prompt chunks ride along), one target forward over all of it, then each sequence verified and committed."""
         self._admit()
-        t0 = time.perf_counter()
-        work = self._schedule()
+        work, draft_s = _timed(self._schedule)
         if work is None:
             return []
-        t1 = time.perf_counter()
-        outs = self._forward(work)
+        outs, target_s = _timed(self._forward, work)
         if outs is None:  # the forward failed, and every sequence in it with it (isolate)
             return work.seqs
-        t2 = time.perf_counter()
         for (s, chunk), out in zip(work.chunks, outs[len(work.seqs):]):
             self._filled(s, chunk, out)
         batch = len(work.seqs) + len(work.chunks)  # sequences in the forward
         for s, d, out, source in zip(work.seqs, work.drafts, outs, work.sources):
             try:
-                self._advance(s, d, out, source, draft_s=t1 - t0, target_s=t2 - t1, batch=batch)
+                self._advance(s, d, out, source, draft_s=draft_s, target_s=target_s, batch=batch)
             except Exception as exc:  # noqa: BLE001 - one sequence's failure is its own (isolate) or the caller's
                 if not self.isolate:
                     raise
@@ -390,18 +324,11 @@ class Engine:
         seq.prefill_s = seq.started - t
 
     def _advance(self, s: Sequence, draft: Draft, out, source, draft_s: float, target_s: float, batch: int) -> None:
-        """Verify one sequence's draft against its share of the forward, commit, and update its policy."""
-        t2 = time.perf_counter()
-        verdict = step_verdict(s.verifier, draft, out.logits, s.sampling, s.rng, s.verifier_state)
-        t3 = time.perf_counter()
-        self.target.commit(s.state, [0, *verdict.path])
-        t4 = time.perf_counter()
-        if s.drafter.uses_target_hidden:  # the target's features of the root and the accepted path (EAGLE)
-            s.drafter.observe(out.hidden[[0, *verdict.path]])
-        if s.drafter.uses_target_logits:  # what the target said after every row (token recycling)
-            s.drafter.observe_logits(draft.tokens, out.logits)
-        s.drafter.commit(draft, list(verdict.path))
-        t5 = time.perf_counter()
+        """Verify one sequence's draft against its share of the forward, commit, and update its policy; its step's
+        record charges its verification, its cache's commit (the target's) and its draft's update (the draft's)."""
+        verdict, verify_s = _timed(step_verdict, s.verifier, draft, out.logits, s.sampling, s.rng, s.verifier_state)
+        _, commit_s = _timed(self.target.commit, s.state, [0, *verdict.path])
+        _, observe_s = _timed(self._observe, s, draft, out, verdict.path)
         new = [int(draft.tokens[n]) for n in verdict.path] + [verdict.token]
         emitted, stop = [], None
         for tok in new:
@@ -421,10 +348,20 @@ class Engine:
         s.steps.append(StepRecord(
             drafted=draft.num_drafted, draft_depth=draft.tree.max_depth, accepted_length=len(verdict.path) + 1,
             accepted_ranks=tuple(ranks[n] for n in verdict.path), tested=verdict.tested, emitted=tuple(emitted),
-            draft_s=draft_s + (t5 - t4), target_s=target_s + (t4 - t3), verify_s=t3 - t2, source=source,
+            draft_s=draft_s + observe_s, target_s=target_s + commit_s, verify_s=verify_s, source=source,
             batch=batch))
         if stop:
             self._finish(s, stop)
+
+    @staticmethod
+    def _observe(s: Sequence, draft: Draft, out, path: list[int]) -> None:
+        """What the step tells the draft: the target's features of the root and the accepted path (EAGLE), its
+        logits at every row (token recycling), and the accepted path itself."""
+        if s.drafter.uses_target_hidden:
+            s.drafter.observe(out.hidden[[0, *path]])
+        if s.drafter.uses_target_logits:
+            s.drafter.observe_logits(draft.tokens, out.logits)
+        s.drafter.commit(draft, list(path))
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.stop_reason is None:
@@ -453,79 +390,33 @@ class Engine:
 
     def depths(self, seqs: list[Sequence], prompt_rows: int = 0) -> list[int | None]:
         """The depth each sequence drafts this step (None: a dynamic tree, which sets its own), in a forward that also
-        runs ``prompt_rows`` rows of joining prompts."""
+        runs ``prompt_rows`` rows of joining prompts: the load-aware plan's (``planner.plan_depths``) when several
+        sequences run."""
         dynamic = any(not isinstance(s.tree, Tree) for s in seqs)
         expected = [s.policy.expected_tokens(s.tree.max_depth) if isinstance(s.tree, Tree) else None for s in seqs]
         if len(seqs) == 1 or not self.load_aware or dynamic or all(e is None for e in expected):
             return [s.policy.planned_depth(s.tree.max_depth) if isinstance(s.tree, Tree) else None for s in seqs]
         proposers = [s.drafter.proposer(s.context) for s in seqs]
-        trees = [s.tree for s in seqs]
-        drafting = self.drafting(proposers)
-        context, span = _contexts(seqs)
-        lag = [_lag(s, p) for s, p in zip(seqs, proposers)]
-        verify = self.verifying(seqs)
-        best = batch_depths(expected, trees, proposers, self.costs,
-                            [s.policy.planned_depth(s.tree.max_depth) if e is None else None
-                             for s, e in zip(seqs, expected)], drafting=drafting, context=context, span=span,
-                            prompt_rows=prompt_rows, lag=lag, verify=verify)
-        # a policy probes a depth it stopped drafting only where a good draft of it could pay in this batch
-        planned = _StepCost(expected, trees, proposers, self.costs, best, drafting, context, span, prompt_rows, lag,
-                            verify)
-        probe = [e is not None and _pays(planned, i) for i, e in enumerate(expected)]
+        own = [s.policy.planned_depth(s.tree.max_depth) if e is None else None for s, e in zip(seqs, expected)]
+        best, probe = plan_depths(expected, [s.tree for s in seqs], proposers, self.book, own,
+                                  [len(s.context) for s in seqs], [_lag(s, p) for s, p in zip(seqs, proposers)],
+                                  self._verifying(seqs), prompt_rows)
         return [s.policy.planned_depth(s.tree.max_depth, best=b, probe=p) if e is not None else b
                 for s, b, e, p in zip(seqs, best, expected, probe)]
 
     def _nothing_pays(self, seqs: list[Sequence], prompt_rows: int = 0) -> bool:
-        """Whether, with this many sequences, no group of them (one alone up to all) drafting one token each of the
-        cheapest draft, accepted as often as a good draft is, would raise the batch's rate by more than the margin
-        (``batch_depths``' rule): then a step is a plain one for all, and asks the drafts nothing."""
+        """Whether no sequence's draft could pay this step (``planner.nothing_pays``, with the cheapest draft)."""
         if len(seqs) < 2 or not self.load_aware or any(not isinstance(s.tree, Tree) or s.tree.size < 2 for s in seqs):
             return False
         if any(s.policy.expected_tokens(s.tree.max_depth) is None for s in seqs):
             return False
         cheapest = min((d for s in seqs for d in (s.drafter.sources or {"": s.drafter}).values()),
                        key=lambda d: d.depth_cost)
-        plan = _StepCost([None] * len(seqs), [s.tree for s in seqs], [cheapest] * len(seqs), self.costs,
-                         [0] * len(seqs), self.drafting([cheapest]), *_contexts(seqs), prompt_rows,
-                         verify=self.verifying(seqs))
-        enough = plan.rate() * (1 + BATCH_MARGIN)
-        for i in range(len(seqs)):
-            plan.add(i, GOOD_DRAFT)
-            if plan.rate() > enough:
-                return False
-        return True
+        return nothing_pays([s.tree for s in seqs], cheapest, self.book, [len(s.context) for s in seqs],
+                            self._verifying(seqs), prompt_rows)
 
-    def drafting(self, proposers: list[Drafter]) -> dict:
-        """The measured ``DraftCosts`` of these proposers' draft models, by batch key (each measured once per machine
-        when a batch first needs it, where the engine measures; a draft without them is left out)."""
-        out = {}
-        for p in {p.batch_key: p for p in proposers}.values():  # one per draft model: its cost_id is not free
-            cid = p.cost_id
-            if cid is None:
-                continue
-            if cid not in self._draft_costs and self._measure_drafts:
-                self._draft_costs[cid] = draft_costs(self.target, p)
-            if self._draft_costs.get(cid) is not None:
-                out[p.batch_key] = self._draft_costs[cid]
-        return out
-
-    def verifying(self, seqs: list[Sequence]) -> list[VerifyCosts | None]:
-        """Each sequence's ``VerifyCosts`` (its verifier and kind of sampling, measured once per machine when a batch
-        first needs them, where the engine measures; None elsewhere: not charged)."""
-        out = []
-        for s in seqs:
-            entry = cost_key(s.verifier, s.sampling)
-            if entry not in self._verify_costs:
-                self._verify_costs[entry] = verify_costs(s.verifier, s.sampling, self.target.vocab_size) \
-                    if self._measure_drafts else None
-            out.append(self._verify_costs[entry])
-        return out
-
-    @property
-    def costs(self) -> BatchCosts:
-        if self._costs is None:  # measured (once per machine, then cached) only when a batch first needs it
-            self._costs = batch_costs(self.target)
-        return self._costs
+    def _verifying(self, seqs: list[Sequence]) -> list:
+        return self.book.verifying([(s.verifier, s.sampling) for s in seqs])
 
 
 def _lag(seq: Sequence, proposer: Drafter) -> int:
@@ -536,187 +427,11 @@ def _lag(seq: Sequence, proposer: Drafter) -> int:
     return min(max(proposer.catch_up(seq.context) - 1, 0), len(seq.token_ids))
 
 
-def _contexts(seqs: list[Sequence]) -> tuple[float, int]:
-    """The batch's mean context (``BatchCosts.seconds``' ``context``) and its longest (``span``)."""
-    lengths = [len(s.context) for s in seqs]
-    return sum(lengths) / len(lengths), max(lengths)
-
-
-class _StepCost:
-    """A step's expected tokens and seconds for the depths planned so far, kept up to date as single depths are added
-    and taken back (each in constant time whatever the batch's size, but for copying the few draft models' counts):
-    the target's forward over all rows with this many sequences, the widest tree setting every sequence's attention
-    padding over the longest sequence's ``span`` of keys, its drafted rows reading their sequences' caches
-    (``costs.seconds`` at the batch's mean ``context``; with ``prompt_rows`` of joining prompts in the same forward,
-    each drafted row costs what a row costs that far up the table, where rows are dearer -- but the prompt's own
-    cost, owed whatever the plan, is left out, so that a drafted token is still judged against the rate of a plain
-    step),
-    plus each draft model's drafting: where it was measured (``drafting``, by batch key:
-    ``DraftCosts``), by the number of sequences drafting each depth, and for each drafting sequence the rows its
-    draft has yet to catch up on (``lag``: ``DraftCosts.per_row`` each); elsewhere its deepest sequence's depths (one
-    batched draft forward per depth; ``Drafter.depth_cost`` of a plain step each),
-    plus each drafting sequence's verification beyond a plain step's draw (``verify``, by sequence: the
-    ``VerifyCosts`` of its verifier and sampling for its rows; None: not charged). A sequence whose ``expected`` is
-    None yields one token a step."""
-
-    def __init__(self, expected: list[list[float] | None], trees: list[Tree], proposers: list[Drafter],
-                 costs: BatchCosts, depths: list[int], drafting: dict | None = None,
-                 context: float = BATCH_CONTEXT, span: float | None = None, prompt_rows: int = 0,
-                 lag: list[int] | None = None, verify: list[VerifyCosts | None] | None = None):
-        self.expected, self.sizes, self.proposers, self.costs = expected, [t.sizes for t in trees], proposers, costs
-        self.context, self.span, self.prompt_rows = context, span, prompt_rows
-        self.drafting = drafting or {}
-        self.lag = lag or [0] * len(depths)
-        self.caught = 0.0  # seconds of the drafting sequences' catching up
-        self.verify = verify or [None] * len(depths)
-        self.checked = 0.0  # seconds of the drafting sequences' verification
-        self.depths = list(depths)
-        self._undo: list[tuple[int, int]] = []  # (sequence, its depth before) of each addition, for ``reset``
-        self.tokens = sum(e[d] if e is not None else 1.0 for e, d in zip(expected, depths))
-        self.rows = sum(sz[d] for sz, d in zip(self.sizes, depths))
-        self.widest = max(sz[d] for sz, d in zip(self.sizes, depths))
-        self.draft: dict = {}  # batch key -> (its deepest depth, its cost per depth), drafts not measured
-        self.counts: dict = {}  # batch key -> sequences drafting each depth or deeper, drafts measured
-        for i, d in enumerate(depths):
-            for k in range(d):
-                self._deepen(i, k)
-        self.unit = costs.seconds(1, 1)
-
-    def _deepen(self, i: int, d: int) -> None:
-        """Sequence i's draft drafts depth d + 1."""
-        if self.verify[i] is not None:
-            rows = self.sizes[i]
-            self.checked += self.verify[i].seconds(rows[d + 1]) - self.verify[i].seconds(rows[d])
-        p = self.proposers[i]
-        if p.batch_key in self.drafting:
-            counts = self.counts.setdefault(p.batch_key, [])
-            counts.extend([0] * (d + 1 - len(counts)))
-            counts[d] += 1
-            if d == 0:
-                self.caught += self.lag[i] * self.drafting[p.batch_key].per_row
-        else:
-            self.draft[p.batch_key] = max(self.draft.get(p.batch_key, (0, 0.0))[0], d + 1), p.depth_cost
-
-    def seconds(self) -> float:
-        return self.costs.seconds(self.rows, len(self.depths), self.widest, self.context, self.span) + \
-            self._beside_prompt() + \
-            sum(d * c for d, c in self.draft.values()) * self.unit + \
-            sum(self.drafting[key].seconds(counts) for key, counts in self.counts.items()) + self.caught + self.checked
-
-    def rate(self) -> float:
-        return self.tokens / self.seconds()
-
-    def _beside_prompt(self) -> float:
-        """What the drafted rows cost more beside the step's prompt rows than without them."""
-        if not self.prompt_rows:
-            return 0.0
-        row, plain, rows = self.costs.seconds, len(self.depths), self.rows
-        return (row(rows + self.prompt_rows) - row(plain + self.prompt_rows)) - (row(rows) - row(plain))
-
-    def gain(self, i: int) -> float:
-        """Expected tokens one more depth of sequence i adds."""
-        e, d = self.expected[i], self.depths[i]
-        return e[d + 1] - e[d]
-
-    def add(self, i: int, gain: float | None = None) -> None:
-        """One more depth for sequence i, yielding ``gain`` more tokens (default: what its ``expected`` says)."""
-        d, sz = self.depths[i], self.sizes[i]
-        self.tokens += self.gain(i) if gain is None else gain
-        self.rows += sz[d + 1] - sz[d]
-        self.widest = max(self.widest, sz[d + 1])
-        self._deepen(i, d)
-        self._undo.append((i, d))
-        self.depths[i] = d + 1
-
-    def mark(self) -> tuple:
-        """The state now, for ``reset`` to return to after trying moves."""
-        return (self.tokens, self.rows, self.widest, dict(self.draft), {k: list(v) for k, v in self.counts.items()},
-                len(self._undo), self.caught, self.checked)
-
-    def reset(self, mark: tuple) -> None:
-        self.tokens, self.rows, self.widest, self.draft = mark[0], mark[1], mark[2], dict(mark[3])
-        self.counts, self.caught, self.checked = {k: list(v) for k, v in mark[4].items()}, mark[6], mark[7]
-        while len(self._undo) > mark[5]:
-            i, d = self._undo.pop()
-            self.depths[i] = d
-
-
-# a move is made for a batch only where it raises the rate by more: the cost model's remaining error (0.10 until each
-# drafting sequence's verification was charged; at 0.05 the plan drafts more at 2 and 4 in flight: design.md)
-BATCH_MARGIN = 0.05
-
-
-def batch_depths(expected: list[list[float] | None], trees: list[Tree], proposers: list[Drafter],
-                 costs: BatchCosts, own: list[int | None], margin: float = BATCH_MARGIN,
-                 drafting: dict | None = None, context: float = BATCH_CONTEXT,
-                 span: float | None = None, prompt_rows: int = 0, lag: list[int] | None = None,
-                 verify: list[VerifyCosts | None] | None = None) -> list[int]:
-    """The depths with the most expected tokens per second for the batch. Each sequence starts at 0 (those whose
-    policy plans its own depth, ``own``, keep it); then, move after move, one more depth goes to a group of
-    sequences: of the moves that raise the batch's rate (expected tokens over ``_StepCost`` seconds) by more than
-    ``margin`` (the cost model's own error is of that order: rows are timed in one sequence's forward, drafting at
-    one context length (``drafting``, ``_StepCost``), and a step may also carry a prompt chunk; a depth that only
-    breaks even costs throughput), the one whose added tokens come cheapest (added tokens over added seconds; on a tie the larger
-    move), until none is left.
-
-    The moves tried are one sequence alone (each of them) and the m sequences whose next depth adds the most
-    tokens, for every m. Groups matter in a large batch: the first drafted row of a step pays for costs the whole
-    batch shares -- the draft model's forward, the padding of every sequence's attention to the widest tree, a step
-    up in the forward's cost -- so one sequence drafting alone can cost more than it gains where every sequence
-    drafting together gains far more than it costs; and one sequence's depth moves a large batch's rate too little
-    to clear the margin however well it pays. Choosing the cheapest tokens rather than the largest rise keeps a
-    large move from taking the rows that better drafts would have used a step later."""
-    plan = _StepCost(expected, trees, proposers, costs, [o if o is not None else 0 for o in own], drafting, context,
-                     span, prompt_rows, lag, verify)
-    while True:
-        open_ = [i for i, e in enumerate(expected) if e is not None and plan.depths[i] + 1 < len(e)]
-        if not open_:
-            return plan.depths
-        tokens, seconds = plan.tokens, plan.seconds()
-        enough = tokens / seconds * (1 + margin)
-        mark = plan.mark()
-        best, cheapest = None, 0.0
-
-        def judge(move: list[int], larger: bool) -> None:  # the move is applied to ``plan`` when this is called
-            nonlocal best, cheapest
-            added = plan.seconds() - seconds
-            per_second = float("inf") if added <= 0 else (plan.tokens - tokens) / added
-            if plan.rate() > enough and (best is None or per_second > cheapest
-                                         or larger and per_second >= cheapest * (1 - 1e-9)):
-                best, cheapest = move, per_second
-
-        for i in open_:  # one sequence alone
-            plan.add(i)
-            judge([i], False)
-            plan.reset(mark)
-        order = sorted(open_, key=lambda i: -plan.gain(i))  # the m best next depths, for each m
-        for m, i in enumerate(order, start=1):
-            plan.add(i)
-            if m > 1:
-                judge(order[:m], True)
-        plan.reset(mark)
-        if best is None:
-            return plan.depths
-        for i in best:
-            plan.add(i)
-
-
-GOOD_DRAFT = 0.8  # the acceptance of the best drafts measured here (prompt lookup on a long match)
-
-
-def _pays(plan: _StepCost, i: int, margin: float = BATCH_MARGIN) -> bool:
-    """Whether one more depth for sequence i, accepted as often as a good draft is (``GOOD_DRAFT``), would yield
-    its tokens at a rate above the batch's (its added tokens over its added seconds, by more than ``margin``): where
-    it would not, probing that depth is a loss too. Judged at the margin of the plan, not by the batch's whole rate,
-    which one sequence's depth moves little in a large batch."""
-    if plan.depths[i] + 1 >= len(plan.sizes[i]):
-        return False
-    mark = plan.mark()
-    tokens, seconds = plan.tokens, plan.seconds()
-    plan.add(i, GOOD_DRAFT)
-    added = plan.seconds() - seconds
-    plan.reset(mark)
-    return added <= 0 or GOOD_DRAFT / added > tokens / seconds * (1 + margin)
+def _timed(fn: Callable, *args):
+    """``fn(*args)`` and the seconds it took."""
+    t = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t
 
 
 def run_all(engine: Engine, on_step: Callable[[Sequence], None] | None = None) -> None:

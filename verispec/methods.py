@@ -16,11 +16,11 @@ A method name may also be a registered verifier (``specinfer``, ``fsd:0.2``: fix
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .backends.costs import forward_costs
 from .errors import VerispecError
-from .policies import PerSource, Policy, get_policy
+from .policies import Fixed, PerSource, Policy, get_policy
 from .tree import DynamicTree, Tree
 from .verifiers import VERIFIERS, VerifierSpec, check, get_verifier
 
@@ -71,13 +71,15 @@ METHODS_HELP = (
 @dataclass
 class Recipe:
     """A run's pieces, built for a target and a draft: fresh for each run, or reused across prompts to keep what
-    the policy and a learning verifier have learned."""
+    the policy and a learning verifier have learned. ``drafter`` is the draft state the run drafts with (one per
+    sequence: ``Plan.start`` forks it); what ``Engine.submit`` takes whole."""
 
     verifier: VerifierSpec
     tree: Tree | DynamicTree
-    children: str
-    policy: Policy
-    verifier_state: object | None
+    drafter: object = None  # a ``Drafter``
+    children: str = "iid"
+    policy: Policy = field(default_factory=Fixed)
+    verifier_state: object | None = None
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,11 @@ class Plan:
         check(self.verifier, tree, self.children, policy.name)
         if verifier_state is None and self.verifier.new_state is not None:
             verifier_state = self.verifier.new_state()
-        return Recipe(self.verifier, tree, self.children, policy, verifier_state)
+        return Recipe(self.verifier, tree, drafter, self.children, policy, verifier_state)
+
+    def start(self, target, drafter) -> Recipe:
+        """A new sequence's pieces: ``drafter`` forked (its own draft state), and ``build`` for it."""
+        return self.build(target, drafter.fork())
 
 
 def resolve(method: str | None = None, *, verifier: str | VerifierSpec | None = None,

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from typing import Callable, Protocol, TypeVar
 
-import numpy as np
 import torch
 
-from .probs import as_numpy, point_mass_index
+from .probs import point_mass_index
 
 T = TypeVar("T")
 

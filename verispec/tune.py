@@ -79,7 +79,8 @@ def tune_tree(target, drafter, *, temperature: float = 0.0, children: str = "iid
     probe = Tree.complete(width, 2)
     steps = []
     for i, prompt in enumerate(ids):
-        out = generate(target, drafter, get_verifier(VERIFIER_FOR[children]), prompt, tree=probe, children=children,
+        out = generate(target, drafter, get_verifier(VERIFIER_FOR[children]), prompt, tree=probe, policy="fixed",
+                       children=children,
                        max_new_tokens=max_new_tokens, temperature=temperature, seed=i)
         steps += out.steps
     conditional = per_candidate_acceptance(steps, width)

@@ -8,8 +8,8 @@ bench left unresolved, not the benchmark (``verispec bench --concurrency``).
 A method named ``M:plain`` is M whose batched steps never draft (``Engine._nothing_pays`` says so whenever two or more
 sequences decode; its drafter still receives the target's features): what M costs beside ``ar`` besides its drafts.
 A method named ``M:margin=X`` is M whose load-aware plan asks a move to raise the batch's rate by more than X
-(``engine.BATCH_MARGIN``) before it drafts; ``M:unverified`` is M whose plan does not charge drafting sequences their
-verification (``Engine.verifying``); the two combine (``default:margin=0.1:unverified``). ``M:own`` is M whose
+(``planner.BATCH_MARGIN``) before it drafts; ``M:unverified`` is M whose plan does not charge drafting sequences their
+verification (``Engine._verifying``); the two combine (``default:margin=0.1:unverified``). ``M:own`` is M whose
 sequences each draft what their own policy plans alone (``Engine.depths`` as at one in flight), whatever the batch.
 ``M:measured`` is M whose policies weigh a draft head's depths by this machine's measured costs (the target's
 forwards, ``forward_costs``, and the head's drafting, ``draft_costs`` of one sequence) instead of the step costs
@@ -25,7 +25,7 @@ import statistics
 import numpy as np
 import torch
 
-from verispec import engine as engine_module
+from verispec import planner
 from verispec import load
 from verispec import methods as methods_module
 from verispec.backends.costs import forward_costs
@@ -56,7 +56,7 @@ def main() -> None:
     problems = spec_bench_problems(args.limit)
     ids = [target.encode_prompt(p.prompt, chat=p.chat) for p in problems]
     plans = {m: resolve(m.split(":")[0], temperature=args.temperature) for m in args.methods}
-    pays, verifying, depths = Engine._nothing_pays, Engine.verifying, Engine.depths
+    pays, verifying, depths = Engine._nothing_pays, Engine._verifying, Engine.depths
 
     sidecar_costs = methods_module.step_costs
 
@@ -70,19 +70,19 @@ def main() -> None:
     def own(self, seqs, prompt_rows=0):
         return [s.policy.planned_depth(s.tree.max_depth) if isinstance(s.tree, Tree) else None for s in seqs]
 
-    default_margin, batch_depths, one_pays = engine_module.BATCH_MARGIN, engine_module.batch_depths, engine_module._pays
+    default_margin, batch_depths, one_pays = planner.BATCH_MARGIN, planner.batch_depths, planner.pays
 
     def set_margin(m: str) -> None:
         margin = float(m.split(":margin=")[1].split(":")[0]) if ":margin=" in m else default_margin
-        engine_module.BATCH_MARGIN = margin  # read by ``Engine._nothing_pays``; the two below take it as an argument
-        engine_module.batch_depths = lambda *a, **k: batch_depths(*a, **{**k, "margin": margin})
-        engine_module._pays = lambda plan, i: one_pays(plan, i, margin)
+        planner.BATCH_MARGIN = margin  # read by ``planner.nothing_pays``; the two below take it as an argument
+        planner.batch_depths = lambda *a, **k: batch_depths(*a, **{**k, "margin": margin})
+        planner.pays = lambda plan, i: one_pays(plan, i, margin)
 
     def loop(m: str, n: int | None = None) -> float:
         set_margin(m)
         Engine._nothing_pays = (lambda self, seqs, *rest: len(seqs) >= 2) if m.endswith(":plain") else \
             (lambda self, seqs, *rest: False) if ":own" in m else pays
-        Engine.verifying = (lambda self, seqs: [None] * len(seqs)) if ":unverified" in m else verifying
+        Engine._verifying = (lambda self, seqs: [None] * len(seqs)) if ":unverified" in m else verifying
         Engine.depths = own if ":own" in m else depths
         methods_module.step_costs = measured if ":measured" in m else sidecar_costs
         reqs = verispec_loop(target, plans[m], drafter, problems[:n] if n else problems, ids[:n] if n else ids,

@@ -31,9 +31,10 @@ def main() -> None:
     prompts = [p.prompt for p in spec_bench_problems(2)][:args.prompts]
     draft = NoDrafter() if args.draft == "none" else build_drafter(args.draft, target, dtype=args.dtype)
     tree = "none" if args.draft == "none" else "auto"
-    generate_batch(target, draft, "chain", prompts[:2], tree=tree, max_new_tokens=4, temperature=args.temperature)
+    generate_batch(target, draft, "chain", prompts[:2], tree=tree, policy="fixed", max_new_tokens=4,
+                   temperature=args.temperature)
     t = time.perf_counter()
-    res = generate_batch(target, draft, "chain", prompts, tree=tree, max_new_tokens=args.max_new_tokens,
+    res = generate_batch(target, draft, "chain", prompts, tree=tree, policy="fixed", max_new_tokens=args.max_new_tokens,
                          temperature=args.temperature, max_batch=args.max_batch)
     seconds = time.perf_counter() - t
     tokens = sum(len(r.token_ids) for r in res)

@@ -59,7 +59,7 @@ def main() -> None:
 
     def timed_draft(self, seqs, planned):
         proposers = [s.drafter.proposer(s.context) for s in seqs]
-        measured = self.drafting(proposers)
+        measured = self.book.drafting(proposers)
         counts: dict = {}
         drafting[2] = sum(p.catch_up(s.context) for p, s, tree in zip(proposers, seqs, planned)
                           if tree.max_depth and p.batch_key in measured)

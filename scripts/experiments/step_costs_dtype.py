@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from verispec import build_drafter, generate, load, resolve  # noqa: E402
 from verispec.datasets import spec_bench_prompts  # noqa: E402
-from verispec.drafters.factory import shipped_head_path, sidecar  # noqa: E402
+from verispec.drafters.eagle import shipped_head_path, sidecar  # noqa: E402
 from verispec.methods import step_costs  # noqa: E402
 
 

@@ -166,7 +166,8 @@ def sequence_nll(target, drafter, spec: VerifierSpec | None, prompts: list[str],
             out = generate(target, NoDrafter(), get_verifier("chain"), prompt, tree=Tree.root_only(),
                            max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + i)
         else:
-            out = generate(target, drafter, spec, prompt, tree=Tree.chain(depth), max_new_tokens=max_new_tokens,
+            out = generate(target, drafter, spec, prompt, tree=Tree.chain(depth), policy="fixed",
+                           max_new_tokens=max_new_tokens,
                            temperature=temperature, seed=seed + i, verifier_state=state)
         n = len(out.token_ids)
         total += target_nll(target, out.prompt_ids, out.token_ids, temperature) * n

@@ -22,6 +22,9 @@ from ..backends.base import ForwardOutput
 from ..decode import generate_steps
 from ..drafters.base import Draft, Drafter, _draw_children, _Growing
 from ..engine import Engine, run_all
+from ..methods import Recipe
+from ..planner import CostBook
+from ..policies import Fixed
 from ..probs import Sampling
 from ..rng import enumerate_outcomes
 from ..tree import Tree
@@ -278,9 +281,9 @@ def loop_law(verifier: VerifierSpec, p: Table, q: Table, tree: Tree, vocab: int,
 
     def run(rng):
         out = []
-        for rec in generate_steps(target, drafter, verifier, list(context), tree=tree, max_new_tokens=length,
-                                  sampling=Sampling(1.0), children=children,
-                                  policy=policy_factory() if policy_factory else None, rng=rng):
+        recipe = Recipe(verifier, tree, drafter, children, policy_factory() if policy_factory else Fixed())
+        for rec in generate_steps(target, recipe, list(context), max_new_tokens=length, sampling=Sampling(1.0),
+                                  rng=rng):
             out.extend(rec.emitted)
         return tuple(out)
 
@@ -300,10 +303,10 @@ def batch_loop_law(verifier: VerifierSpec, p: Table, q: Table, tree: Tree, vocab
     target = TableTarget(p, vocab)
 
     def run(rng):
-        engine = Engine(target, max_batch=len(contexts), costs=costs, load_aware=costs is not None)
-        seqs = [engine.submit(list(c), drafter=TableDrafter(q), verifier=verifier, tree=tree,
-                              sampling=Sampling(1.0), max_new_tokens=length, children=children,
-                              policy=policy_factory(), rng=rng) for c in contexts]
+        engine = Engine(target, max_batch=len(contexts), load_aware=costs is not None,
+                        costs=CostBook(target, forward=costs) if costs is not None else None)
+        seqs = [engine.submit(list(c), Recipe(verifier, tree, TableDrafter(q), children, policy_factory()),
+                              sampling=Sampling(1.0), max_new_tokens=length, rng=rng) for c in contexts]
         run_all(engine)
         return tuple(tuple(s.token_ids) for s in seqs)
 

@@ -13,7 +13,6 @@ and the law's cell frequencies; at n samples it is biased upward by about ``sqrt
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable

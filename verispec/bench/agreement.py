@@ -102,6 +102,7 @@ def in_loop_check(target, head: EagleHead, prompts: list[str | list[int]], depth
     mismatches = 0
     for prompt in prompts:
         res = generate(target, EagleDrafter(head), get_verifier("chain"), prompt, tree=Tree.chain(depths),
+                       policy="fixed",
                        max_new_tokens=max_new_tokens, temperature=0.0)
         ids = res.prompt_ids + res.token_ids
         data = features(target, Record(ids, [[len(res.prompt_ids), len(ids)]], "", -1), 1, head.feature_layers)
@@ -145,7 +146,7 @@ def _chain_hits(head: EagleHead, data: dict, depths: int) -> dict[tuple[int, int
 def fixed_prompt_acceptance(target, head: EagleHead) -> float:
     """Mean accepted length per step, greedy, chain of 5, on ``FIXED_PROMPT`` (deterministic)."""
 
-    out = generate(target, EagleDrafter(head), get_verifier("chain"), FIXED_PROMPT, tree=Tree.chain(5),
+    out = generate(target, EagleDrafter(head), get_verifier("chain"), FIXED_PROMPT, tree=Tree.chain(5), policy="fixed",
                    max_new_tokens=FIXED_TOKENS, temperature=0.0)
     return out.mean_accepted_length
 

@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 from ..backends.costs import batch_costs
 from ..datasets import Problem
 from ..drafters.costs import measured_draft_costs
-from ..engine import Engine, StepRecord
+from ..engine import Engine
 from ..errors import VerispecError
+from ..planner import CostBook
 from ..probs import Sampling
+from ..sequence import StepRecord
 from ..verifiers.costs import cost_key, verify_costs
 
 PREFILL_CHUNK = 128  # prompt tokens a joining request puts in each step's forward (engine.Engine.prefill_chunk)
@@ -66,19 +68,16 @@ def verispec_loop(target, plan, drafter, problems: list[Problem], prompt_ids: li
     sampling = Sampling(temperature)
     checks = {cost_key(plan.verifier, sampling): verify_costs(plan.verifier, sampling, target.vocab_size)} \
         if concurrency > 1 else None
+    book = CostBook(target, costs, drafts, checks) if concurrency > 1 else None
     engine = Engine(target, max_batch=concurrency, isolate=True, max_context=min(longest, target.max_context),
-                    costs=costs, draft_costs=drafts, prefill_chunk=PREFILL_CHUNK if concurrency > 1 else None,
-                    verify_costs=checks)
+                    costs=book, prefill_chunk=PREFILL_CHUNK if concurrency > 1 else None)
     t0 = time.perf_counter()
     queue = list(range(len(problems)))
     out: dict[int, Request] = {}
 
     def submit(i: int) -> None:
-        mine = drafter.fork()
-        run = plan.build(target, mine)
-        engine.submit(prompt_ids[i], drafter=mine, verifier=run.verifier, tree=run.tree,
-                      sampling=sampling, max_new_tokens=max_new_tokens, children=run.children,
-                      policy=run.policy, verifier_state=run.verifier_state, seed=seed, id=i)
+        engine.submit(prompt_ids[i], plan.start(target, drafter), sampling=sampling, max_new_tokens=max_new_tokens,
+                      seed=seed, id=i)
 
     for _ in range(min(concurrency, len(queue))):
         submit(queue.pop(0))

@@ -367,7 +367,7 @@ def _transformers_serve(continuous: bool, note: str, label: str) -> "Peer":
                 concurrent=_served(name, lambda c, port: transformers_command(converted_folder(c.target_spec, c.dtype),
                                                                               port, c.dtype, continuous=continuous),
                                    lambda c: converted_folder(c.target_spec, c.dtype)),
-                baselines=(Baseline("vs_" + name.replace("-", "_"), label, name, optional=True),))
+                baselines=(Baseline("vs_" + name.replace("-", "_"), label, name, optional=True),), loop_label=label)
 
 
 # ---------------------------------------------------------------- the registry
@@ -427,6 +427,7 @@ class Peer:
     scores_text: bool = True  # its text is the target's law at the cell's temperature (NLL comparable)
     baselines: tuple[Baseline, ...] = field(default_factory=tuple)
     concurrent: Callable[[ConcurrentRun], list[Request]] | None = None  # a closed loop of N requests in flight
+    loop_label: str | None = None  # the column of closed-loop tables that compares with it (None: no column)
 
 
 def _one_at_a_time(run: Callable[[PeerRun], PeerResult]) -> Callable[[ConcurrentRun], list[Request]]:
@@ -514,7 +515,8 @@ def _llama_lookup(r: PeerRun) -> PeerResult:
 PEERS = {p.name: p for p in [
     Peer("hf-generate", "Hugging Face generate of the target (no draft); in closed loops, static padded batches of "
          "N prompts", _plain, missing=_hf_only, concurrent=_static,
-         baselines=(Baseline("vs_hf_generate", "vs HF generate", "hf-generate"),)),
+         baselines=(Baseline("vs_hf_generate", "vs HF generate", "hf-generate"),),
+         loop_label="vs HF static batches"),
     Peer("hf-assisted", "Hugging Face assisted generation with the same draft (a model draft, or prompt lookup for "
          "ngram); one request at a time in closed loops (transformers refuses batches for it)", _assisted,
          missing=_hf_only, drafts=True, takes_draft=supports_assisted, concurrent=_one_at_a_time(_assisted),
@@ -525,11 +527,13 @@ PEERS = {p.name: p for p in [
          "scheduled together (closed loops only)", None, missing=_closed_loops_only,
          concurrent=lambda c: hf_continuous(c.target, c.prompt_ids, c.max_new_tokens, c.temperature, c.seed,
                                             c.concurrency, c.problems),
-         baselines=(Baseline("vs_hf_continuous", "vs HF continuous batching", "hf-continuous", optional=True),)),
+         baselines=(Baseline("vs_hf_continuous", "vs HF continuous batching", "hf-continuous", optional=True),),
+         loop_label="vs HF continuous batching"),
     Peer("llama-cpp", "llama.cpp's plain decoding of the same GGUF file (llama-cpp-python; a quantised model: its "
          "own target); one request at a time in closed loops, as llama-cpp-python serves", _llama,
          missing=_needs_gguf, scores_text=False, concurrent=_one_at_a_time(_llama),
-         baselines=(Baseline("vs_llama_cpp", "vs llama.cpp", "llama-cpp", optional=True),)),
+         baselines=(Baseline("vs_llama_cpp", "vs llama.cpp", "llama-cpp", optional=True),),
+         loop_label="vs llama.cpp one at a time"),
     Peer("llama-cpp-lookup", "llama-cpp-python's prompt-lookup speculative decoding of the same GGUF file (its own "
          "target)", _llama_lookup, missing=_needs_gguf, scores_text=False, concurrent=_one_at_a_time(_llama_lookup)),
     Peer("llama-server", "llama.cpp's own llama-server with N parallel slots (continuous batching in C++), built with "
@@ -537,7 +541,8 @@ PEERS = {p.name: p for p in [
          None, missing=_needs_server, scores_text=False,
          concurrent=lambda c: llama_server_loop(gguf_path(c.target_spec), c.prompt_ids, c.problems, c.concurrency,
                                                 c.temperature, c.seed, c.max_new_tokens, c.threads),
-         baselines=(Baseline("vs_llama_server", "vs llama-server", "llama-server", optional=True),)),
+         baselines=(Baseline("vs_llama_server", "vs llama-server", "llama-server", optional=True),),
+         loop_label="vs llama-server"),
     # servers, each started for its loop and driven by the same client through /v1/chat/completions (bench.serving)
     Peer("verispec-serve", "verispec serve (the default method, N slots), driven over loopback by the client every "
          "server gets (closed loops only)", None, missing=_closed_loops_only,
@@ -555,13 +560,15 @@ PEERS = {p.name: p for p in [
              gguf_path(c.target_spec), port, c.threads, 4096), lambda c: gguf_path(c.target_spec),
              ready="/v1/models", top_k=0, min_p=0.0),
          baselines=(Baseline("vs_llama_cpp_server", "vs llama-cpp-python server", "llama-cpp-server",
-                             optional=True),)),
+                             optional=True),),
+         loop_label="vs llama-cpp-python server"),
     Peer("llama-server-chat", "llama.cpp's llama-server with N slots, driven through /v1/chat/completions by the "
          "client every server gets (closed loops only)", None, missing=_needs_server, scores_text=False,
          concurrent=_served("llama-server-chat", lambda c, port: llama_server_command(
              llama_server_binary(), gguf_path(c.target_spec), port, c.concurrency, c.threads,
              max(map(len, c.prompt_ids)) + c.max_new_tokens + 64), lambda c: "model", top_k=0, min_p=0.0),
          baselines=(Baseline("vs_llama_server_chat", "vs llama-server (chat route)", "llama-server-chat",
-                             optional=True),)),
+                             optional=True),),
+         loop_label="vs llama-server (chat route)"),
 ]}
 BASELINES = (Baseline("speedup_ar", "vs ar", "ar"), *(b for p in PEERS.values() for b in p.baselines))

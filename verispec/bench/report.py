@@ -516,15 +516,11 @@ class LoopRow:
         return fmt(self.vs.get(metric, NAN), low, high, spec, suffix)
 
 
-LOOP_BASELINES = (("vs_ar", "vs ar (same N)", "ar"), ("vs_hf_generate", "vs HF static batches", "hf-generate"),
-                  ("vs_hf_continuous", "vs HF continuous batching", "hf-continuous"),
-                  ("vs_llama_cpp", "vs llama.cpp one at a time", "llama-cpp"),
-                  ("vs_llama_server", "vs llama-server", "llama-server"),
-                  ("vs_default", "vs default (same N)", "default"),
-                  ("vs_transformers_serve", "vs transformers serve", "transformers-serve"),
-                  ("vs_transformers_serve_cb", "vs transformers serve CB", "transformers-serve-cb"),
-                  ("vs_llama_cpp_server", "vs llama-cpp-python server", "llama-cpp-server"),
-                  ("vs_llama_server_chat", "vs llama-server (chat route)", "llama-server-chat"))
+# the columns of closed-loop tables: verispec's own plain decoding, every peer that names one (the registry's
+# ``Peer.loop_label``), and the default method
+LOOP_BASELINES = (("vs_ar", "vs ar (same N)", "ar"),
+                  *(("vs_" + p.name.replace("-", "_"), p.loop_label, p.name) for p in PEERS.values() if p.loop_label),
+                  ("vs_default", "vs default (same N)", "default"))
 
 
 def _quantiles(xs: list[float]) -> tuple[float, float]:

@@ -25,6 +25,7 @@ from ..errors import VerispecError
 from ..probs import Sampling, argmax, logits_to_probs
 from ..rng import Randomness
 from ..tree import DynamicTree, Tree
+from .registry import register_draft
 
 CHILD_MODES = ("iid", "swor", "topk")
 
@@ -524,3 +525,8 @@ class NoDrafter(Drafter):
 
     def _root_logits(self, context):
         return None
+
+
+@register_draft("none", help="'none' (plain autoregressive decoding)", takes_arg=False)
+def _none(target, arg, **_) -> NoDrafter:
+    return NoDrafter()

@@ -128,7 +128,7 @@ def draft_costs(target, drafter: Drafter, repeats: int = 5, measure: bool = True
 
 def measured_draft_costs(target, drafter: Drafter) -> dict[str, DraftCosts]:
     """``draft_costs`` of each of ``drafter``'s draft sources that has any, by ``cost_id``: what an ``Engine`` given
-    its costs up front (``Engine(draft_costs=...)``) plans with."""
+    its costs up front (``planner.CostBook(drafts=...)``) plans with."""
     out = {}
     for source in (drafter.sources or {"": drafter}).values():
         costs = draft_costs(target, source)

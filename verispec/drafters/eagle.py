@@ -11,11 +11,16 @@ next step replaces them by pairs with the target's true features.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
+from ..eagle import head as heads
 from ..errors import VerispecError
 from .base import Draft, Drafter, _Growing
 from .model import _shared, prefill_batch, tree_level
+from .registry import register_draft
 
 
 class EagleDrafter(Drafter):
@@ -150,3 +155,43 @@ def _split(rows: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
     """``rows`` cut into pieces as long as the tensors of ``like``: one head input computed for a batch, back per
     sequence (each row's own; the head's layers compute rows alike however many come together)."""
     return list(rows.split([len(t) for t in like]))
+
+
+def shipped_head_path(target) -> Path | None:
+    """The head shipped for ``target`` (by its alias), or None."""
+    path = heads.HEADS_DIR / f"{target.name}.pt"  # read at call time: tests point HEADS_DIR elsewhere
+    return path if path.is_file() else None
+
+
+def sidecar(path: Path) -> dict:
+    """What ``scripts/ship_head.py`` wrote beside a head: the command that made it, its measurements, its tree."""
+    side = Path(path).with_suffix(".json")
+    if not side.is_file():
+        return {}
+    try:
+        return json.loads(side.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _head_file(arg: str, spec: str) -> None:
+    if arg:
+        path = Path(arg)
+        if not path.is_file():
+            raise VerispecError(f"draft head not found: {arg}")
+        if path.suffix != ".pt":
+            raise VerispecError(f"a draft head is a .pt file written by 'verispec train-draft', not {arg!r}")
+
+
+@register_draft("eagle", help="'eagle' (the EAGLE-style head shipped for the target; 'eagle:PATH' for one from "
+                "'verispec train-draft')", check=_head_file, runs_model=True, needs_hf=True)
+def _eagle(target, arg, spec="eagle", **_) -> EagleDrafter:
+    path = Path(arg) if arg else heads.shipped_head(target.name)
+    drafter = EagleDrafter(heads.EagleHead.load(path, target), name=spec)
+    info = sidecar(path)
+    drafter.default_tree = info.get("default_tree")
+    # tune-tree measured these on the float32 target; in another dtype rows cost otherwise (a bfloat16 forward of
+    # six rows costs about what one does here), so the policy goes by that target's own measured forwards
+    float32 = target.dtype == torch.float32
+    drafter.step_costs = tuple(info["step_costs"]) if info.get("step_costs") and float32 else None
+    return drafter

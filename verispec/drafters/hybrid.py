@@ -13,9 +13,12 @@ drafts as deep as it pays on the text at hand.
 
 from __future__ import annotations
 
+from ..errors import VerispecError
 from ..tree import Tree
 from .base import Draft, Drafter
+from .eagle import shipped_head_path
 from .ngram import NgramDrafter
+from .registry import DRAFTS, register_draft
 from .suffix import SuffixDrafter
 
 
@@ -80,3 +83,21 @@ class HybridDrafter(Drafter):
         chosen = self._chosen[1] if self._chosen is not None else self.model
         chosen.commit(draft, path)
         self._chosen = None
+
+
+def _pairs(arg: str, spec: str) -> None:
+    kind = arg.partition(":")[0]
+    if arg and (kind not in DRAFTS or not (DRAFTS[kind].runs_model or kind == "recycle")):
+        models = ", ".join(k for k, d in DRAFTS.items() if d.runs_model)
+        raise VerispecError(f"a hybrid draft pairs prompt lookup with a model draft ({models}) or recycle, not {arg!r}")
+    if arg:
+        DRAFTS[kind].check and DRAFTS[kind].check(arg.partition(":")[2], arg)
+
+
+@register_draft("hybrid", help="'hybrid' or 'hybrid:DRAFT' (prompt lookup on steps where the text repeats itself, "
+                "the model draft DRAFT elsewhere; default DRAFT: the shipped head)", check=_pairs)
+def _hybrid(target, arg, dtype="float32", make=None, **_) -> HybridDrafter:
+    if not arg and not (target.backend == "hf" and shipped_head_path(target) is not None):
+        raise VerispecError("draft 'hybrid' pairs prompt lookup with the head shipped for the target, and none "
+                            "ships for this one; name the model draft: hybrid:DRAFT (e.g. hybrid:int8)")
+    return HybridDrafter(make(arg or "eagle", target, dtype), NgramDrafter(target.vocab_size))

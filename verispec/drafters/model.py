@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import CausalLM
+from ..backends import CausalLM, load, quantized_copy
 from ..errors import VerispecError
 from .base import Draft, Drafter, _Growing
+from .registry import register_draft
 
 
 class ModelDrafter(Drafter):
@@ -147,3 +148,45 @@ def layer_skip_drafter(target: CausalLM, layers: list[int] | int) -> ModelDrafte
         layers = list(range(layers))
     sub = target.layer_subset(layers)
     return ModelDrafter(sub, name=f"layerskip:{sub.name}")
+
+
+def parse_layers(text: str, spec: str = "") -> list[int]:
+    """``0,2,4`` or ranges ``0-9,20-29`` -> sorted layer indices."""
+    out = []
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            out.extend(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise VerispecError(f"bad layer list in draft {spec or text!r}; use layerskip:L, layerskip:0,2,4 or "
+                            "layerskip:0-9,20-29") from None
+    return out
+
+
+@register_draft("layerskip", help="'layerskip:L' (the first L layers of the target) or 'layerskip:0,2,4' / "
+                "'layerskip:0-9,20-29' (a chosen subset)", check=lambda arg, spec: arg and parse_layers(arg, spec),
+                runs_model=True, needs_hf=True)
+def _layerskip(target, arg, spec="", **_) -> ModelDrafter:
+    if not arg:
+        return layer_skip_drafter(target, target.num_layers // 4)
+    return layer_skip_drafter(target, int(arg) if arg.isdigit() else parse_layers(arg, spec))
+
+
+@register_draft("int8", help="'int8' (an int8 copy of the target)", takes_arg=False, runs_model=True, needs_hf=True)
+def _int8(target, arg, **_) -> ModelDrafter:
+    return ModelDrafter(quantized_copy(target), name="int8")
+
+
+def _needs_model(arg: str, spec: str) -> None:
+    if not arg:
+        raise VerispecError("draft 'model' needs a model: model:SPEC (alias, .gguf file, folder or hub id)")
+
+
+@register_draft("model", help="'model:SPEC' (a separate draft model with the target's tokenizer: alias, .gguf "
+                "file, folder or hub id)", check=_needs_model, runs_model=True)
+def _model(target, arg, dtype="float32", **_) -> ModelDrafter:
+    # a draft model runs on the target's engine, with as many threads
+    hf = target.backend == "hf"
+    drafter = ModelDrafter(load(arg, dtype=dtype, backend=target.backend, threads=None if hf else target.threads))
+    drafter.check_compatible(target)
+    return drafter

@@ -16,6 +16,7 @@ import math
 import torch
 
 from .base import Drafter, _Growing, sparse_row
+from .registry import register_draft, whole_number
 
 
 class NgramDrafter(Drafter):
@@ -108,3 +109,9 @@ class NgramDrafter(Drafter):
             n, top, total = self._match.get(node, (0, 0.0, 1.0))
             out.append(top / total * (n - 1 + min(top, 3.0) / 3) / self.max_n if n else 0.0)
         return torch.tensor(out)
+
+
+@register_draft("ngram", help="'ngram' or 'ngram:N' (prompt lookup, n-grams up to N)",
+                check=whole_number(1, None, "n-gram length", "ngram or ngram:N with N >= 1"))
+def _ngram(target, arg, **_) -> NgramDrafter:
+    return NgramDrafter(target.vocab_size, max_n=int(arg) if arg else 3)

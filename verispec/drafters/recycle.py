@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .base import Drafter, _Growing, sparse_row
+from .registry import register_draft, whole_number
 
 _RANKS_BELOW = -1e4  # the logit gap between successive successors: exp(-1e4) is 0 in float32, so q is a point mass
 
@@ -63,3 +64,10 @@ class RecycleDrafter(Drafter):
 
     def _node_sparse(self, g: _Growing, nodes: list[int]):
         return [self._row(g.tokens[n]) for n in nodes]
+
+
+@register_draft("recycle", help="'recycle' or 'recycle:K' (the target's own K likeliest successors of each token, "
+                "kept from earlier forwards)",
+                check=whole_number(1, 64, "successor count", "recycle or recycle:K with 1 <= K <= 64"))
+def _recycle(target, arg, **_) -> RecycleDrafter:
+    return RecycleDrafter(target.vocab_size, k=int(arg) if arg else 4)

@@ -32,6 +32,7 @@ import threading
 import torch
 
 from .base import Drafter, _Growing, sparse_row
+from .registry import register_draft
 
 
 class SuffixIndex:
@@ -232,3 +233,9 @@ class SuffixDrafter(Drafter):
     def confidence(self, nodes: list[int], logits: torch.Tensor) -> torch.Tensor:
         """Longer matches continue more often: ``min(match, 8) / 8`` for every node of the chain."""
         return torch.full((len(nodes),), min(self._match, 8) / 8)
+
+
+@register_draft("suffix", help="'suffix' (the longest earlier match of the text's end, by a suffix automaton)",
+                takes_arg=False)
+def _suffix(target, arg, **_) -> SuffixDrafter:
+    return SuffixDrafter(target.vocab_size)

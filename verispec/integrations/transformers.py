@@ -135,9 +135,7 @@ def speculative(draft: str = "auto", verifier: str = "chain", tree: str = "auto"
         prompt = prompts[0]
         run = plan.build(target, drafter)
         steps, new = [], []
-        for rec in generate_steps(target, drafter, run.verifier, prompt, tree=run.tree, max_new_tokens=budget,
-                                  sampling=sampling, children=run.children, policy=run.policy,
-                                  verifier_state=run.verifier_state, seed=seed):
+        for rec in generate_steps(target, run, prompt, max_new_tokens=budget, sampling=sampling, seed=seed):
             steps.append(rec)
             new.extend(rec.emitted)
             if streamer is not None:

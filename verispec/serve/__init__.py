@@ -14,9 +14,9 @@ import socket
 import threading
 
 from ..errors import VerispecError
-from .service import Handle, QueueFull, Request, Service, ServiceRecipe
+from .service import Handle, QueueFull, Request, Service, ServiceRecipe, Starting
 
-__all__ = ["Handle", "QueueFull", "Request", "Service", "ServiceRecipe", "bind", "run", "server"]
+__all__ = ["Handle", "QueueFull", "Request", "Service", "ServiceRecipe", "Starting", "bind", "run", "server"]
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -33,15 +33,16 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def server(service: Service, model: str, *, api_key: str | None = None, drain_s: float = 30.0, ready=None,
-           manage: bool = True):
+           manage: bool = True, **app):
     """A uvicorn server of ``service`` as ``model`` (``.run(sockets=[bind(...)])`` serves until ``should_exit``
     is set, letting the requests in flight finish for at most ``drain_s`` seconds); with ``manage`` it starts and
-    stops the service itself, on a thread of its own; ``ready()`` is called once it takes requests."""
+    stops the service itself, on a thread of its own; ``ready()`` is called once it takes requests; ``app``:
+    further options of ``api.create_app``."""
     import uvicorn  # noqa: PLC0415 - the server's own dependency, a 0.3 s import needed here only
 
     from .api import create_app  # noqa: PLC0415 - imports FastAPI (0.5 s), needed here only
 
-    app = create_app(service, model, api_key=api_key, ready=ready, manage=manage)
+    app = create_app(service, model, api_key=api_key, ready=ready, manage=manage, **app)
     return uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                                          timeout_graceful_shutdown=max(int(round(drain_s)), 1)))
 
@@ -49,7 +50,10 @@ def server(service: Service, model: str, *, api_key: str | None = None, drain_s:
 def run(service: Service, model: str, *, sockets: list[socket.socket], **kwargs) -> None:
     """Serve ``service`` on bound ``sockets`` until SIGINT or SIGTERM (``server`` tells the options), then return
     once the requests in flight have drained (a second signal cuts the drain short). The engine runs in the
-    calling thread, the HTTP server on a thread of its own; signals are caught when called in the main thread."""
+    calling thread, the HTTP server on a thread of its own; signals are caught when called in the main thread.
+    The HTTP server listens while the service warms up (``/health`` answers 503 "starting"); ``ready()`` is called
+    once the service takes requests."""
+    ready = kwargs.pop("ready", None)
     srv = server(service, model, manage=False, **kwargs)
 
     def on_signal(sig, frame):
@@ -68,7 +72,7 @@ def run(service: Service, model: str, *, sockets: list[socket.socket], **kwargs)
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     http = threading.Thread(target=serve_http, name="verispec-http", daemon=True)
     try:
-        service.run(started=http.start)
+        service.run(started=http.start, ready=ready)
     finally:
         srv.should_exit = True
         http.join(5)

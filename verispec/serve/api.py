@@ -16,6 +16,7 @@ import hmac
 import json
 import os
 import secrets
+import sys
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -25,13 +26,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..errors import VerispecError
 from ..probs import Sampling
-from .service import Handle, QueueFull, one_line
+from .service import Handle, QueueFull, Starting, one_line
 from .service import Request as EngineRequest
 
 MAX_BODY = 1 << 20  # bytes of a request body (a prompt of the longest context is far smaller)
+BODY_TIMEOUT_S = 30.0  # a request body not whole by then is answered 408 (a half-sent body is never waited on)
 SEED_RANGE = 1 << 63
 
 
@@ -142,10 +145,11 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
 # ---------------------------------------------------------------------- the app
 
 def create_app(service, model: str, api_key: str | None = None, max_body: int = MAX_BODY, ready=None,
-               manage: bool = True, instance: str | None = None) -> FastAPI:
+               manage: bool = True, instance: str | None = None, body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
     """The server's ASGI app for ``service``, serving it as ``model``: with ``manage`` the app starts the service
     on a thread of its own and stops it when the app stops (otherwise the caller runs it); ``ready()`` is called
-    once the app takes requests; ``instance`` (a replica's name) is told by ``/health``."""
+    once the app takes requests; ``instance`` (a replica's name) is told by ``/health``; a body that has not
+    arrived whole within ``body_timeout`` seconds is answered 408."""
 
     @asynccontextmanager
     async def lifespan(app):
@@ -162,11 +166,13 @@ def create_app(service, model: str, api_key: str | None = None, max_body: int = 
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
+        _log(request, exc.status, exc.message)
         return _error(exc.status, exc.message, exc.type, exc.param, exc.code)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        _log(request, exc.status_code, str(exc.detail))
         return _error(exc.status_code, str(exc.detail), kind)
 
     @app.exception_handler(Exception)
@@ -180,6 +186,9 @@ def create_app(service, model: str, api_key: str | None = None, max_body: int = 
 
     @app.get("/health")
     async def health():
+        if service.starting:
+            return _error(503, "starting: measuring this machine's costs and warming up", "server_error",
+                          code="starting", headers={"Retry-After": "5"})
         if not service.healthy:
             return _error(503, f"the engine is not running ({service.failure or 'stopped'})", "server_error")
         return {"status": "ok"} if instance is None else {"status": "ok", "instance": instance, "pid": os.getpid()}
@@ -197,11 +206,20 @@ def create_app(service, model: str, api_key: str | None = None, max_body: int = 
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > max_body):
             raise ApiError(413, f"the request body is larger than {max_body} bytes")
-        raw = bytearray()
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > max_body:
-                raise ApiError(413, f"the request body is larger than {max_body} bytes")
+        async def read() -> bytearray:
+            raw = bytearray()
+            async for chunk in request.stream():
+                raw += chunk
+                if len(raw) > max_body:
+                    raise ApiError(413, f"the request body is larger than {max_body} bytes")
+            return raw
+
+        try:
+            raw = await asyncio.wait_for(read(), body_timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive whole within {body_timeout:g} s") from None
+        except ClientDisconnect:  # the client left mid-upload: nobody to answer (the status is for the log)
+            raise ApiError(499, "the client went away while sending its body") from None
         try:
             data = json.loads(raw, parse_constant=_no_constant)
         except (ValueError, RecursionError) as exc:  # RecursionError: nested past Python's limit
@@ -271,6 +289,8 @@ def create_app(service, model: str, api_key: str | None = None, max_body: int = 
             handle = service.submit(req, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
         except QueueFull as exc:  # a slot frees within a few steps: ask the client to come back in a second
             return _error(429, str(exc), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+        except Starting as exc:
+            return _error(503, str(exc), "server_error", code="starting", headers={"Retry-After": "5"})
         except VerispecError as exc:
             raise ApiError(400, str(exc)) from None
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
@@ -350,6 +370,11 @@ class _Tagged:
 
 def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _log(request: Request, status: int, message: str) -> None:
+    """One line on stderr for a refused request: its status, route and why."""
+    print(f"verispec serve: {status} {request.method} {request.url.path}: {message}", file=sys.stderr, flush=True)
 
 
 async def _next_event(request: Request, events: asyncio.Queue, handle: Handle):

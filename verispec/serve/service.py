@@ -33,14 +33,19 @@ from ..backends import default_threads, load, resolve_dtype
 from ..decode import TextStream
 from ..drafters import DraftSpec, SuffixCache, build_drafter, with_answer_cache
 from ..drafters.base import Drafter
-from ..engine import Engine, Sequence
+from ..engine import Engine, run_all
 from ..errors import VerispecError
 from ..methods import Plan, resolve
 from ..probs import Sampling
+from ..sequence import Sequence
 
 
 class QueueFull(VerispecError):
     """The service already holds ``max_queue`` requests waiting for a slot."""
+
+
+class Starting(VerispecError):
+    """The service is still measuring this machine's costs and warming up (``Service.warm``)."""
 
 
 @dataclass(frozen=True)
@@ -129,11 +134,14 @@ class Service:
     Each request decodes with its own fork of ``drafter`` and the pieces ``plan.build`` makes for it (its own
     policy and learning state), seeded by the request. ``max_batch`` sequences share each target forward;
     ``max_queue`` more may wait; ``max_context`` (default: the model's) bounds a request's prompt and new tokens,
-    and sizes the batch's caches once, up front."""
+    and sizes the batch's caches once, up front. ``warm``: whether ``run`` first measures and warms up what the
+    first batches would otherwise stop for (``warm``; requests are refused with ``Starting`` until then); ``log``
+    tells its progress."""
 
     def __init__(self, target, drafter: Drafter, plan: Plan, *, max_batch: int = 8, max_queue: int = 64,
                  max_context: int | None = None, prefill_chunk: int | None = 128, load_aware: bool = True,
-                 answer_cache: SuffixCache | None = None):
+                 answer_cache: SuffixCache | None = None, warm: bool = True,
+                 log: Callable[[str], None] = lambda msg: None):
         if max_queue < 0:
             raise VerispecError(f"max_queue must be >= 0, got {max_queue}")
         self.target, self.drafter, self.plan, self.max_queue = target, drafter, plan, max_queue
@@ -150,6 +158,8 @@ class Service:
         self._thread: threading.Thread | None = None  # the engine's own thread, if ``start`` made one
         self._running = False  # ``run`` has begun and not yet ended
         self._stopping = threading.Event()
+        self._warm, self.log = warm, log
+        self._ready = threading.Event()  # set once ``run`` has warmed up (or failed doing so)
         self.failure: str | None = None  # set if the engine thread itself died (``healthy`` is then False)
 
     # ------------------------------------------------------------------ any thread
@@ -165,7 +175,12 @@ class Service:
 
     @property
     def healthy(self) -> bool:
-        return self._running and self.failure is None
+        return self._running and self._ready.is_set() and self.failure is None
+
+    @property
+    def starting(self) -> bool:
+        """Running, and still warming up (``warm``)."""
+        return self._running and not self._ready.is_set() and self.failure is None
 
     def queue_depth(self) -> int:
         """Requests submitted and not yet decoding (a prompt still being prefilled by chunks is decoding)."""
@@ -175,13 +190,12 @@ class Service:
         return len(self.engine.running)
 
     def start(self) -> "Service":
-        """Run the engine on a thread of its own (``run`` there); returns once it takes requests."""
+        """Run the engine on a thread of its own (``run`` there); returns once it takes requests (warmed up)."""
         if self._thread is None:
-            up = threading.Event()
-            self._thread = threading.Thread(target=self.run, kwargs={"started": up.set}, name="verispec-engine",
-                                            daemon=True)
+            self._thread = threading.Thread(target=self.run, name="verispec-engine", daemon=True)
             self._thread.start()
-            up.wait()
+            while not self._ready.wait(0.1) and self._thread.is_alive():
+                pass
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -198,15 +212,15 @@ class Service:
         with self._lock:
             self.metrics.received += 1
         try:
+            if self.starting:
+                raise Starting("the server is starting (measuring this machine's costs); try again in a few seconds")
             if not self.healthy:
                 raise VerispecError(f"the engine is not running ({self.failure or 'stopped'})")
             budget = request.max_tokens if request.max_tokens is not None else self.room - len(request.prompt_ids)
             if budget <= 0:
                 self.engine.check_length(len(request.prompt_ids), 1, self.tree, "max_tokens")  # names the limit
             recipe = self._recipe
-            self.engine.check_request(request.prompt_ids, budget, drafter=self.drafter, verifier=recipe.verifier,
-                                      tree=recipe.tree, sampling=request.sampling, children=recipe.children,
-                                      policy=recipe.policy, budget_name="max_tokens")
+            self.engine.check_request(request.prompt_ids, budget, recipe, request.sampling, budget_name="max_tokens")
             with self._lock:
                 if self._outstanding >= self.max_queue + self.engine.max_batch:
                     raise QueueFull(f"the queue is full ({self.max_queue} requests waiting); try again later")
@@ -221,15 +235,21 @@ class Service:
 
     # ------------------------------------------------------------------ the engine thread
 
-    def run(self, started: Callable[[], None] | None = None) -> None:
+    def run(self, started: Callable[[], None] | None = None, ready: Callable[[], None] | None = None) -> None:
         """Step the engine in this thread until ``stop`` (or until the engine itself fails: ``failure`` says why);
-        ``started()`` is called once requests are taken. What is still running at the end fails with an error."""
+        ``started()`` is called once the service is running, then it warms up (``warm``), and ``ready()`` once it
+        takes requests. What is still running at the end fails with an error."""
         if self._running:
             raise VerispecError("the service is already running")
         self._running = True
         try:
             if started is not None:
                 started()
+            if self._warm:
+                self.warm()
+            self._ready.set()
+            if ready is not None:
+                ready()
             while True:
                 self._drain(block=not self.engine.has_work)
                 if self._stopping.is_set():
@@ -247,6 +267,7 @@ class Service:
             self.failure = one_line(exc)
             print(f"verispec serve: the engine thread stopped: {self.failure}", file=sys.stderr)
         finally:
+            self._ready.set()  # whoever waits for it learns the outcome
             why = "the server is shutting down" if self.failure is None else self.failure
             for h in list(self._live):  # stopping (or dead): whatever is left ends now
                 if h.seq is not None and not h.seq.done:
@@ -260,6 +281,31 @@ class Service:
                     break
                 if kind == "submit":
                     self._end(h, "error", why)
+
+    def warm(self) -> None:
+        """Measure now what the first batches would otherwise stop to measure -- the target's batched forward, the
+        drafts' and the verifier's costs (each once per machine, then cached on disk) -- and run a short request
+        alone and a full batch, so that the first forwards' allocations and kernel choices are made too. A request
+        never waits on a measurement; warm-up answers go in no answer cache."""
+        t, engine = time.perf_counter(), self.engine
+        plans = self._recipe.policy.expected_tokens(self.tree.max_depth) is not None  # the batch plan reads costs
+        if engine.max_batch > 1 and engine.load_aware and self.plan.drafts and plans:
+            self.log("measuring this machine's batch costs (once per machine, then cached) ...")
+            engine.book.forward  # noqa: B018 - measured on first read
+            engine.book.drafting(list((self.drafter.sources or {"": self.drafter}).values()))
+            engine.book.verifying([(self.plan.verifier, Sampling(0.0)), (self.plan.verifier, Sampling(1.0))])
+        self.log("warming up (/health answers 503 until ready) ...")
+        cache, engine.answer_cache = engine.answer_cache, None
+        try:
+            prompt = self.target.encode_prompt("Say hello in three languages.", chat=False)
+            for n in sorted({1, engine.max_batch}):
+                for i in range(n):
+                    engine.submit(prompt, self.plan.start(self.target, self.drafter), max_new_tokens=8, seed=i,
+                                  sampling=Sampling(0.0 if i % 2 == 0 else 1.0))
+                run_all(engine)
+        finally:
+            engine.answer_cache = cache
+        self.log(f"ready after {time.perf_counter() - t:.1f}s of measuring and warming up")
 
     def _drain(self, block: bool) -> None:
         """Carry out what the inbox holds (waiting for one message when there is no work)."""
@@ -283,12 +329,9 @@ class Service:
     def _admit(self, h: Handle) -> None:
         r = h.request
         try:
-            mine = self.drafter.fork()
-            recipe = self.plan.build(self.target, mine)
             budget = r.max_tokens if r.max_tokens is not None else self.room - len(r.prompt_ids)
-            h.seq = self.engine.submit(r.prompt_ids, drafter=mine, verifier=recipe.verifier, tree=recipe.tree,
-                                       sampling=r.sampling, max_new_tokens=budget, children=recipe.children,
-                                       policy=recipe.policy, verifier_state=recipe.verifier_state, seed=r.seed, id=h)
+            h.seq = self.engine.submit(r.prompt_ids, self.plan.start(self.target, self.drafter), sampling=r.sampling,
+                                       max_new_tokens=budget, seed=r.seed, id=h)
         except VerispecError as exc:
             self._end(h, "error", str(exc))
             return
@@ -463,7 +506,7 @@ class ServiceRecipe:
             else:
                 cache = None
         service = Service(target, drafter, plan, max_batch=self.max_batch, max_queue=self.max_queue,
-                          max_context=self.max_context, answer_cache=cache)
+                          max_context=self.max_context, answer_cache=cache, log=info)
         info(f"loaded in {time.perf_counter() - t:.1f}s; draft {drafter.name}, verifier {plan.verifier.name}, "
              f"{service.tree.describe()}; up to {self.max_batch} sequences of {service.max_context} tokens")
         return service
