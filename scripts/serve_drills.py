@@ -15,7 +15,10 @@ every request goes to loopback, every loop is bounded in count and time. The dri
 - **load**: 64 greedy requests (16 prompts, 4 times each) at concurrency 8: no error, every text equal to the same
   request sent alone, and the server's resident memory after the run against before it (after a warm-up);
 - **SIGTERM**: a stream in flight when the signal comes must end whole (``[DONE]``), the process with status 0, and
-  a new connection must then be refused.
+  a new connection must then be refused;
+- **cold start** (a server of its own, default options, a cache of its own as on a new machine): ``/health`` must
+  answer 503 "starting" until the server has measured its costs and warmed up, and then 16 concurrent requests must
+  each be answered within 2x the time the same 16 take once warm.
 
 A failure inside one request's step cannot be provoked from outside a real server: tests/test_serve.py tests it.
 """
@@ -291,6 +294,56 @@ def sigterm(port: int, proc, alone: dict[str, str]) -> dict:
                whole and code == 0 and refused)
 
 
+def cold_start(args) -> dict:
+    """A fresh server, with a cache of its own (nothing measured on this machine yet): /health until it is 200 (503
+    "starting" before), then the 16 prompts at once, twice: each request's seconds cold against warm."""
+    import tempfile
+
+    port = free_port()
+    command = [sys.executable, "-m", "verispec", "serve", "--target", args.target, "--port", str(port),
+               "--threads", str(args.threads)]
+    with tempfile.TemporaryDirectory() as cache_dir:
+        env = {"OMP_NUM_THREADS": str(args.threads), "VERISPEC_CACHE": cache_dir}
+        t0, seen = time.perf_counter(), []
+        # ``server_process`` waits for the 200; a thread watches /health meanwhile and keeps what it answered
+        done = threading.Event()
+
+        def watch():
+            while not done.is_set():
+                try:
+                    status, data, _ = request(port, "GET", "/health", timeout=2)
+                    seen.append((status, (data.get("error") or {}).get("code") if isinstance(data, dict) else None))
+                except OSError:
+                    pass
+                time.sleep(0.25)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        with server_process("verispec-serve-cold", command, port, env=env):
+            ready_s = time.perf_counter() - t0
+            done.set()
+            watcher.join(5)
+
+            def timed(p: str) -> float:
+                t = time.perf_counter()
+                status, _, _ = request(port, "POST", "/v1/chat/completions", {**chat(p, 48), "model": args.target},
+                                       timeout=TIME_CAP_S)
+                assert status == 200, status
+                return time.perf_counter() - t
+
+            with ThreadPoolExecutor(len(PROMPTS)) as pool:
+                cold = list(pool.map(timed, PROMPTS))
+                warm = list(pool.map(timed, PROMPTS))
+    starting = sum(1 for s, code in seen if s == 503 and code == "starting")
+    worst = max(c / w for c, w in zip(cold, warm))
+    return row("cold start", 2 * len(PROMPTS), "/health 503 'starting' until warm; then 16 concurrent requests each "
+               "within 2x their time once warm", f"ready after {ready_s:.0f} s ({starting} x 503 'starting', "
+               f"{sum(s == 200 for s, _ in seen)} x 200 seen); cold / warm per request at most {worst:.2f}x "
+               f"(cold {max(cold):.1f} s, warm {max(warm):.1f} s at the longest)",
+               starting > 0 and worst <= 2.0, ready_s=round(ready_s, 1), cold_s=[round(c, 2) for c in cold],
+               warm_s=[round(w, 2) for w in warm])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="smollm2-135m")
@@ -303,7 +356,7 @@ def main() -> int:
                "--api-key", KEY, "--max-batch", "4", "--max-queue", "4", "--max-context", str(args.max_context),
                "--threads", str(args.threads), "--drain-timeout", "60", "--served-model-name", "m"]
     t0 = time.perf_counter()
-    rows = []
+    rows = [cold_start(args)]
     with server_process("verispec-serve-drills", command, port, env={"OMP_NUM_THREADS": str(args.threads)}) as proc:
         alone = {}
         for p in PROMPTS:  # each request sent alone, the reference for what batching must not change
