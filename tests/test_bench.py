@@ -608,3 +608,23 @@ def test_gzipped_records_read_as_the_plain_ones_and_runs_write_plain(tmp_path, c
     assert "not a verispec results file" in err and "Traceback" not in err
     assert cli.main(["bench", "--methods", "ar", "--out", str(tmp_path / "new.jsonl.gz")]) == 2
     assert "writes its records plain" in capsys.readouterr().err
+
+
+def test_identical_greedy_seeds_count_once_in_a_speed_interval():
+    """At T = 0 every seed of a prompt decodes the same text: three seeds are one sample timed three times, so the
+    interval must be the one of the prompts alone (pooled per prompt), not one that narrows with the copies; at
+    T > 0 seeds are samples of their own."""
+    from verispec.bench.report import paired_ratio
+
+    def records(method, T, seeds, speed):  # the speed-up varies from prompt to prompt, a little from seed to seed
+        return [{"cell": {"T": T, "seed": s, "prompt": f"p{i}", "method": method}, "tokens": 100,
+                 "wall_s": (1.0 + 0.3 * ((i * 7) % 5)) / (speed * (1 + 0.1 * ((i * 3) % 4 - 1.5) * (speed > 1)))
+                 * (1 + 0.02 * ((s * 5 + i) % 3))} for i in range(8) for s in seeds]
+
+    once = paired_ratio(records("a", 0.0, [0], 1.2), records("b", 0.0, [0], 1.0))
+    thrice = paired_ratio(records("a", 0.0, [0, 1, 2], 1.2), records("b", 0.0, [0, 1, 2], 1.0))
+    assert once[0] == pytest.approx(1.2, rel=0.05) and thrice[0] == pytest.approx(once[0], rel=0.05)
+    width = lambda r: r[2] - r[1]  # noqa: E731
+    assert width(once) > 0.05 and width(thrice) == pytest.approx(width(once), rel=0.15)  # the copies add nothing
+    sampled = paired_ratio(records("a", 0.6, [0, 1, 2], 1.2), records("b", 0.6, [0, 1, 2], 1.0))
+    assert width(sampled) < width(once)  # at T > 0 a seed is a sample of its own

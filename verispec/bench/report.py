@@ -99,13 +99,23 @@ def _key(r: dict) -> tuple:
 
 def paired_ratio(mine: list[dict], base: list[dict]) -> tuple[float, float, float]:
     """tokens/s of ``mine`` over ``base`` (prompt records) on the (seed, prompt) cells both have, with a paired
-    bootstrap interval: (estimate, low, high)."""
+    bootstrap interval: (estimate, low, high). At T = 0 every seed decodes the same text, so a prompt's seeds are one
+    sample timed several times, not several samples: they are pooled into one pair per prompt (sums of tokens and of
+    seconds) before resampling, which leaves the estimate as it is and keeps the interval from narrowing with
+    copies."""
     theirs = {_key(r): r for r in base}
     pairs = [(r, theirs[_key(r)]) for r in mine if _key(r) in theirs]
     if not pairs:
         return NAN, NAN, NAN
-    return ratio_of_rates([a["tokens"] for a, _ in pairs], [a["wall_s"] for a, _ in pairs],
-                          [b["tokens"] for _, b in pairs], [b["wall_s"] for _, b in pairs])
+    units: dict[tuple, list[float]] = {}  # sampling unit -> [my tokens, my seconds, base tokens, base seconds]
+    for a, b in pairs:
+        unit = (a["cell"]["prompt"],) if a["cell"].get("T") == 0 else _key(a)
+        u = units.setdefault(unit, [0.0, 0.0, 0.0, 0.0])
+        u[0] += a["tokens"]
+        u[1] += a["wall_s"]
+        u[2] += b["tokens"]
+        u[3] += b["wall_s"]
+    return ratio_of_rates(*(list(col) for col in zip(*units.values())))
 
 
 def _pooled(groups: list[tuple[float, float]]) -> tuple[float, float, float]:
