@@ -166,6 +166,26 @@ def test_closed_form_acceptance_matches_enumeration():
                 node_acceptance(get_verifier("reserve"), p, q, k), abs=1e-12)
 
 
+def test_the_one_candidate_rules_accept_their_closed_forms_and_never_more_than_the_optimum():
+    """``match`` accepts ``sum_x p(x) (1 - (1 - q(x))^k)``, ``canonical`` ``sum_x min(p(x), Q(x))`` with ``Q`` the
+    kept candidate's law; neither beats ``alpha*_iid``, and with one candidate ``canonical`` is speculative sampling
+    while ``match`` accepts ``sum_x p(x) q(x)`` (exact acceptance by enumeration)."""
+    from verispec.verifiers.match import selected_law
+
+    for seed in range(16):
+        p, q = random_tables(5, 120 + seed, concentration=0.6, sparsity=0.2 if seed % 2 else 0.0)
+        p, q = p(()), q(())
+        for k in (1, 2, 3):
+            match = node_acceptance(get_verifier("match"), p, q, k)
+            canonical = node_acceptance(get_verifier("canonical"), p, q, k)
+            assert match == pytest.approx(float((p * (1 - (1 - q) ** k)).sum()), abs=1e-12)
+            assert canonical == pytest.approx(float(torch.minimum(p, selected_law(p, q, k)).sum()), abs=1e-12)
+            assert max(match, canonical) <= alpha_star_iid(p, q, k) + 1e-12
+        assert node_acceptance(get_verifier("canonical"), p, q, 1) == pytest.approx(
+            sequential_acceptance(p, q, 1, reserve=False), abs=1e-12)
+        assert node_acceptance(get_verifier("match"), p, q, 1) == pytest.approx(float((p * q).sum()), abs=1e-12)
+
+
 def test_ordered_k2_takes_the_better_of_priority_testing_and_specinfer():
     for seed in range(10):
         p, q = random_tables(5, 80 + seed, concentration=0.6, sparsity=0.2 if seed % 2 else 0.0)
