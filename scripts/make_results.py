@@ -756,7 +756,9 @@ def provenance(path: Path, command: str, data: dict | None = None) -> str:
     """Where a JSON report came from: the command that makes it, and the revision it was measured at -- recorded in
     the report itself by newer commands, else the commit that last changed the file (measured at or before it)."""
     if data and data.get("git"):
-        return f"`{data.get('command') or command}` at git {data['git']}"
+        machine = data.get("machine") if isinstance(data.get("machine"), dict) else {}
+        where = ", ".join(str(x) for x in (machine.get("cpu"), data.get("started") or data.get("date")) if x)
+        return f"`{data.get('command') or command}` at git {data['git']}" + (f" ({where})" if where else "")
     rel = str(path.relative_to(ROOT))
     rev = subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%H", "--", rel], capture_output=True,
                          text=True).stdout.strip()
@@ -1028,9 +1030,8 @@ def drills_section() -> list[str]:
     rep = json.loads(DRILLS.read_text())
     rows = [[r["drill"], str(r["sent"]), r["expected"], r["seen"], "yes" if r["ok"] else "**no**"]
             for r in rep["drills"]]
-    cpu = rep.get("machine", {}).get("cpu", "")
     return ["## Serving under faults and bad input", "",
-            f"Made by {provenance(DRILLS, 'python scripts/serve_drills.py', rep)} ({cpu}), against "
+            f"Made by {provenance(DRILLS, 'python scripts/serve_drills.py', rep)}, against "
             f"`{rep['server']}` on the default model and draft; {rep['wall_s']:.0f} s in all. 'Alone' is the same "
             "greedy request sent to the same server with nothing else in flight. A failure inside one request's step "
             "cannot be provoked from outside a real server: tests/test_serve.py tests it (a 500 for that request, the "
@@ -2070,6 +2071,34 @@ def shipped_report() -> dict | None:
     return None
 
 
+def verify_cost_section() -> list[str]:
+    """What each rule's verification costs per step against the target forward it verifies (results/verify_cost.json,
+    made by scripts/experiments/verify_cost.py)."""
+    from verispec.bench.report import markdown
+
+    path = ROOT / "results" / "verify_cost.json"
+    if not path.exists():
+        return []
+    rep = json.loads(path.read_text())
+    trees = list(dict.fromkeys(r["tree"] for r in rep["rows"]))
+    by = {(r["verifier"], r["tree"]): r for r in rep["rows"]}
+    rules = list(dict.fromkeys(r["verifier"] for r in rep["rows"]))
+
+    def cell(rule, tree):
+        r = by.get((rule, tree))
+        return "-" if r is None else f"{r['verify_ms']:.2f} ms ({100 * r['share_of_forward']:.0f} %)"
+
+    forward = {r["tree"]: r["forward_ms"] for r in rep["rows"]}
+    return ["## What a rule's verification costs per step", "",
+            f"Made by {provenance(path, 'python scripts/experiments/verify_cost.py', rep)}. Each cell: the mean time "
+            f"of `step_verdict` (the target's laws from its logits at T = {rep['temperature']:g}, then the rule) on a "
+            f"draft of that shape over {rep['vocab']:,} tokens, and in brackets its share of the default model's "
+            "forward over the same rows (one sequence, float32, 256 tokens of context: "
+            + ", ".join(f"{t} {forward[t]:.1f} ms" for t in trees) + "). The rules took turns within each round; "
+            "`-`: a chain-only rule on a tree.", "",
+            markdown(["verifier", *trees], [[rule, *(cell(rule, t) for t in trees)] for rule in rules]), ""]
+
+
 def optimum_section() -> list[str]:
     """Each exact rule over i.i.d. children against the acceptance optimum at one node: computed, not measured (exact
     acceptance by enumeration, the same seeded cases every time)."""
@@ -2129,6 +2158,7 @@ def render(figs: Path = ROOT / "docs" / "figures") -> str:
         out += shadow_section(Results.load(path("shadow")))
     out += trees_section(figs)
     out += optimum_section()
+    out += verify_cost_section()
     for name, model in (("llama_smollm2", "SmolLM2-135M-Instruct (Q4_1)"), ("llama_gemma3", "Gemma 3 270M (Q4_K_M)"),
                         ("llama_gemma3_greedy", "Gemma 3 270M (Q4_K_M), greedy, after the greedy fast paths"),
                         ("llama_smollm2_greedy", "SmolLM2-135M-Instruct (Q4_1), greedy, after the greedy fast paths")):

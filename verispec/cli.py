@@ -408,7 +408,7 @@ def _add_bench(sub):
                     ".csv). An interrupted run continues with --resume. Speeds are ratios within the run, paired per "
                     "prompt. 'default' is what 'verispec generate' does with no options.")
     b.add_argument("--quick", action="store_true",
-                   help="a small preset that exercises every part on the default model in under 10 minutes on 2 CPU "
+                   help="a small preset that exercises every part on the default model in under 3 minutes on 2 CPU "
                         "cores (the other options then default to the preset's)")
     extra = {"drafts": " (" + draft_help() + ")", "datasets": ": " + DATASETS_HELP,
              "methods": ": " + METHODS_HELP + "; or a peer: " + "; ".join(f"{p.name} ({p.note})" for p in PEERS.values())}
