@@ -21,7 +21,6 @@ import torch
 
 from ..probs import point_mass, residual
 from .base import NodeOutcome, register_node_rule
-from .multi import accept
 
 
 def _match_rule(draft, node, p, rng) -> NodeOutcome:
@@ -46,16 +45,21 @@ def selected_law(p: torch.Tensor, q: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _canonical_rule(draft, node, p, rng) -> NodeOutcome:
+    """Keep the best candidate by ``p / q``; its law at the kept token needs only the draft mass of the tokens at or
+    after it in that order (no sort), and the whole law (one sort) only after a rejection, for the residual."""
     kids = draft.tree.children[node]
-    q = draft.q[node].double()
+    q, p = draft.q[node].double(), p.double()
     tokens = [int(draft.tokens[c]) for c in kids]
-    ratio = torch.where(q > 0, p.double() / q.clamp_min(1e-300), torch.full_like(q, -1.0))
+    ratio = torch.where(q > 0, p / q.clamp_min(1e-300), torch.full_like(q, -1.0))
     best = max(range(len(kids)), key=lambda i: (float(ratio[tokens[i]]), -tokens[i], -i))
-    rank = tokens.index(tokens[best])  # the first child with that token
-    law = selected_law(p, q, len(kids))
-    if accept(rng, p.double(), law, tokens[best]):
+    x, rank = tokens[best], tokens.index(tokens[best])  # the first child with that token
+    r = ratio[x]
+    after = (ratio < r) | ((ratio == r) & (torch.arange(q.numel()) >= x))  # x and every token after it
+    tail = float(q[after].sum())
+    kept = tail ** len(kids) - max(tail - float(q[x]), 0.0) ** len(kids)  # P(selected = x)
+    if rng.bernoulli(torch.tensor(min(1.0, float(p[x]) / kept) if kept > 0 else 0.0, dtype=torch.float64)):
         return NodeOutcome(rank, None, rank + 1)
-    return NodeOutcome(None, residual(p.double(), law), len(kids))
+    return NodeOutcome(None, residual(p, selected_law(p, q, len(kids))), len(kids))
 
 
 register_node_rule("match", _match_rule, exact=True,

@@ -48,18 +48,26 @@ def _np(x) -> np.ndarray:
     return x.double().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float64)
 
 
+SORTED = 2048  # tokens a plan sorts at most: those of the most p + q mass; the rest count as one token
+
+
 def ratio_order(p, q) -> np.ndarray:
     """The tokens with ``q > 0`` by increasing ``p / q``. Every stage of every plan keeps this order: a stage maps
     the ratio ``u = P / q`` to a multiple of ``u - min(1, (u - L)_+)`` (``L`` its reservation level), which never
-    decreases with ``u``; so one sort per node serves all of its plans."""
+    decreases with ``u``; so one sort per node serves all of its plans. Over a large vocabulary only the ``SORTED``
+    tokens of the most ``p + q`` mass are sorted (one partition, then a sort of those), and ``plan_reach`` counts the
+    others as one token of their summed masses: the plan's reach probabilities are then approximate, which moves
+    acceptance a little and exactness not at all (any reservation ``0 <= r <= P`` is exact)."""
     p, q = _np(p), _np(q)
     keep = np.flatnonzero(q > 0)
+    if keep.size > SORTED:
+        keep = keep[np.argpartition(-(p[keep] + q[keep]), SORTED)[:SORTED]]
     return keep[np.argsort(p[keep] / q[keep], kind="stable")]
 
 
 def plan_reach(P: np.ndarray, q: np.ndarray, m: int, order: np.ndarray) -> np.ndarray:
     """Reach probabilities ``[rho_1 = 1, ..., rho_m]`` of the back-loaded plan (see the module docstring), solved
-    exactly up to float rounding.
+    exactly up to float rounding (over ``order``'s tokens; a partial order's other tokens count as one).
 
     With ``f(s) = sum_x min(P(x), s q(x))``, ``sum_x T(x) = f(S_1)`` and, as ``S_j <= S_1``,
     ``sum_x min(T(x), q(x) S_j) = f(S_j)``; so with ``c = 1 - f(S_1)`` the fixed point reads
@@ -70,6 +78,11 @@ def plan_reach(P: np.ndarray, q: np.ndarray, m: int, order: np.ndarray) -> np.nd
     sort here): a few cumulative sums over the vocabulary, then work on m numbers. Exactness never depends on this
     plan, only acceptance does."""
     Ps, qs = P[order], q[order]
+    pos = q > 0
+    rest_p, rest_q = float(P[pos].sum()) - float(Ps.sum()), float(q[pos].sum()) - float(qs.sum())
+    if rest_q > 1e-15:  # a partial order: the tokens left out, as one token of their masses, in its place
+        at = int(np.searchsorted(Ps / qs, max(rest_p, 0.0) / rest_q))
+        Ps, qs = np.insert(Ps, at, max(rest_p, 0.0)), np.insert(qs, at, rest_q)
     u = np.maximum.accumulate(Ps / qs)  # sorted already, up to rounding
     cp = np.concatenate([[0.0], np.cumsum(Ps)])  # cp[i]: P of the i smallest ratios
     cq = np.concatenate([[0.0], np.cumsum(qs)])
@@ -173,7 +186,7 @@ def best_plan(p: torch.Tensor, q: torch.Tensor, k: int, weights: list[float] | N
         if key in _MEMO:
             return _MEMO[key]
     pn, qn = _np(p), _np(q)
-    order = ratio_order(pn, qn)
+    order = ratio_order(pn, qn) if k > 1 else np.zeros(0, dtype=np.int64)  # plan 1 alone reserves nothing
     best, best_value = None, -1.0
     for horizon in horizons(k):
         plan = _stage_plan(pn, qn, k, horizon, order)
