@@ -252,18 +252,20 @@ def test_monte_carlo_passes_exact_rules_and_flags_resispec():
     assert bad.biased and bad.tv > 10 * bad.noise_bound
 
 
-def test_reserve_stays_exact_when_its_plan_sorts_only_part_of_the_vocabulary(monkeypatch):
-    """Over a large vocabulary ``reserve`` sorts only the tokens of the most mass and counts the rest as one token
-    (``reserve.SORTED``): its plan is then approximate, its law still the target's. Forced onto the audit's small
-    vocabularies (2 tokens sorted of up to 6), the enumeration finds it exact; and on 49,152 tokens the partial plan
-    accepts within 1e-4 of the fully sorted one."""
+def test_reserve_and_ordered_stay_exact_when_they_sort_only_part_of_the_vocabulary(monkeypatch):
+    """Over a large vocabulary ``reserve`` and ``ordered`` sort only the tokens of the most mass (``SORTED``): the
+    rest count as one token in reserve's plan, and follow by id in ordered's priority order. Their laws must stay the
+    target's: forced onto the audit's small vocabularies (2 tokens sorted of up to 6), the enumeration finds both
+    exact; and on 49,152 tokens reserve's partial plan accepts within 1e-4 of the fully sorted one."""
+    import verispec.verifiers.ordered as ordered
     import verispec.verifiers.reserve as reserve
     from verispec.probs import Sampling, logits_to_probs
 
     monkeypatch.setattr(reserve, "SORTED", 2)
+    monkeypatch.setattr(ordered, "SORTED", 2)
     reserve._MEMO.clear()
-    row = audit([get_verifier("reserve")], cases=QUICK_CASES, seed=5)[0]
-    assert row.max_tv < 1e-12 and row.verdict == "exact"
+    for row in audit([get_verifier("reserve"), get_verifier("ordered")], cases=QUICK_CASES, seed=5):
+        assert row.max_tv < 1e-12 and row.verdict == "exact", row.verifier
     reserve._MEMO.clear()
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(49152, generator=gen) * 3

@@ -59,7 +59,7 @@ def _canonical_rule(draft, node, p, rng) -> NodeOutcome:
     kept = tail ** len(kids) - max(tail - float(q[x]), 0.0) ** len(kids)  # P(selected = x)
     if rng.bernoulli(torch.tensor(min(1.0, float(p[x]) / kept) if kept > 0 else 0.0, dtype=torch.float64)):
         return NodeOutcome(rank, None, rank + 1)
-    return NodeOutcome(None, residual(p, selected_law(p, q, len(kids))), len(kids))
+    return NodeOutcome(None, residual(p, q if len(kids) == 1 else selected_law(p, q, len(kids))), len(kids))
 
 
 register_node_rule("match", _match_rule, exact=True,

@@ -45,10 +45,22 @@ from .multi import accept
 from .reserve import horizons, plan_masses, subtree_weights
 
 
+SORTED = 2048  # tokens sorted by priority at most: those of the most p + q mass; the others follow by id
+
+
 def priority_order(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Token ids, highest priority first: ``p/q`` descending (tokens with q = 0 last), ties by id."""
+    """Token ids, highest priority first: ``p/q`` descending (tokens with q = 0 last), ties by id. Over a large
+    vocabulary only the ``SORTED`` tokens of the most ``p + q`` mass are sorted so, and the others follow them by id:
+    any order fixed by ``(p, q)`` keeps the rule exact (its stage laws are computed for the order it uses); this one
+    moves acceptance by the little mass those tokens carry, and saves a sort of the whole vocabulary."""
     ratio = torch.where(q > 0, p / q.clamp_min(1e-300), torch.full_like(p, -1.0))
-    return torch.sort(ratio, descending=True, stable=True).indices
+    if ratio.numel() <= SORTED:
+        return torch.sort(ratio, descending=True, stable=True).indices
+    top = torch.topk(p + q, SORTED).indices.sort().values  # by id, then stably by priority
+    first = top[torch.sort(ratio[top], descending=True, stable=True).indices]
+    rest = torch.ones_like(ratio, dtype=torch.bool)
+    rest[top] = False
+    return torch.cat([first, torch.nonzero(rest).flatten()])
 
 
 def _top_law(q_sorted: torch.Tensor, above: torch.Tensor, n: int) -> torch.Tensor:
