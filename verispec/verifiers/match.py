@@ -8,11 +8,12 @@ node rules that decide from one candidate, the floor and a selection any multi-d
   ``q``; every other exact rule must do at least as well.
 * ``canonical`` -- Khisti et al. 2024's canonical architecture for K i.i.d. candidates: a selection keeps one
   candidate, then single-draft speculative sampling verifies it against the law of the selected token. The paper
-  leaves the selection open (its optimum is a linear program); verispec keeps the candidate with the largest
-  ``p(x) / q(x)`` (ties: the smaller token id), whose law has a closed form: with tokens ordered best first and
-  ``T(x)`` the draft mass of x and every token after it, ``P(selected = x) = T(x)^K - (T(x) - q(x))^K``. Exact by
-  the single-draft lemma with that law as the draft's; the selection reads only this node's candidates, so the
-  selected child's subtree is still drawn from ``q`` given its path.
+  leaves the selection open (its optimum is a linear program); verispec keeps the candidate earliest in ``ordered``'s
+  priority order (the largest ``p(x) / q(x)`` first, ties by id; over a large vocabulary the 2,048 tokens of the
+  most ``p + q`` mass first), whose law has a closed form: with ``T(x)`` the draft mass of x and every token after
+  it in that order, ``P(selected = x) = T(x)^K - (T(x) - q(x))^K``. Exact by the single-draft lemma with that law as
+  the draft's (for any order fixed by ``(p, q)``); the selection reads only this node's candidates, so the selected
+  child's subtree is still drawn from ``q`` given its path.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from ..probs import point_mass, residual
 from .base import NodeOutcome, register_node_rule
+from .ordered import priority_order
 
 
 def _match_rule(draft, node, p, rng) -> NodeOutcome:
@@ -33,33 +35,34 @@ def _match_rule(draft, node, p, rng) -> NodeOutcome:
 
 
 def selected_law(p: torch.Tensor, q: torch.Tensor, k: int) -> torch.Tensor:
-    """The law of the candidate ``canonical`` keeps among ``k`` i.i.d. draws from ``q``: the best by ``p / q``."""
+    """The law of the candidate ``canonical`` keeps among ``k`` i.i.d. draws from ``q``: the one earliest in
+    ``ordered.priority_order`` (the largest ``p / q`` first)."""
     p, q = p.double(), q.double()
-    ratio = torch.where(q > 0, p / q.clamp_min(1e-300), torch.full_like(p, -1.0))
-    ids = torch.arange(p.numel())
-    order = ids[torch.argsort(-ratio[ids], stable=True)]  # best first; ties keep the smaller id first
-    tail = torch.flip(torch.cumsum(torch.flip(q[order], [0]), 0), [0]).clamp(0, 1)  # T(x), in that order
+    order = priority_order(p, q)
+    qs = q[order]
+    tail = torch.flip(torch.cumsum(torch.flip(qs, [0]), 0), [0]).clamp(0, 1)  # T(x), in that order
     law = torch.zeros_like(q)
-    law[order] = tail ** k - (tail - q[order]).clamp_min(0) ** k
+    law[order] = tail ** k - (tail - qs).clamp_min(0) ** k
     return law
 
 
 def _canonical_rule(draft, node, p, rng) -> NodeOutcome:
-    """Keep the best candidate by ``p / q``; its law at the kept token needs only the draft mass of the tokens at or
-    after it in that order (no sort), and the whole law (one sort) only after a rejection, for the residual."""
     kids = draft.tree.children[node]
     q, p = draft.q[node].double(), p.double()
     tokens = [int(draft.tokens[c]) for c in kids]
-    ratio = torch.where(q > 0, p / q.clamp_min(1e-300), torch.full_like(q, -1.0))
-    best = max(range(len(kids)), key=lambda i: (float(ratio[tokens[i]]), -tokens[i], -i))
-    x, rank = tokens[best], tokens.index(tokens[best])  # the first child with that token
-    r = ratio[x]
-    after = (ratio < r) | ((ratio == r) & (torch.arange(q.numel()) >= x))  # x and every token after it
-    tail = float(q[after].sum())
-    kept = tail ** len(kids) - max(tail - float(q[x]), 0.0) ** len(kids)  # P(selected = x)
-    if rng.bernoulli(torch.tensor(min(1.0, float(p[x]) / kept) if kept > 0 else 0.0, dtype=torch.float64)):
+    if len(kids) == 1:  # one candidate: it is kept, with its own law
+        law, x = q, tokens[0]
+    else:
+        order = priority_order(p, q)
+        position = torch.empty_like(order)
+        position[order] = torch.arange(order.numel())
+        x = min(tokens, key=lambda t: int(position[t]))
+        law = selected_law(p, q, len(kids))
+    rank = tokens.index(x)  # the first child with the kept token
+    if rng.bernoulli(torch.tensor(min(1.0, float(p[x]) / float(law[x])) if law[x] > 0 else 0.0,
+                                  dtype=torch.float64)):
         return NodeOutcome(rank, None, rank + 1)
-    return NodeOutcome(None, residual(p, q if len(kids) == 1 else selected_law(p, q, len(kids))), len(kids))
+    return NodeOutcome(None, residual(p, law), len(kids))
 
 
 register_node_rule("match", _match_rule, exact=True,
