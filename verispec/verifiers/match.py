@@ -34,11 +34,11 @@ def _match_rule(draft, node, p, rng) -> NodeOutcome:
     return NodeOutcome(None, point_mass(torch.tensor(y), p.shape[-1], p.dtype), len(kids))
 
 
-def selected_law(p: torch.Tensor, q: torch.Tensor, k: int) -> torch.Tensor:
+def selected_law(p: torch.Tensor, q: torch.Tensor, k: int, order: torch.Tensor | None = None) -> torch.Tensor:
     """The law of the candidate ``canonical`` keeps among ``k`` i.i.d. draws from ``q``: the one earliest in
-    ``ordered.priority_order`` (the largest ``p / q`` first)."""
+    ``ordered.priority_order`` (the largest ``p / q`` first; ``order``: that order, if already computed)."""
     p, q = p.double(), q.double()
-    order = priority_order(p, q)
+    order = priority_order(p, q) if order is None else order
     qs = q[order]
     tail = torch.flip(torch.cumsum(torch.flip(qs, [0]), 0), [0]).clamp(0, 1)  # T(x), in that order
     law = torch.zeros_like(q)
@@ -57,7 +57,7 @@ def _canonical_rule(draft, node, p, rng) -> NodeOutcome:
         position = torch.empty_like(order)
         position[order] = torch.arange(order.numel())
         x = min(tokens, key=lambda t: int(position[t]))
-        law = selected_law(p, q, len(kids))
+        law = selected_law(p, q, len(kids), order)
     rank = tokens.index(x)  # the first child with the kept token
     if rng.bernoulli(torch.tensor(min(1.0, float(p[x]) / float(law[x])) if law[x] > 0 else 0.0,
                                   dtype=torch.float64)):
