@@ -218,6 +218,22 @@ def test_a_kernels_build_folder_is_keyed_by_what_it_is_built_from_and_not_by_the
     assert out.stdout.strip() not in ("", str(here)), out.stderr
 
 
+def test_a_built_kernel_is_loaded_as_it_is_so_another_checkout_builds_nothing(monkeypatch):
+    """torch's ``load`` runs ninja, whose command names the building environment's include folders: another
+    checkout's environment would build the kernel again. A file in its keyed folder is loaded as it is."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    from verispec.backends import native
+
+    if native.rope() is None:
+        pytest.skip("the native kernels cannot be built here (a C++ compiler and ninja)")
+    folder = native.build_dir(native.ROPE_NAME, ("rope.cpp",), ["-O3", "-ffp-contract=off"])
+    assert (folder / f"{native.ROPE_NAME}.so").exists()
+    monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: pytest.fail("the kernel was built again"))
+    again = native._build(native.ROPE_NAME, "rope.cpp", set(), ["-ffp-contract=off"], "rotary kernel")
+    assert again is not None and hasattr(again, "rope_")
+
+
 def test_the_float32_attention_kernel_is_softmax_attention_and_a_rows_result_ignores_its_company():
     """``native.attention_f32``: tree masks with holes, rows ending at different keys, a span that is no multiple of
     the kernel's fours; equal to torch's masked softmax attention to float rounding, and a sequence's rows give the

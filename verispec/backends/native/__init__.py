@@ -157,6 +157,20 @@ class _Ticker:
         return False
 
 
+def _import(name: str, path: Path):
+    """The extension module built at ``path``. torch's ``load`` would run ninja first, whose command names the
+    building virtual environment's include folders, so another checkout's environment would build it again; the
+    folder's key already says the file is the one these sources, flags, torch, compiler and CPU make."""
+    import importlib.util  # noqa: PLC0415
+
+    import torch  # noqa: F401, PLC0415 - the extension's symbols come from torch's libraries, loaded first
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _build(name: str, source: str | tuple[str, ...], flags: set[str], cflags: list[str], what: str):
     """The extension ``name`` built from ``source`` (next to this file; a tuple: the first includes the others) in
     its keyed folder (``build_dir``), or None where this CPU lacks ``flags``, there is no compiler or ninja, the
@@ -173,13 +187,15 @@ def _build(name: str, source: str | tuple[str, ...], flags: set[str], cflags: li
         paths = _sources_in(folder, sources)
         clear_stale_lock(folder, time.time())
 
-        def build():
+        built = folder / f"{name}.so"
+        if built.exists():  # made from these very sources and flags for this torch, compiler and CPU: load it as it is
+            try:
+                return _import(name, built)
+            except Exception:  # noqa: BLE001 - a broken file: build it again below
+                pass
+        with _Ticker(what):
             return load(name, paths, extra_cflags=cflags, extra_ldflags=[f for f in cflags if f == "-fopenmp"],
                         build_directory=str(folder), verbose=False)
-        if list(folder.glob(f"{name}*.so")):
-            return build()
-        with _Ticker(what):
-            return build()
     except Exception:  # noqa: BLE001 - any failure to build means the pure-torch path
         return None
 
