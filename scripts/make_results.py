@@ -686,6 +686,8 @@ RUNS["concurrency_seeds"] = RUNS["concurrency_rounds"]
 RUNS["concurrency_prompt"] = RUNS["concurrency_rounds"]
 # the same three rounds on an AMD EPYC with AVX-512 after drafts from a short list grew on that list (eff56d6)
 RUNS["concurrency_sparse"] = RUNS["concurrency_rounds"]
+# the peers at N = 1 and 8 in three rounds, the methods' order reversed every other round (issue 67)
+RUNS["concurrency_peers_rounds"] = [*RUNS["concurrency_peers_xeon"], "--rounds", "3"]
 # the peers at N = 1 and 8 on the machine of concurrency_prompt (an Intel Xeon), one round to fit a session
 RUNS["concurrency_peers_xeon"] = ["--methods", "ar", "default", "hf-generate", "llama-cpp", "llama-server", "--drafts",
                                   "auto", *spec_bench(), "--concurrency", "1", "8"]
@@ -1914,6 +1916,13 @@ LATEST_LOOPS = ((
      "`default` made 112.5 / 112.2 tokens/s, 1.43x / 1.76x its own N = 1 (goal 3x; design.md, \"Prefill bounds how "
      "far a loop grows with N\"). Greedy text is identical to the one-at-a-time loop for every request at every N, "
      "the joining prompts' chunks now on MKL beside the others' steps.")), (
+    "concurrency_peers_rounds", "_peers_rounds",
+    "Many requests at once on an AVX-512 EPYC (float32), beside every peer at N = 1 and 8 in three rounds",
+    ("The peers of \"beside every peer at N = 1 and 8\" (one round, an Intel Xeon) again, on an AMD EPYC with "
+     "AVX-512 and in three rounds, the methods' order reversed every other round and each round drawing with its "
+     "own seed: Hugging Face `generate` on static batches, llama-cpp-python serving one request at a time and "
+     "`llama-server` with N slots, both llama.cpp builds for this CPU's instructions (`scripts/install_llama.sh`). "
+     "Not comparable with the Xeon run; compare within the run.",)), (
     "concurrency_sparse", "_sparse",
     "Many requests at once on an AVX-512 EPYC (float32), drafts from a short list grown on that list: `default` "
     "against `ar` in three rounds",
