@@ -686,11 +686,11 @@ RUNS["concurrency_seeds"] = RUNS["concurrency_rounds"]
 RUNS["concurrency_prompt"] = RUNS["concurrency_rounds"]
 # the same three rounds on an AMD EPYC with AVX-512 after drafts from a short list grew on that list (eff56d6)
 RUNS["concurrency_sparse"] = RUNS["concurrency_rounds"]
-# the peers at N = 1 and 8 in three rounds, the methods' order reversed every other round (issue 67)
-RUNS["concurrency_peers_rounds"] = [*RUNS["concurrency_peers_xeon"], "--rounds", "3"]
 # the peers at N = 1 and 8 on the machine of concurrency_prompt (an Intel Xeon), one round to fit a session
 RUNS["concurrency_peers_xeon"] = ["--methods", "ar", "default", "hf-generate", "llama-cpp", "llama-server", "--drafts",
                                   "auto", *spec_bench(), "--concurrency", "1", "8"]
+# the peers at N = 1 and 8 in three rounds, the methods' order reversed every other round (issue 67)
+RUNS["concurrency_peers_rounds"] = [*RUNS["concurrency_peers_xeon"], "--rounds", "3"]
 RUNS["serving_n8_bf16"] = [*RUNS["serving_n8"], "--dtype", "bfloat16"]
 RUNS["serving_bf16"] = [*serving_run(), "--dtype", "bfloat16"]
 # ResiSpec Table 3 shape (a cell costs ~30 s here): one run per temperature and tree group, two at a time share the
