@@ -37,6 +37,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--read-laws", action="store_true", help="a control that reads the draft's laws at each depth")
+    ap.add_argument("--evict", type=int, default=0, metavar="MB",
+                    help="read this many MB between rounds, as the target's forward does in a loop (its float32 "
+                         "weights: about 540), so the head's weights are not in the caches when it drafts")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target = load("smollm2-135m", dtype="float32")
@@ -62,6 +65,7 @@ def main() -> None:
     timed(type(lm), "forward", "head forwards")  # its prefills of the committed pairs call it too
     rng, sampling = TorchRandomness(0), Sampling(0.0)
     control = DraftControl(lambda *a, **kw: True, reads_laws=args.read_laws)
+    evict = torch.ones(args.evict * 2**18) if args.evict else None
     for k in args.catch_up:
         for d in args.depths:
             context = list(range(1000, 1000 + args.context))
@@ -75,6 +79,8 @@ def main() -> None:
                     spent.clear()
                 context += [1500 + r % 7] * k
                 drafter.observe(torch.randn(k, width))
+                if evict is not None:
+                    evict.sum()
                 t = time.perf_counter()
                 draft = drafter.propose(context, tree, sampling, "topk", rng, control)
                 if r >= 5:
