@@ -2122,7 +2122,33 @@ def optimum_section() -> list[str]:
             "p close to q). Each rule's acceptance at a node is exact, by enumerating its random outcomes; "
             "alpha*_iid (Hu et al. 2025) is the most any exact rule can accept there. `match` (sampler-match) is the "
             "floor; `canonical` keeps the candidate with the largest p/q, and a third candidate can lower its "
-            "acceptance, which the sequential rules never do.", "", never_lose_table(specs, cases=100, seed=0), ""]
+            "acceptance, which the sequential rules never do.", "", never_lose_table(specs, cases=100, seed=0), ""] \
+        + chain_optimum_section()
+
+
+def chain_optimum_section() -> list[str]:
+    """The chain rules against block verification, and the case that settles HSD's claim: computed, not measured."""
+    from verispec.audit.run import CHAIN_RULES, chain_optimum_table, hsd_against_block
+    from verispec.verifiers import get_verifier
+
+    case = hsd_against_block()
+    block, hsd = case["block"], case["hsd"]
+    return ["### On a chain: block verification's optimum, and HSD", "",
+            "Computed, not measured (`verispec audit` prints the same table; `verispec.audit.run.chain_optimum_table`, "
+            "60 seeded random chains of 2 and 3 drafted tokens over 2-4 token vocabularies, children drawn from q and "
+            "top-k in turn). Each rule's expected tokens a step (accepted and the one emitted after) by enumerating "
+            "its random outcomes, as a share of block verification's, the most any exact rule keeps from one chain; "
+            "and its total variation from the target's law over the step's tokens.", "",
+            chain_optimum_table([get_verifier(n) for n in CHAIN_RULES], cases=60, seed=0), "",
+            "HSD's claim (lossless, and ahead of block verification on a single chain) settled by the smallest case "
+            "(`verispec.audit.run.hsd_against_block`; docs/algorithms.md, \"HSD as its script computes it\"): two "
+            "tokens, the chain drawn from q = (.5, .5), then (.6, .4) after token 0, under p = (.9, .1), then "
+            f"(.4, .6). HSD keeps {hsd['expected_tokens']:.2f} tokens a step against block verification's "
+            f"{block['expected_tokens']:.2f}, and its law of the first two tokens is "
+            f"({', '.join(f'{x:.2f}' for x in hsd['law'])}) against the target's "
+            f"({', '.join(f'{x:.2f}' for x in case['target'])}) (block: total variation {block['tv']:.0e}; HSD "
+            f"{hsd['tv']:.2f}). Where HSD keeps more than block verification it is not exact; with top-k children it "
+            "is block verification, and on such chains token-by-token `chain` already keeps as much.", ""]
 
 
 def render(figs: Path = ROOT / "docs" / "figures") -> str:

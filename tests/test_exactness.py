@@ -17,7 +17,7 @@ from verispec.audit.controls import NEGATIVE_CONTROLS
 from verispec.audit.law import node_acceptance
 from verispec.audit.montecarlo import monte_carlo_node
 from verispec.audit.optimum import alpha_star_iid, ordered_acceptance_k2, sequential_acceptance
-from verispec.audit.run import audit, never_lose_rows
+from verispec.audit.run import CHAIN_RULES, audit, chain_optimum_rows, hsd_against_block, never_lose_rows
 from verispec.tree import Tree
 from verispec.verifiers import VERIFIERS, get_verifier
 from verispec.verifiers.base import Verdict, VerifierSpec, first_child_law
@@ -28,7 +28,7 @@ QUICK_CASES = 20  # the same audit, fewer cases: what `pytest -m "not slow"` che
 FLAG_CASES = 40  # a biased rule needs one case to show it; fewer keep the suite quick (adasd is slow to enumerate)
 END_TO_END = {"traversal", "ctl-traversal-no-residual"}  # whole-tree enumeration: audited on fewer cases below
 EXACT = [name for name, spec in VERIFIERS.items() if spec.exact and name not in END_TO_END]
-BIASED = ["resispec", "adasd", "fsd", "typical", "bild", "mix", "budget", *(c for c in NEGATIVE_CONTROLS
+BIASED = ["resispec", "hsd", "adasd", "fsd", "typical", "bild", "mix", "budget", *(c for c in NEGATIVE_CONTROLS
                                                                             if c not in END_TO_END)]
 
 
@@ -208,6 +208,31 @@ def test_traversal_on_a_chain_is_block_verification():
         a = step_law(get_verifier("traversal"), p, q, Tree.chain(k), "iid")
         b = step_law(get_verifier("block"), p, q, Tree.chain(k), "iid")
         assert a.keys() == b.keys() and all(abs(a[s] - b[s]) < 1e-12 for s in a)
+
+
+def test_hsd_is_block_verification_but_for_the_whole_chains_coin():
+    """With top-k children every prefix ratio is at most 1 and HSD's law is block verification's; with children drawn
+    from q it keeps more tokens than block verification (the most an exact rule keeps) exactly where it is biased."""
+    for seed in range(4):
+        p, q = random_tables(3, 11 + seed, concentration=0.5)
+        for k in (1, 2, 3):
+            a = step_law(get_verifier("hsd"), p, q, Tree.chain(k), "topk")
+            b = step_law(get_verifier("block"), p, q, Tree.chain(k), "topk")
+            assert a.keys() == b.keys() and all(abs(a[s] - b[s]) < 1e-12 for s in a)
+    case = hsd_against_block()
+    assert case["block"]["tv"] < 1e-12 and case["block"]["expected_tokens"] == pytest.approx(2.1)
+    assert case["hsd"]["expected_tokens"] == pytest.approx(2.2) and case["hsd"]["tv"] == pytest.approx(0.1)
+    assert case["hsd"]["law"] == pytest.approx([0.46, 0.44, 0.05, 0.05])
+
+
+def test_no_exact_chain_rule_keeps_more_than_block_verification():
+    rows = chain_optimum_rows([get_verifier(n) for n in CHAIN_RULES], cases=12, seed=4)
+    for r in rows:
+        if r["claims_exact"]:
+            assert r["above_block"] == 0 and r["max_tv"] < 1e-12
+    hsd = {r["children"]: r for r in rows if r["verifier"] == "hsd"}
+    assert hsd["iid"]["above_block"] > 0 and hsd["iid"]["max_tv"] > 1e-3
+    assert hsd["topk"]["above_block"] == 0 and hsd["topk"]["max_tv"] < 1e-12
 
 
 def test_reserve_and_ordered_never_accept_less_than_specinfer_or_than_with_fewer_candidates():

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from .audit.controls import NEGATIVE_CONTROLS
 from .audit.distortion import distortion_report, format_distortion, format_nll
 from .audit.montecarlo import format_monte_carlo, monte_carlo_report
-from .audit.run import audit, format_table, never_lose_table
+from .audit.run import CHAIN_RULES, audit, chain_optimum_table, format_table, never_lose_table
 from .backends import DTYPES, default_threads, load
 from .bench import QUICK, BenchConfig, Results, run_bench
 from .bench.agreement import agreement_report, format_agreement
@@ -336,6 +336,10 @@ def cmd_audit(args) -> int:
         print("\nAgainst specinfer, node by node (exact i.i.d.-children rules on random small (p, q, k)):\n")
         print(never_lose_table([s for s in specs if s.exact and (s.children or "iid") == "iid" and s.node_rule],
                                cases=max(args.cases, 50), seed=args.seed))
+        chains = [s for s in specs if s.name in CHAIN_RULES]
+        if chains and any(s.name == "block" for s in specs):
+            print("\nOn chains, against block verification (the most an exact rule keeps from one chain):\n")
+            print(chain_optimum_table(chains, cases=max(args.cases, 40), seed=args.seed))
     failed = [r.verifier for r in rows if r.verdict.startswith("FAIL")]
     if args.montecarlo > 0:
         failed += _audit_montecarlo(args, [s for s in specs if s.node_rule is not None and (s.children or "iid") == "iid"

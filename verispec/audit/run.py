@@ -141,3 +141,88 @@ def never_lose_table(specs: list[VerifierSpec], cases: int = 100, seed: int = 0)
     lines += [f"| {r['verifier']} | {r['cases']} | {r['below_specinfer']} | {r['below_fewer_candidates']} | "
               f"{r['mean_share_of_alpha_star']:.4f} | {r['worst_share_of_alpha_star']:.4f} |" for r in rows]
     return "\n".join(lines)
+
+
+CHAIN_RULES = ("chain", "block", "traversal", "match", "hsd")  # rules compared on chains against block's optimum
+
+
+def expected_tokens(law: dict[tuple[int, ...], float]) -> float:
+    """Tokens a step emits on average (accepted + the recovered or bonus one), from its exact law (``step_law``)."""
+    return sum(w * len(e) for e, w in law.items())
+
+
+def chain_case(spec: VerifierSpec, p, q, depth: int, vocab: int, children: str) -> tuple[float, float]:
+    """(expected tokens a step, total variation from the target's law) of ``spec`` on a chain of ``depth``."""
+    from .law import _complete, step_law  # noqa: PLC0415
+
+    tree = Tree.chain(depth)
+    law = step_law(spec, p, q, tree, children)
+    tv, _ = tv_and_kl(target_law(p, (0,), depth + 1, vocab), _complete(law, p, (0,), depth + 1, vocab))
+    return expected_tokens(law), tv
+
+
+def chain_optimum_rows(specs: list[VerifierSpec], cases: int = 60, seed: int = 0) -> list[dict]:
+    """Each chain rule against block verification, the most tokens an exact rule can keep from one drafted chain (Sun et
+    al. 2024; Thomas and Pal 2026 without the on-path restriction), on random chains of 2 and 3 drafted tokens over 2-4
+    token vocabularies, children drawn from q (``iid``) and top-k (point masses) in turn: expected tokens a step,
+    exact by enumeration. Per rule and child mode: its mean and worst share of block's, the cases where it keeps more
+    than block (possible only for a rule that is not exact), and its largest total variation from the target's law."""
+    block = get_verifier("block")
+    rows: dict[tuple[str, str], dict] = {}
+    for i in range(cases):
+        rnd = random.Random(seed * 100_003 + i)
+        depth, vocab, children = 2 + i % 2, rnd.choice([2, 3, 4]), ("iid", "topk")[(i // 2) % 2]
+        p, q = random_tables(vocab, seed * 7919 + i, concentration=rnd.choice([0.3, 0.7, 1.5]),
+                             sparsity=rnd.choice([0.0, 0.0, 0.3]))
+        best, _ = chain_case(block, p, q, depth, vocab, children)
+        for spec in specs:
+            got, tv = chain_case(spec, p, q, depth, vocab, children)
+            row = rows.setdefault((spec.name, children), {
+                "verifier": spec.name, "children": children, "claims_exact": spec.exact, "cases": 0, "shares": [],
+                "above_block": 0, "max_tv": 0.0})
+            row["cases"] += 1
+            row["shares"].append(got / best)
+            row["above_block"] += got > best + 1e-12
+            row["max_tv"] = max(row["max_tv"], tv)
+    out = []
+    for (name, children), row in sorted(rows.items(), key=lambda kv: ([s.name for s in specs].index(kv[0][0]), kv[0][1])):
+        shares = row.pop("shares")
+        out.append({**row, "mean_share_of_block": sum(shares) / len(shares), "worst_share_of_block": min(shares),
+                    "best_share_of_block": max(shares)})
+    return out
+
+
+def chain_optimum_table(specs: list[VerifierSpec], cases: int = 60, seed: int = 0) -> str:
+    rows = chain_optimum_rows(specs, cases, seed)
+    lines = ["| verifier | children | claims exact | chains | mean share of block's tokens | worst share | best share | "
+             "chains where it keeps more than block | max TV from the target's law |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['verifier']} | {r['children']} | {'yes' if r['claims_exact'] else 'no'} | {r['cases']} | "
+              f"{r['mean_share_of_block']:.4f} | {r['worst_share_of_block']:.4f} | {r['best_share_of_block']:.4f} | "
+              f"{r['above_block']} | {r['max_tv']:.2e} |" for r in rows]
+    return "\n".join(lines)
+
+
+def hsd_against_block() -> dict:
+    """The smallest case that settles HSD's claim to beat block verification on a chain while exact: two tokens, a
+    chain of 2 drawn from q. The first drafted token is likelier under p than q (ratio 1.8), the second less (ratio
+    2/3): HSD keeps the whole chain with min(1, 1.8 * 2/3) = 1, block with (1.8 * 2/3) / 1.8 = 2/3. Returns both rules'
+    expected tokens a step, the target's law of the first two tokens and each rule's, and their total variation."""
+    from .law import _complete, step_law  # noqa: PLC0415
+
+    tables = {"p": {(0,): (0.9, 0.1), (0, 0): (0.4, 0.6), (0, 1): (0.5, 0.5)},
+              "q": {(0,): (0.5, 0.5), (0, 0): (0.6, 0.4), (0, 1): (0.5, 0.5)}}
+
+    def table(tag):
+        return lambda prefix: torch.tensor(tables[tag].get(prefix, (0.5, 0.5)), dtype=torch.float64)
+
+    p, q = table("p"), table("q")
+    target = target_law(p, (0,), 2, 2)
+    out = {"p": {str(k): v for k, v in tables["p"].items()}, "q": {str(k): v for k, v in tables["q"].items()},
+           "target": target.flatten().tolist()}
+    for name in ("block", "hsd"):
+        law = step_law(get_verifier(name), p, q, Tree.chain(2), "iid")
+        two = _complete(law, p, (0,), 3, 2).sum(-1)  # the first two tokens
+        out[name] = {"expected_tokens": expected_tokens(law), "law": two.flatten().tolist(),
+                     "tv": tv_and_kl(target, two)[0]}
+    return out
