@@ -66,12 +66,15 @@ HEAD_INFO = ROOT / "verispec" / "heads" / "smollm2-135m.json"  # the shipped hea
 # `verispec eval-draft --draft eagle:HEAD --corpus runs/e3 --per-group 5 --check 3 --json` for the shipped head and
 # for the EAGLE-3-style head trained in issue 12 (docs/archive/findings.md has the commands)
 AGREEMENT = {"EAGLE-1 head (shipped until 2026-12-03)": ROOT / "results" / "agreement_shipped.json",
-             "EAGLE-3-style head (not shipped)": ROOT / "results" / "agreement_eagle3.json"}
+             "EAGLE-3-style head (not shipped)": ROOT / "results" / "agreement_eagle3.json",
+             "shipped head (since 2026-12-05)": ROOT / "results" / "head_agreement.json"}
 AGREEMENT_COMMANDS = {  # as run (docs/archive/findings.md, "Head variants")
     "EAGLE-1 head (shipped until 2026-12-03)": "verispec eval-draft --draft eagle:verispec/heads/smollm2-135m.pt --corpus runs/e3 "
                               "--per-group 5 --check 3 --json > results/agreement_shipped.json",
     "EAGLE-3-style head (not shipped)": "verispec eval-draft --draft eagle:runs/final/head.pt --corpus runs/e3 "
-                                        "--per-group 5 --json > results/agreement_eagle3.json"}
+                                        "--per-group 5 --json > results/agreement_eagle3.json",
+    "shipped head (since 2026-12-05)": "verispec eval-draft --draft eagle --per-group 10 --depths 3 --corpus "
+                                       "data/corpus/smollm2-135m --threads 1 --json > results/head_agreement.json"}
 CURVE = ROOT / "results" / "head_curve"  # `verispec eval-draft --json` reports of heads trained on more and more of one corpus
 CURVE_CORPUS = ("verispec train-draft --until corpus --rounds 128 --gen-batch 128 --feature-layers 3,15,27 --depths 3 "
                 "--out data/corpus/smollm2-135m")
@@ -2072,7 +2075,9 @@ def shipped_report() -> dict | None:
     if not HEAD_INFO.exists():
         return None
     info = json.loads(HEAD_INFO.read_text()).get("training", {})
-    for p in sorted(EPOCHS.glob("*.json")):
+    for p in [AGREEMENT["shipped head (since 2026-12-05)"], *sorted(EPOCHS.glob("*.json"))]:  # the clean re-run first
+        if not p.exists():
+            continue
         rep = json.loads(p.read_text())
         tr = rep.get("training") or {}
         if tr and all(tr.get(k) == info.get(k) is not None for k in ("sequences", "steps")):

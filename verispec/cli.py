@@ -30,7 +30,7 @@ from .bench import QUICK, BenchConfig, Results, run_bench
 from .bench.agreement import agreement_report, format_agreement
 from .bench.peers import PEERS
 from .bench.plots import plot_all
-from .bench.records import git_revision
+from .bench.records import git_revision, machine
 from .bench.report import loop_summary, loops_csv, report, rows_csv, summarize
 from .bench.runner import BENCH_HELP
 from .datasets import DATASETS_HELP
@@ -647,6 +647,7 @@ def cmd_eval_draft(args) -> int:
     if args.corpus and not is_corpus(args.corpus):
         raise VerispecError(f"{args.corpus} holds no corpus (its text/ folder; a 'verispec train-draft' run folder)")
     _set_threads(args)
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
     target = load(args.target)
     head = build_drafter(spec, target).head
     bar = None if args.json else _progress(6 * args.per_group + args.check, "evaluating")
@@ -655,7 +656,8 @@ def cmd_eval_draft(args) -> int:
                               progress=None if bar is None else (lambda n=1: bar.update(n)))
     if bar is not None:
         bar.close()
-    report.update(command=args.command_line, git=git_revision())  # where the figures came from
+    # where the figures came from: the command, revision, machine and date
+    report.update(command=args.command_line, git=git_revision(), machine=machine(), started=started)
     print(json.dumps(report) if args.json else format_agreement(report))
     return 0
 
