@@ -16,6 +16,7 @@ import os
 import shlex
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 
 import torch
@@ -613,6 +614,105 @@ def cmd_train_draft(args) -> int:
     return 0
 
 
+AUDIT_PROMPTS = ("Name an animal.", "Continue the pattern: red, blue, red, blue, red,")  # spread first tokens
+
+
+def _add_audit_engine(sub):
+    from .audit.adapters import ENGINES  # noqa: PLC0415
+
+    names = "; ".join(f"{e.name}: {e.help}" for e in ENGINES.values())
+    a = sub.add_parser(
+        "audit-engine", help="test an engine's speculative sampling against its target's law, by sampling",
+        description="A black-box test of an engine's speculative sampling: the first K tokens of N seeded runs on each "
+                    "prompt, at each temperature, against the exact law of those K tokens from the same target's "
+                    "logits by teacher forcing (chi-square over cells expected 5 times or more, the rest merged; a law "
+                    "differs at p < 0.001). Each row gives the total variation estimate with a bootstrap interval and "
+                    "the smallest total variation the test detects at N (a known perturbation of the law, rejected "
+                    "in 80 %% of simulations). --controls adds samplers wrong on purpose, which must be flagged. Exit "
+                    "status 1 if a law differs or a control is not flagged. Engines: " + names + "; verispec-serve: "
+                    "a running 'verispec serve' at --url, the law from --target loaded here. docs/audit-engine.md: "
+                    "auditing another engine (vLLM, SGLang) with an adapter.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a.add_argument("engines", nargs="*", metavar="ENGINE", help="engines to audit (" + ", ".join(
+        [*(n for n, e in ENGINES.items() if not e.control), "verispec-serve"]) + ")")
+    a.add_argument("--controls", action="store_true", help="also run the negative controls: "
+                   + ", ".join(n for n, e in ENGINES.items() if e.control))
+    a.add_argument("--samples", type=int, default=2000, help="seeded runs per engine, prompt and setting")
+    a.add_argument("--k", type=int, default=2, help="tokens of each run compared (1-3)")
+    a.add_argument("--temperatures", type=float, nargs="+", default=[0.6, 1.0], help="temperatures (> 0)")
+    a.add_argument("--top-k", type=int, default=0, help="top-k filtering of every run and of the law (0: off)")
+    a.add_argument("--top-p", type=float, default=1.0, help="nucleus filtering of every run and of the law (1: off)")
+    a.add_argument("--prompt", action="append", default=None,
+                   help="a user message (repeatable; default: " + " / ".join(repr(p) for p in AUDIT_PROMPTS) + ")")
+    a.add_argument("--target", default="smollm2-135m", help="the target model")
+    a.add_argument("--url", default=None, help="verispec-serve: the server's base URL (loopback)")
+    a.add_argument("--floor", type=float, default=1e-5, help="prefixes below this probability are merged in the law")
+    a.add_argument("--out", default=None, help="also write the rows as JSON lines to this file")
+    a.add_argument("--json", action="store_true", help="print the rows as JSON lines")
+    _threads(a)
+    a.set_defaults(func=cmd_audit_engine)
+
+
+def cmd_audit_engine(args) -> int:
+    from .audit.adapters import ENGINES, ServeAdapter  # noqa: PLC0415
+    from .audit.engines import check_engine, format_checks  # noqa: PLC0415
+
+    known = [*ENGINES, "verispec-serve"]
+    wanted = list(dict.fromkeys(args.engines + ([n for n, e in ENGINES.items() if e.control] if args.controls else [])))
+    if not wanted:
+        raise VerispecError("name at least one engine (" + ", ".join(known) + ") or pass --controls")
+    bad = [n for n in wanted if n not in known]
+    if bad:
+        raise VerispecError(f"unknown engine {bad[0]!r}; choose from {', '.join(known)}")
+    if args.samples < 10 or not 1 <= args.k <= 3 or args.floor <= 0 or args.floor >= 1:
+        raise VerispecError("--samples must be >= 10, --k in 1..3, --floor in (0, 1)")
+    if any(not 0 < t <= 2 for t in args.temperatures):
+        raise VerispecError("--temperatures must be in (0, 2]: at T = 0 there is no law to sample")
+    if "verispec-serve" in wanted:
+        if not args.url:
+            raise VerispecError("verispec-serve needs --url (a running 'verispec serve', e.g. http://127.0.0.1:8000)")
+        host = urllib.parse.urlparse(args.url).hostname
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            raise VerispecError(f"--url must be a loopback address (127.0.0.1), not {host!r}")
+    sampling = [Sampling(t, args.top_k, args.top_p) for t in args.temperatures]  # checks top-k and top-p
+    out = _writable_file(args.out, "--out") if args.out else None
+    if out is not None:
+        out.write_text("")
+    _set_threads(args)
+    target = load(args.target)
+    prompts = [target.encode_prompt(p) for p in (args.prompt or AUDIT_PROMPTS)]
+    info = _info(args)
+    rows = []
+    for name in wanted:
+        entry = ENGINES.get(name)
+        adapter = ServeAdapter(args.url, target) if entry is None else entry.make(target)
+        for s in sampling:
+            reason = entry.skip(s.temperature) if entry is not None else None
+            if reason:
+                info(f"{name} at T = {s.temperature:g} left out: {reason}")
+                continue
+            for i, ids in enumerate(prompts):
+                bar = None if args.json else _progress(args.samples, f"{name} T={s.temperature:g} prompt {i}")
+                row = check_engine(adapter, ids, args.k, args.samples, s, prompt_index=i, floor=args.floor,
+                                   control=entry is not None and entry.control,
+                                   progress=None if bar is None else bar.update)
+                if bar is not None:
+                    bar.close()
+                rows.append(row)
+                if out is not None:
+                    with open(out, "a") as f:
+                        f.write(json.dumps({**row.as_dict(), "command": args.command_line, "git": git_revision(),
+                                            "machine": machine()}) + "\n")
+                if args.json:
+                    print(json.dumps(row.as_dict()), flush=True)
+    if not args.json:
+        print(format_checks(rows))
+    wrong = [r for r in rows if r.differs != r.control]
+    for r in wrong:
+        info(f"{r.engine} (prompt {r.prompt}, T = {r.temperature:g}): {r.verdict}")
+    return 1 if wrong else 0
+
+
 def _add_eval_draft(sub):
     e = sub.add_parser(
         "eval-draft", help="how often a draft head agrees with its target, per depth (held-out text)",
@@ -742,7 +842,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"verispec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in (_add_generate, _add_serve, _add_audit, _add_bench, _add_report, _add_plot, _add_train_draft,
-                _add_eval_draft, _add_tune_tree, _add_kernels):
+                _add_eval_draft, _add_audit_engine, _add_tune_tree, _add_kernels):
         add(sub)
     return parser
 

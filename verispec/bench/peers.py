@@ -59,10 +59,10 @@ class PeerResult:
         return len(self.token_ids)
 
 
-def _sampling_kwargs(temperature: float) -> dict:
+def _sampling_kwargs(temperature: float, top_k: int = 0, top_p: float = 1.0) -> dict:
     if temperature == 0:
         return {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
-    return {"do_sample": True, "temperature": float(temperature), "top_k": 0, "top_p": 1.0}
+    return {"do_sample": True, "temperature": float(temperature), "top_k": int(top_k), "top_p": float(top_p)}
 
 
 @contextlib.contextmanager
@@ -100,14 +100,15 @@ def _count_candidates(drafted: list[int], accepted: list[int]):
 
 def hf_generate(target: CausalLM, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int = 0,
                 assistant: CausalLM | None = None, assistant_config: dict | None = None,
-                prompt_lookup: int | None = None) -> PeerResult:
+                prompt_lookup: int | None = None, top_k: int = 0, top_p: float = 1.0) -> PeerResult:
     """Hugging Face ``generate`` of ``target``: plain, assisted by the draft model ``assistant``, or with prompt
     lookup (``prompt_lookup`` = tokens proposed per step). Stops at EOS (kept in the output)."""
     if assistant is not None and prompt_lookup is not None:
         raise ValueError("give an assistant model or prompt lookup, not both")
     torch.manual_seed(seed)
     kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=sorted(target.eos_token_ids) or None,
-                  pad_token_id=target.hf.generation_config.pad_token_id or 0, **_sampling_kwargs(temperature))
+                  pad_token_id=target.hf.generation_config.pad_token_id or 0,
+                  **_sampling_kwargs(temperature, top_k, top_p))
     drafted, accepted = [], []
     ctx = contextlib.nullcontext()
     if assistant is not None:

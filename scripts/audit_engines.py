@@ -1,0 +1,76 @@
+"""The committed audit of the engines' speculative sampling (docs/results.md, "Engines' speculative sampling against
+the target's law"): ``verispec audit-engine`` on every engine it ships and the negative controls, then on a
+``verispec serve`` started here on 127.0.0.1 (stopped by its pid at the end), then with top-k and top-p filtering.
+Rows go to results/audit_engines*.jsonl. About an hour on 2 cores.
+
+    python scripts/audit_engines.py [--samples 3000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = "Name an animal."
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "verispec", *args]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=3000)
+    args = ap.parse_args()
+    n = str(args.samples)
+    common = ["--samples", n, "--prompt", PROMPT, "--threads", "2"]
+    subprocess.run(cli("audit-engine", "verispec", "verispec-int8", "verispec-batch", "hf-assisted", "hf-lookup",
+                       "--controls", *common, "--out", "results/audit_engines.jsonl"), cwd=ROOT, check=False)
+    subprocess.run(cli("audit-engine", "verispec", "hf-assisted", "--temperatures", "1", "--top-k", "20", "--top-p",
+                       "0.9", *common, "--out", "results/audit_engines_filtered.jsonl"), cwd=ROOT, check=False)
+    port = free_port()
+    server = subprocess.Popen(cli("serve", "--host", "127.0.0.1", "--port", str(port), "--threads", "2"), cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        import httpx
+
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if server.poll() is not None:
+                raise SystemExit(f"the server exited: {server.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        else:
+            raise SystemExit("the server was not ready in 10 minutes")
+        subprocess.run(cli("audit-engine", "verispec-serve", "--url", f"http://127.0.0.1:{port}", "--samples", n,
+                           "--prompt", PROMPT, "--threads", "1", "--out", "results/audit_engines_serve.jsonl"),
+                       cwd=ROOT, check=False)
+    finally:
+        if server.poll() is None:
+            os.kill(server.pid, signal.SIGTERM)
+            try:
+                server.wait(90)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait(10)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""The engines ``verispec audit-engine`` can sample here, and the negative controls (samplers wrong on purpose).
+
+Each is an ``engines.EngineAdapter``; ``ENGINES`` names them for the command line. Engines that need an optional
+part (llama.cpp) are left out with the reason where it is missing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..probs import Sampling
+from ..tree import Tree
+from .engines import EngineAdapter
+
+
+def tree_logits(target, prompt: list[int], prefixes: list[tuple[int, ...]]) -> torch.Tensor:
+    """A verispec target's next-token logits after ``prompt`` + each prefix: one forward of the tree of every prefix
+    and its ancestors over the prompt (the decoding loop's own forward)."""
+    nodes = sorted({p[:i] for p in prefixes for i in range(len(p) + 1)}, key=lambda p: (len(p), p))
+    index = {p: i for i, p in enumerate(nodes)}
+    tree = Tree(tuple([-1] + [index[p[:-1]] for p in nodes[1:]]))
+    state = target.new_state()
+    target.prefill(state, prompt[:-1])
+    out = target.forward(state, torch.tensor([prompt[-1]] + [p[-1] for p in nodes[1:]]),
+                         state.committed + torch.tensor(tree.depths), tree.ancestors_mask())
+    return out.logits[[index[p] for p in prefixes]]
+
+
+def hf_logits(model, prompt: list[int], prefixes: list[tuple[int, ...]], chunk: int = 32) -> torch.Tensor:
+    """A Hugging Face model's next-token logits after ``prompt`` + each prefix (all of one length: no padding)."""
+    rows = []
+    with torch.no_grad():
+        for i in range(0, len(prefixes), chunk):
+            ids = torch.tensor([prompt + list(p) for p in prefixes[i:i + chunk]])
+            rows.append(model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[:, -1].float())
+    return torch.cat(rows)
+
+
+class VerispecAdapter(EngineAdapter):
+    """verispec's decoding loop (``generate``), one request at a time, or ``batch`` requests at once through the
+    batched engine (``generate_batch``: the load-aware plan, sequences joining and leaving)."""
+
+    def __init__(self, target, draft: str = "auto", verifier: str | None = None, tree: str | None = None,
+                 policy: str | None = None, children: str | None = None, batch: int = 1, name: str = "verispec",
+                 note: str = ""):
+        from ..drafters import build_drafter  # noqa: PLC0415
+
+        self.target, self.batch, self.name, self.note = target, batch, name, note
+        self.draft, self.verifier, self.tree, self.policy, self.children = draft, verifier, tree, policy, children
+        self.drafter = build_drafter(draft, target)
+        self.eos = frozenset(target.eos_token_ids)
+
+    def _sampling(self, sampling: Sampling) -> Sampling:
+        return sampling
+
+    def sample(self, prompt, k, seed, sampling):
+        from ..decode import generate  # noqa: PLC0415
+
+        s = self._sampling(sampling)
+        out = generate(self.target, self.drafter, self.verifier or "chain", prompt, tree=self.tree, policy=self.policy,
+                       children=self.children, max_new_tokens=k, temperature=s.temperature, top_k=s.top_k,
+                       top_p=s.top_p, seed=seed)
+        return out.token_ids, sum(st.drafted for st in out.steps)
+
+    def sample_many(self, prompt, k, seeds, sampling):
+        if self.batch <= 1:
+            return super().sample_many(prompt, k, seeds, sampling)
+        from ..decode import generate_batch  # noqa: PLC0415
+
+        s = self._sampling(sampling)
+        outs = generate_batch(self.target, self.drafter, self.verifier or "chain", [prompt] * len(seeds),
+                              tree=self.tree, policy=self.policy, children=self.children, max_new_tokens=k,
+                              temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=list(seeds),
+                              max_batch=self.batch)
+        return [(o.token_ids, sum(st.drafted for st in o.steps)) for o in outs]
+
+    def next_logits(self, prompt, prefixes):
+        return tree_logits(self.target, prompt, prefixes)
+
+
+class ArgmaxControl(VerispecAdapter):
+    """A "speculative sampler" that returns the argmax and never samples (mistral.rs #2424)."""
+
+    def _sampling(self, sampling):
+        return Sampling(0.0)
+
+
+class DoubleTemperatureControl(VerispecAdapter):
+    """A sampler that divides the logits by the temperature twice (the fault of dflash #74 and lattice #388 in
+    reverse): at T it samples at T squared, so at T = 1 it is right."""
+
+    def _sampling(self, sampling):
+        return Sampling(sampling.temperature ** 2, sampling.top_k, sampling.top_p)
+
+
+class HFAssistedAdapter(EngineAdapter):
+    """Hugging Face assisted generation of the target (``generate``), with an assistant model or prompt lookup."""
+
+    def __init__(self, target, assistant: str, name: str, note: str = ""):
+        self.target, self.name, self.note = target, name, note
+        self.eos = frozenset(target.eos_token_ids)
+        self.kind = assistant
+        if assistant == "int8":
+            from ..drafters import build_drafter  # noqa: PLC0415
+
+            self.assistant = build_drafter("int8", target).model
+        elif assistant != "lookup":
+            raise ValueError(f"assistant is 'int8' or 'lookup', not {assistant!r}")
+
+    def sample(self, prompt, k, seed, sampling):
+        from ..bench.peers import HF_LOOKUP_TOKENS, hf_generate  # noqa: PLC0415
+
+        extra = {"assistant": self.assistant} if self.kind == "int8" else {"prompt_lookup": HF_LOOKUP_TOKENS}
+        out = hf_generate(self.target, prompt, k, sampling.temperature, seed=seed, top_k=sampling.top_k,
+                          top_p=sampling.top_p, **extra)
+        return out.token_ids, sum(out.drafted)
+
+    def next_logits(self, prompt, prefixes):
+        return hf_logits(self.target.hf, prompt, prefixes)
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    name: str
+    help: str
+    make: Callable  # (target) -> EngineAdapter
+    control: bool = False
+    skip: Callable[[float], str | None] = lambda temperature: None  # why it cannot be checked at this temperature
+
+
+def _entries() -> dict[str, EngineEntry]:
+    entries = [
+        EngineEntry("verispec", "verispec's loop, one request at a time: the method default (draft auto, chain "
+                    "verification, the auto policy)", lambda t: VerispecAdapter(t, name="verispec")),
+        EngineEntry("verispec-int8", "verispec's loop with the int8 copy of the target as its draft, a fixed chain of 3",
+                    lambda t: VerispecAdapter(t, draft="int8", tree="chain:3", policy="fixed", name="verispec-int8")),
+        EngineEntry("verispec-batch", "verispec's batched engine, 8 requests of the prompt at once (generate_batch), "
+                    "draft auto, a fixed chain of 3 (the load-aware plan would draft nothing at 8)",
+                    lambda t: VerispecAdapter(t, tree="chain:3", policy="fixed", batch=8, name="verispec-batch")),
+        EngineEntry("hf-assisted", "Hugging Face assisted generation with the int8 copy of the target as its "
+                    "assistant model", lambda t: HFAssistedAdapter(t, "int8", "hf-assisted")),
+        EngineEntry("hf-lookup", "Hugging Face assisted generation with prompt lookup",
+                    lambda t: HFAssistedAdapter(t, "lookup", "hf-lookup")),
+        EngineEntry("ctl-resispec", "negative control: verispec's loop verifying with resispec (ResiSpec as "
+                    "published: its residual depends on the rejected candidate) on 2 i.i.d. candidates a node from "
+                    "the shipped head", lambda t: VerispecAdapter(t, draft="eagle", verifier="resispec", tree="2x2",
+                                                                  policy="fixed", children="iid", name="ctl-resispec",
+                                                                  note="resispec on 2x2 i.i.d. children of the head"),
+                    control=True),
+        EngineEntry("ctl-argmax", "negative control: a sampler that returns the argmax", lambda t: ArgmaxControl(
+            t, name="ctl-argmax", note="greedy tokens at any temperature"), control=True),
+        EngineEntry("ctl-double-temperature", "negative control: the temperature applied twice (logits / T / T; the "
+                    "same as once at T = 1, so checked at T < 1 only)", lambda t: DoubleTemperatureControl(
+                        t, name="ctl-double-temperature", note="samples at T squared"), control=True,
+                    skip=lambda temperature: "at T = 1 the temperature applied twice is T itself"
+                    if temperature == 1 else None),
+    ]
+    return {e.name: e for e in entries}
+
+
+ENGINES = _entries()
+
+
+
+class ServeAdapter(EngineAdapter):
+    """A running ``verispec serve`` (or any server of the OpenAI completions API that takes ``seed``, ``top_k`` and
+    ``return_token_ids``), sent ``concurrency`` requests at once over HTTP; the law from ``target``, the model it
+    serves, loaded here. Drafted tokens are read from its ``/metrics`` (verispec's counter), where it has them."""
+
+    name = "verispec-serve"
+
+    def __init__(self, url: str, target, model: str | None = None, concurrency: int = 8, timeout: float = 120.0):
+        self.url, self.target, self.model = url.rstrip("/"), target, model
+        self.concurrency, self.timeout = concurrency, timeout
+        self.eos = frozenset(target.eos_token_ids)
+        self.note = f"{self.url}, {concurrency} requests at a time"
+
+    def _drafted_total(self) -> float | None:
+        import httpx  # noqa: PLC0415
+
+        try:
+            text = httpx.get(self.url + "/metrics", timeout=self.timeout).text
+        except httpx.HTTPError:
+            return None
+        for line in text.splitlines():
+            if line.startswith("verispec:spec_decode_num_draft_tokens_total"):
+                return float(line.split()[-1])
+        return None
+
+    def _one(self, prompt, k, seed, sampling) -> list[int]:
+        import httpx  # noqa: PLC0415
+
+        from ..errors import VerispecError  # noqa: PLC0415
+
+        body = {"prompt": list(prompt), "max_tokens": k, "temperature": sampling.temperature, "seed": seed,
+                "top_p": sampling.top_p, "top_k": sampling.top_k, "return_token_ids": True}
+        if self.model:
+            body["model"] = self.model
+        r = httpx.post(self.url + "/v1/completions", json=body, timeout=self.timeout)
+        if r.status_code != 200:
+            raise VerispecError(f"{self.url} answered {r.status_code}: {r.text[:200]}")
+        return list(r.json()["choices"][0]["token_ids"])
+
+    def sample(self, prompt, k, seed, sampling):
+        return self.sample_many(prompt, k, [seed], sampling)[0]
+
+    def sample_many(self, prompt, k, seeds, sampling):
+        import concurrent.futures as cf  # noqa: PLC0415
+
+        before = self._drafted_total()
+        with cf.ThreadPoolExecutor(self.concurrency) as pool:
+            outs = list(pool.map(lambda s: self._one(prompt, k, s, sampling), seeds))
+        after = self._drafted_total()
+        drafted = (after - before) / len(seeds) if before is not None and after is not None else float("nan")
+        return [(o, drafted) for o in outs]
+
+    def next_logits(self, prompt, prefixes):
+        return tree_logits(self.target, prompt, prefixes)
