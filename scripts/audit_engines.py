@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,16 +46,15 @@ def main() -> None:
     server = subprocess.Popen(cli("serve", "--host", "127.0.0.1", "--port", str(port), "--threads", "2"), cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        import httpx
-
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if server.poll() is not None:
                 raise SystemExit(f"the server exited: {server.stderr.read()[-2000:]}")
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:  # refused, or 503 while it warms up
                 pass
             time.sleep(2)
         else:

@@ -6,6 +6,9 @@ part (llama.cpp) are left out with the reason where it is missing.
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from typing import Callable
 
@@ -179,11 +182,10 @@ class ServeAdapter(EngineAdapter):
         self.note = f"{self.url}, {concurrency} requests at a time"
 
     def _drafted_total(self) -> float | None:
-        import httpx  # noqa: PLC0415
-
         try:
-            text = httpx.get(self.url + "/metrics", timeout=self.timeout).text
-        except httpx.HTTPError:
+            with urllib.request.urlopen(self.url + "/metrics", timeout=self.timeout) as r:
+                text = r.read().decode()
+        except OSError:
             return None
         for line in text.splitlines():
             if line.startswith("verispec:spec_decode_num_draft_tokens_total"):
@@ -191,18 +193,21 @@ class ServeAdapter(EngineAdapter):
         return None
 
     def _one(self, prompt, k, seed, sampling) -> list[int]:
-        import httpx  # noqa: PLC0415
-
         from ..errors import VerispecError  # noqa: PLC0415
 
         body = {"prompt": list(prompt), "max_tokens": k, "temperature": sampling.temperature, "seed": seed,
                 "top_p": sampling.top_p, "top_k": sampling.top_k, "return_token_ids": True}
         if self.model:
             body["model"] = self.model
-        r = httpx.post(self.url + "/v1/completions", json=body, timeout=self.timeout)
-        if r.status_code != 200:
-            raise VerispecError(f"{self.url} answered {r.status_code}: {r.text[:200]}")
-        return list(r.json()["choices"][0]["token_ids"])
+        req = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                return list(json.loads(r.read())["choices"][0]["token_ids"])
+        except urllib.error.HTTPError as e:
+            raise VerispecError(f"{self.url} answered {e.code}: {e.read()[:200].decode(errors='replace')}") from None
+        except OSError as e:
+            raise VerispecError(f"{self.url} did not answer: {e}") from None
 
     def sample(self, prompt, k, seed, sampling):
         return self.sample_many(prompt, k, [seed], sampling)[0]
