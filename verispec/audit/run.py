@@ -135,7 +135,10 @@ def never_lose_rows(specs: list[VerifierSpec], cases: int = 100, seed: int = 0) 
 
 
 def never_lose_table(specs: list[VerifierSpec], cases: int = 100, seed: int = 0) -> str:
-    rows = never_lose_rows(specs, cases, seed)
+    return format_never_lose(never_lose_rows(specs, cases, seed))
+
+
+def format_never_lose(rows: list[dict]) -> str:
     lines = ["| verifier | nodes | accepts less than specinfer | k candidates accept less than k - 1 | "
              "mean share of alpha*_iid | worst share |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['verifier']} | {r['cases']} | {r['below_specinfer']} | {r['below_fewer_candidates']} | "
@@ -193,7 +196,10 @@ def chain_optimum_rows(specs: list[VerifierSpec], cases: int = 60, seed: int = 0
 
 
 def chain_optimum_table(specs: list[VerifierSpec], cases: int = 60, seed: int = 0) -> str:
-    rows = chain_optimum_rows(specs, cases, seed)
+    return format_chain_optimum(chain_optimum_rows(specs, cases, seed))
+
+
+def format_chain_optimum(rows: list[dict]) -> str:
     lines = ["| verifier | children | claims exact | chains | mean share of block's tokens | worst share | best share | "
              "chains where it keeps more than block | max TV from the target's law |",
              "|---|---|---|---|---|---|---|---|---|"]
