@@ -12,12 +12,25 @@ import functools
 import gzip
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+PROSE_FILE = Path(__file__).resolve().parent / "results_prose.md"  # the passages of prose, by key
+
+
+def _prose(path: Path) -> dict[str, str]:
+    """The passages of ``path``: each ``<!-- key -->`` line opens one, which runs to the next (blank lines at its end
+    dropped)."""
+    parts = re.split(r"^<!-- (.+?) -->\n", path.read_text(encoding="utf-8"), flags=re.M)[1:]
+    return {key: text.rstrip("\n") for key, text in zip(parts[::2], parts[1::2])}
+
+
+PROSE = _prose(PROSE_FILE)
 sys.path.insert(0, str(ROOT))
 
 from verispec import cli
@@ -83,24 +96,7 @@ CURVE_TRAIN = ("verispec train-draft --corpus data/corpus/smollm2-135m --out run
                "--feature-layers 3,15,27 --depths 3 --epochs 2 --patience 4 --checkpoint-every 150")
 CURVE_5M = ROOT / "results" / "head_curve_5m"  # the same kind of reports: `bash scripts/head_curve.sh` (issue 27)
 CURVE_5M_TEXT = (
-    "Heads of one recipe trained on the first N response tokens of the committed corpus's training rounds "
-    "(its 119 rounds, 5.04M response tokens in all, 5 % of the rounds of each task shape held out), one epoch each, "
-    "each the checkpoint best on the held-out rounds; agreement per drafted depth on the held-out Spec-Bench answers "
-    "as in the table above. Made by `bash scripts/head_curve.sh` (for each size the features of the rounds its "
-    "head reads, its training and its report, resumably): "
-    "`verispec train-draft --corpus data/corpus/smollm2-135m --rounds 119 --gen-batch 128 --feature-layers 3,15,27 "
-    "--depths 3 --epochs 1 --precision bfloat16 --patience 4 --checkpoint-every 150 --max-tokens N --out "
-    "runs/curve5-N` (N = 0: every training round), then `verispec eval-draft --draft eagle:runs/curve5-N/head.pt "
-    "--per-group 10 --depths 3 --corpus data/corpus/smollm2-135m --json`. Right: each head's agreement on the "
-    "held-out corpus rounds at its checkpoints (kept in its file), against the response tokens it had seen; each "
-    "flattens at the end of its schedule, where the learning rate decays to zero.\n\n"
-    "How to read it. Each doubling of the data added about as much at depth 1 on Spec-Bench: +0.032 from 0.5M to 1M "
-    "(0.274, 0.306) and +0.038 from 1M to 2M (0.344); on the held-out corpus rounds +0.067 and +0.061 (0.328, "
-    "0.395, 0.456). The 2M head's held-out curve flattened over its last 400 steps (0.455-0.457 from step 3,450 of "
-    "3,852) as the learning rate decayed. One epoch is short of the shipped head at every size: that head agrees "
-    "0.516 after six passes over rounds 0-52 (2.1M distinct response tokens; \"Longer training\"), and at this "
-    "slope one epoch over every round (4.8M) would land near 0.39. Epochs are worth more here than new text at "
-    "these sizes.")
+    PROSE["CURVE_5M_TEXT"])
 CAPACITY = ROOT / "results" / "head_capacity"  # `verispec eval-draft --json` reports of heads differing in decoder layers
 CAPACITY_TRAIN = ("verispec train-draft --corpus data/corpus/smollm2-135m --out runs/cap-LN --rounds 32 --gen-batch 128 "
                   "--feature-layers 3,15,27 --depths 3 --epochs 1 --patience 4 --checkpoint-every 150 "
@@ -151,86 +147,32 @@ RUNS["speed_avx512"] = ["--methods", "hf-generate", "hf-assisted", "ar", "defaul
                         *spec_bench()]
 SPEED_AVX512_HEADING = "## Speed of the defaults on an AVX-512 CPU, after the kernel and head changes of 2026-12-05"
 SPEED_AVX512_LEAD = (
-    "The speed run above repeated on another machine, an AVX-512 EPYC (compare within each run only), at da2fdcd: "
-    "after the GGUF-block kernel ran 6 to 48 rows block by block (86b560f), the head's restricted output layer read "
-    "the target's Q8_0 blocks (9fdff77) and rotary positions ran in one native call (da2fdcd); the shipped head and "
-    "its tuned tree as above. llama.cpp is left out: llama-cpp-python was not installed on this machine.",
-    "How to read it. `default` ran 1.71x / 1.60x Hugging Face `generate` at T = 0 / 0.6 (issue 27's goals: 2.0x / "
-    "1.8x) and `ar` 1.44x / 1.52x, so speculation's own share was 1.19x / 1.06x (goals 1.6x / 1.35x); its lowest "
-    "category against `generate` was summarization at 1.50x [1.45, 1.54] (T = 0) and 1.47x [1.46, 1.50] (T = 0.6; "
-    "goal 1.3x). The head adds "
-    "little to prompt lookup: `default` with the hybrid draft made 70.8 / 60.6 tokens/s, with prompt lookup alone "
-    "68.4 / 59.8 (1.04x / 1.01x; goal 1.25x). Against Hugging Face's assisted generation with prompt lookup, its "
-    "only draft here, `default` with the same draft ran 1.82x / 2.33x (paired), with its own 70.8 against 37.5 and "
-    "60.6 against 25.7 tokens/s (1.89x / 2.36x, not paired). Hugging Face `generate` made 41.4 / 37.8 tokens/s "
-    "here against 26.6 / 26.4 in the run above: its one-row products run on verispec's linear kernel as well, and "
-    "this CPU is faster.",
+    PROSE["SPEED_AVX512_LEAD 0"],
+    PROSE["SPEED_AVX512_LEAD 1"],
 )
 # the same machine after the lean forward's fewer calls (fbafde5: a layer's seven linear layers as four native calls;
 # c1f8867: one native call writes a step's keys and attends), with llama-cpp-python installed this time
 RUNS["speed_calls"] = speed_run()
 SPEED_CALLS_HEADING = "## Speed of the defaults on an AVX-512 CPU, after the forward's fewer calls (2026-12-06)"
 SPEED_CALLS_LEAD = (
-    "The speed run of the first section of Earlier runs on the AVX-512 EPYC of the section above, at 74c773c (the code of c1f8867; "
-    "compare within each run only): after a decoder layer's seven linear layers became four calls of the native "
-    "kernel (fbafde5) and a step's attention one call that also writes its keys and values (c1f8867), the same "
-    "logits bit for bit (design.md, \"Fewer calls a layer\"); the same head and tree. llama-cpp-python is "
-    "installed this time (built with AVX-512, VNNI and BF16), so llama.cpp is back in the run.",
-    "How to read it. `default` ran 1.95x [1.80, 2.18] / 1.85x [1.75, 1.99] Hugging Face `generate` at T = 0 / 0.6 "
-    "(issue 27's goals: 2.0x / 1.8x; 1.71x / 1.60x in the run above) and `ar` 1.66x / 1.77x (1.44x / 1.52x): the "
-    "gain since is the forward's, and speculation's own share is where it was, 1.18x / 1.05x (goals 1.6x / "
-    "1.35x). Its lowest category against `generate` is summarization, 1.65x [1.59, 1.77] and 1.60x [1.58, 1.68] "
-    "(goal 1.3x). The head still adds little to prompt lookup: `default` made 85.7 / 74.2 tokens/s with the hybrid "
-    "draft and 84.5 / 75.7 with prompt lookup alone (1.01x / 0.98x; goal 1.25x). Against Hugging Face's assisted "
-    "generation with prompt lookup, its only draft here, `default` ran 1.96x [1.78, 2.16] / 2.57x [2.45, 2.72] "
-    "(goal 1.8x), and 1.93x / 2.62x with the same draft. Against llama-cpp-python decoding one request: `ar` "
-    "1.11x [0.96, 1.24] / 1.09x [0.96, 1.19], `default` 1.30x [1.13, 1.45] / 1.14x [1.02, 1.23].",
+    PROSE["SPEED_CALLS_LEAD 0"],
+    PROSE["SPEED_CALLS_LEAD 1"],
 )
 
 # the same machine after the decoder layers ran in one native call (5ed62f4)
 RUNS["speed_layers"] = speed_run()
 SPEED_LAYERS_HEADING = "## Speed of the defaults on an AVX-512 CPU, after the decoder layers in one call (2026-12-06)"
 SPEED_LAYERS_LEAD = (
-    "The speed run of the first section of Earlier runs on the same AVX-512 EPYC, at 0342f1f (the code of 5ed62f4; compare within "
-    "each run only): after a float32 model's decoder layers ran in one native call wherever the float32 attention "
-    "kernel serves every sequence of a forward (5ed62f4; the same logits bit for bit: design.md, \"The decoder "
-    "layers in one call\"); the same head and tree.",
-    "How to read it. `default` ran 2.02x [1.82, 2.30] / 1.96x [1.81, 2.14] Hugging Face `generate` at T = 0 / 0.6 "
-    "(issue 27's goals: 2.0x / 1.8x; 1.95x / 1.85x in the run above) and `ar` 1.82x / 1.91x (1.66x / 1.77x). The "
-    "gain is the forward's, and it shrank speculation's own share: `default` against `ar` 1.11x [1.03, 1.22] / "
-    "1.03x [0.98, 1.08] (1.18x / 1.05x above; goals 1.6x / 1.35x), since the head's drafting (1.3-2 ms a depth) "
-    "and a drafted row now weigh more beside a cheaper step. Its lowest category against `generate` is "
-    "summarization, 1.71x [1.60, 1.92] and 1.64x [1.64, 1.65] (goal 1.3x). With the hybrid draft `default` made "
-    "78.1 / 72.5 tokens/s, with prompt lookup alone 80.0 / 72.3 (goal for the head's share: 1.25x): the head pays "
-    "for itself and no more. Weighing its depths by this machine's measured costs instead of its sidecar's changes "
-    "nothing (`python scripts/experiments/ab_concurrency.py --methods default default:measured --concurrency 1 "
-    "--temperature 0 --pairs 4 --dtype float32`, per round 0.98, 0.98, 1.02, 1.00: 0.99x [0.98, 1.01]). Against "
-    "Hugging Face's assisted generation with prompt lookup, its only draft here, `default` ran 2.08x [1.89, 2.28] "
-    "/ 2.78x [2.58, 2.98] (goal 1.8x); against llama-cpp-python decoding one request, `ar` 1.25x [1.08, 1.40] / "
-    "1.22x [1.10, 1.33] and `default` 1.39x [1.22, 1.56] / 1.26x [1.15, 1.34]. The machine ran slower in this "
-    "run than in the one above: Hugging Face `generate` made 38.6 tokens/s at T = 0 against 43.9 there, `default` "
-    "78.1 against 85.7, so tokens/s compare within a run only.",
+    PROSE["SPEED_LAYERS_LEAD 0"],
+    PROSE["SPEED_LAYERS_LEAD 1"],
 )
 
 # the same machine after the lean forward's own RMS norm (5d18cb3)
 RUNS["speed_norm"] = speed_run()
 SPEED_NORM_HEADING = "## Speed of the defaults on an AVX-512 CPU, after the lean forward's own norm (2026-12-06)"
 SPEED_NORM_LEAD = (
-    "The speed run of the first section of Earlier runs on the same AVX-512 EPYC, at c510802 (the code of 5d18cb3; compare within "
-    "each run only): after the lean forward's float32 RMS norm became its own (5d18cb3: new roundings, within "
-    "float rounding of torch's; design.md, \"The lean forward's own RMS norm\"); the same head and tree.",
-    "How to read it. `default` ran 2.11x [1.93, 2.38] / 2.08x [1.89, 2.31] Hugging Face `generate` at T = 0 / 0.6 "
-    "(issue 27's goals: 2.0x / 1.8x; 2.02x / 1.96x in the run above) and `ar` 1.92x / 2.11x. Speculation's own "
-    "share is 1.10x [1.04, 1.19] / 0.99x [0.90, 1.06] (goals 1.6x / 1.35x): at T = 0.6 the default now gains "
-    "nothing over plain decoding in its own loop, and prompt lookup alone did as well as the hybrid draft (86.3 / "
-    "77.0 against 85.1 / 74.6 tokens/s; goal for the head's share: 1.25x). The faster the target's step, the "
-    "less a head right half the time is worth at 1.3-2 ms a depth. The lowest category against `generate` is "
-    "summarization at T = 0, 1.76x [1.66, 1.96], and rag at T = 0.6, 1.72x [0.80, 3.89] (goal 1.3x: its interval, "
-    "from three prompts, reaches below). Against Hugging Face's assisted generation with prompt lookup, its only "
-    "draft here, `default` ran 2.21x [1.98, 2.44] / 2.95x [2.65, 3.23] (goal 1.8x), and 2.24x / 3.04x with the "
-    "same draft; against "
-    "llama-cpp-python decoding one request `ar` 1.38x [1.23, 1.52] / 1.35x [1.22, 1.46] and `default` 1.52x "
-    "[1.35, 1.67] / 1.33x [1.23, 1.41].",
+    PROSE["SPEED_NORM_LEAD 0"],
+    PROSE["SPEED_NORM_LEAD 1"],
 )
 
 # the same machine after the head's step costs were measured as the loop pays them (d21f7b3) and SiLU times up moved
@@ -239,24 +181,8 @@ RUNS["speed_loopcosts"] = speed_run()
 SPEED_LOOPCOSTS_HEADING = ("## Speed of the defaults on an AVX-512 CPU, the head's step costs as the loop pays them "
                            "(2026-12-06)")
 SPEED_LOOPCOSTS_LEAD = (
-    "The speed run of the first section of Earlier runs on the same AVX-512 EPYC (compare within each run only): the draft head's "
-    "step costs, which the `auto` policy weighs its depths by, measured by `tune-tree` as whole steps of the loop "
-    "(design.md, \"Step costs as the loop pays them\"), and SiLU times up inside the one call (ec02b29).",
-    "How to read it. `default` ran 2.24x [2.03, 2.53] / 2.08x [1.82, 2.35] Hugging Face `generate` at T = 0 / 0.6 "
-    "(2.11x / 2.08x in the run above) and `ar` 2.01x / 2.09x (1.92x / 2.11x). With the costs as paid the policy "
-    "stopped drafting the head two deep: 14 / 8 such steps against 238 / 247 in the run above, where they had "
-    "cost 9.39 / 10.05 ms a token against a plain step's 9.10 / 9.43 (`python "
-    "scripts/experiments/step_costs_in_loop.py results/speed_loopcosts.jsonl.gz`). Speculation's own share did not "
-    "move: `default` against `ar` 1.11x [1.06, 1.20] / 1.00x [0.92, 1.05] (1.10x / 0.99x above; goals 1.6x / "
-    "1.35x), since the head's steps of one token still pay little: 7.53 / 8.39 ms a token against 8.06 / 8.60 for "
-    "a plain step, its first depth costing about 2 ms (median) and verification 0.5 ms beside a 1.5-token gain. "
-    "The lowest category against `generate` is summarization at T = 0, 1.83x [1.75, 1.95]; at T = 0.6 rag, 1.18x "
-    "[0.34, 1.70], where one of its three answers ended after 15 tokens against the 128 of plain decoding's draw, "
-    "so its tokens/s are mostly its prefill's (goal 1.3x). With the hybrid draft `default` made 95.6 / 81.2 "
-    "tokens/s, with prompt lookup alone 94.9 / 84.1 (goal for the head's share: 1.25x). Against Hugging Face's "
-    "assisted generation with prompt lookup, `default` ran 2.22x [1.99, 2.49] / 2.91x [2.56, 3.25] (goal 1.8x); "
-    "against llama-cpp-python decoding one request, `ar` 1.35x [1.22, 1.48] / 1.34x [1.21, 1.44] and `default` "
-    "1.50x [1.35, 1.65] / 1.33x [1.22, 1.42].",
+    PROSE["SPEED_LOOPCOSTS_LEAD 0"],
+    PROSE["SPEED_LOOPCOSTS_LEAD 1"],
 )
 
 # the same machine after the chain rule's verdict at a greedy target was read off the argmaxes (afe76f7)
@@ -264,22 +190,8 @@ RUNS["speed_verify"] = speed_run()
 SPEED_VERIFY_HEADING = ("## Speed of the defaults on an AVX-512 CPU, the greedy chain's verdict off its argmaxes "
                         "(2026-12-06)")
 SPEED_VERIFY_LEAD = (
-    "The speed run of the first section of Earlier runs on the same AVX-512 EPYC (compare within each run only): at T = 0 the "
-    "chain rule's verdict read off the target's argmaxes instead of computed from point-mass laws over the "
-    "vocabulary (afe76f7; design.md, \"Exactness is the spine\"), and top-k drafts' point masses built without "
-    "`one_hot` at every temperature.",
-    "How to read it. The loop decided exactly as in the run above: the same depths from the same sources in the "
-    "same number of steps (353 head steps of one token, 314 lookup steps of two at T = 0; 269 and 249 at T = 0.6), "
-    "and greedy text is the target's either way. The machine ran slower than for "
-    "the run above (a plain `ar` step 8.91 / 9.73 ms against 8.06 / 8.60), so compare within each run. At T = 0 a "
-    "drafted step's verification fell from 0.62-0.73 ms to 0.28-0.42 (`python "
-    "scripts/experiments/step_costs_in_loop.py results/speed_verify.jsonl.gz`), and `default` ran 1.13x [1.07, "
-    "1.22] `ar` (1.11x above) and 2.19x [2.00, 2.47] Hugging Face `generate`; at T = 0.6, where nothing changed but "
-    "the point masses, 1.00x [0.92, 1.06] and 2.02x [1.79, 2.29]. Speculation's share is still far from its goals "
-    "(1.6x / 1.35x): the head's steps of one token cost 1.36 plain steps at T = 0 (its first depth 2.4 ms in the "
-    "loop) for 1.51 tokens. With the hybrid draft `default` made 88.4 / 72.9 tokens/s, with prompt lookup alone "
-    "86.9 / 76.2. The lowest category against `generate` is summarization at T = 0, 1.83x [1.78, 1.89], and rag at "
-    "T = 0.6, 1.19x [0.38, 1.55], the early end of one answer as above (goal 1.3x).",
+    PROSE["SPEED_VERIFY_LEAD 0"],
+    PROSE["SPEED_VERIFY_LEAD 1"],
 )
 
 
@@ -289,24 +201,8 @@ RUNS["speed_lookup"] = speed_run()
 SPEED_LOOKUP_HEADING = ("## Speed of the defaults on an AVX-512 CPU, prompt lookup from its n-gram index "
                         "(2026-12-06)")
 SPEED_LOOKUP_LEAD = (
-    "The speed run of the first section of Earlier runs on the same AVX-512 EPYC (compare within each run only): prompt lookup's "
-    "drafts read the index of the context's n-grams kept step by step instead of searching the whole context at "
-    "every depth (3e14ce8: the same laws, so the same text), and the shipped head's step costs measured again by "
-    "`tune-tree` after the greedy verdict of the run above.",
-    "How to read it. A lookup step's drafting fell from 0.86 / 1.27 ms to 0.71 / 1.01 at chains of 1 / 2 (T = 0; "
-    "`python scripts/experiments/step_costs_in_loop.py results/speed_lookup.jsonl.gz`), and with prompt lookup "
-    "alone `default` ran 1.15x [1.08, 1.24] / 1.04x [0.96, 1.12] `ar` at T = 0 / 0.6. The hybrid default ran 1.13x "
-    "[1.05, 1.23] / 1.01x [0.93, 1.07] `ar` (goals 1.6x / 1.35x) and 2.21x [2.00, 2.50] / 2.16x [1.90, 2.44] "
-    "Hugging Face `generate` (goals 2.0x / 1.8x), 2.25x / 2.99x Hugging Face's assisted generation with prompt "
-    "lookup (goal 1.8x), 1.54x / 1.37x llama-cpp-python. The head adds little over lookup alone: the hybrid "
-    "made 91.0 / 82.2 tokens/s against lookup's 92.5 / 84.7, per prompt 0.995x [0.963, 1.022] / 0.936x [0.840, "
-    "1.020] (1.015x and 1.026x at T = 0 in the two speed runs before it; at T = 0.6 every run drew the same texts, whose "
-    "lengths differ between the two drafts, and with four other seeds the hybrid ran 1.042x [0.999, 1.084] lookup "
-    "alone over 72 pairs: design.md, \"Draft `auto`\"; goal 1.25x). Its "
-    "steps of one token cost 1.34 / 1.38 plain steps for 1.51 / 1.43 tokens: 7.61 / 8.29 ms a token against a "
-    "plain step's 8.56, where lookup's steps of two cost 5.92 / 6.48. The lowest category against `generate` is "
-    "summarization at T = 0, 1.81x [1.76, 1.86], and rag at T = 0.6, 1.27x [0.39, 1.74], one answer again ending "
-    "early (goal 1.3x).",
+    PROSE["SPEED_LOOKUP_LEAD 0"],
+    PROSE["SPEED_LOOKUP_LEAD 1"],
 )
 
 
@@ -315,19 +211,8 @@ SPEED_LOOKUP_LEAD = (
 RUNS["speed_seeds"] = [*speed_run("0.6"), "--seeds", "0", "1", "2"]
 SPEED_SEEDS_HEADING = "## Speed at T = 0.6 over three seeds (2026-12-06)"
 SPEED_SEEDS_LEAD = (
-    "The speed run of the section above at T = 0.6 only, with seeds 0, 1 and 2: every method draws three texts of "
-    "each prompt, and a ratio pairs each prompt's cells of the same seed.",
-    "How to read it. `default` ran 1.05x [1.01, 1.10] `ar` (goal 1.35x), 2.14x [2.00, 2.28] Hugging Face "
-    "`generate` (goal 1.8x), 2.95x [2.76, 3.15] Hugging Face's assisted generation with prompt lookup (goal 1.8x) "
-    "and 1.44x llama-cpp-python. The head adds nothing over lookup alone here: 85.3 against 84.9 tokens/s, 1.00x "
-    "[0.96, 1.05] paired (goal 1.25x); its steps yield 1.22 tokens for 8.6 ms a token against a plain step's 8.5, "
-    "where lookup's yield 1.85 for 6.6. The lowest category against `generate` is rag, 1.58x [1.22, 1.90] (goal "
-    "1.3x), and against `ar` rag ran 0.88x [0.70, 0.99]: its prompts are 660-789 tokens, whose prefill (about 1 s) "
-    "is half a request's time, so answers that end early (five of `default`'s nine rag cells, 15-100 tokens, "
-    "against three of `ar`'s, 64-90) sink its tokens/s whatever the decoding. Counting decoding alone (tokens over wall time less "
-    "prefill, `python scripts/experiments/decode_rates.py results/speed_seeds.jsonl.gz`), `default` ran 0.99x "
-    "[0.92, 1.06] `ar` on rag, 0.96x [0.93, 1.00] on summarization, the two long-prompt categories, and 1.07x "
-    "[1.04, 1.11] over all.",
+    PROSE["SPEED_SEEDS_LEAD 0"],
+    PROSE["SPEED_SEEDS_LEAD 1"],
 )
 
 
@@ -336,21 +221,8 @@ SPEED_SEEDS_LEAD = (
 RUNS["speed_prompt"] = [*speed_run(), "--seeds", "0", "1", "2"]
 SPEED_PROMPT_HEADING = "## Speed of the defaults, a prompt's rows on the kernel measured faster for them (2026-12-06)"
 SPEED_PROMPT_LEAD = (
-    "The command of the speed runs in Earlier runs, at T = 0 and 0.6 each over seeds 0, 1 and 2, after a float32 prompt's "
-    "rows went to the linear kernel measured faster for many rows (5bcdbab: MKL on this CPU, in blocks of 128 "
-    "aligned to the prompt's positions; every other row on the native kernel; design.md, \"A prompt's rows on the "
-    "kernel measured faster for them\"). The plan is the model object's, so Hugging Face's `generate` and assisted "
-    "generation prefill on it too. llama-cpp-python was not installed on this session's machine.",
-    "How to read it. Another machine than the speed runs in Earlier runs (an Intel Xeon with AVX-512; they ran on an "
-    "AMD EPYC), so compare within this run. `default` ran 2.44x [2.30, 2.62] / 2.22x [2.11, 2.36] Hugging Face "
-    "`generate` at T = 0 / 0.6 (issue 27's goals: 2.0x / 1.8x), 2.16x / 2.66x Hugging Face's assisted generation "
-    "with prompt lookup (goal 1.8x), and at least 1.89x `generate` in every category (rag at T = 0.6; goal 1.3x). "
-    "Speculation's own share is 1.17x [1.11, 1.24] / 1.11x [1.06, 1.16] `ar` (goals 1.6x / 1.35x), and the head "
-    "adds nothing over prompt lookup alone: 69.9 / 62.3 tokens/s against 71.2 / 63.5 (goal 1.25x). On this machine "
-    "the head's steps of one token cost 1.34 plain steps, its first depth 3.4 ms, for 1.49 tokens (`python "
-    "scripts/experiments/step_costs_in_loop.py results/speed_prompt.jsonl.gz`). The change's own effect, measured "
-    "on this machine with the two plans taking turns in one process: a 284-token prompt prefilled 1.33x faster, and "
-    "closed loops of `ar` 1.05x faster at N = 1, 1.07-1.26x at N = 8 (design.md).",
+    PROSE["SPEED_PROMPT_LEAD 0"],
+    PROSE["SPEED_PROMPT_LEAD 1"],
 )
 
 # every speed run, oldest first: (run, figure tag, heading, lead); "" and () give speed_section's own. The last
@@ -375,24 +247,11 @@ RUNS["free_drafts"] = ["--methods", "ar", "default", "--drafts", "auto", "ngram"
 RUNS["repetitive"] = ["--methods", "ar", "default", "--drafts", "auto", "ngram", "suffix", "--datasets", "repetitive",
                       "--limit", "6", "--temperatures", "0", "0.6", "--max-new-tokens", "128"]
 FREE_DRAFTS_LEAD = (
-    "Drafts that run no model, each alone under `default` (the `auto` policy, exact chain verification): `ngram` "
-    "(prompt lookup from the context's n-grams of up to 3 tokens, the most frequent continuation), `suffix` (the "
-    "longest earlier match of the context's end, any length, from a suffix automaton; the continuation of its first "
-    "occurrence), `recycle` (token recycling: the target's own top successors of each token, kept from the rows of "
-    "earlier steps), and `hybrid:recycle` (prompt lookup where the context's last 2 tokens occurred before, "
-    "recycling elsewhere); `auto` is the default draft (prompt lookup and the shipped head). Each draft is a point "
-    "mass or an empirical law, so every exact verifier keeps the target's law (tests/test_free_drafts.py enumerates "
-    "the loop's law with each).",
+    PROSE["FREE_DRAFTS_LEAD 0"],
 )
 REPETITIVE_HEADING = "## The repetitive workload"
 REPETITIVE_LEAD = (
-    "The repetitive workload (`data/repetitive/requests.jsonl`, made by `python scripts/make_repetitive.py`): 18 "
-    "requests whose answers repeat earlier text, the kind speculative decoding is deployed for and Spec-Bench "
-    "underweights. `second_turn`: MT-bench's second turns (Spec-Bench questions 81-86: \"Rewrite your previous "
-    "response ...\"), after the first turn and the default model's own greedy answer to it; `edit_text`: correct "
-    "the spelling of a passage (the model's own answers to questions 91-96, a typo in every seventh long word) and "
-    "return it whole; `edit_code`: rename the function of HumanEval problems 0-5 and return the complete code. "
-    "tokens/s counts each request's prefill, and these prompts are long (a conversation, a passage, a function).",
+    PROSE["REPETITIVE_LEAD 0"],
 )
 
 
@@ -1451,8 +1310,7 @@ def head_section(figs: Path) -> list[str]:
     return out
 
 
-SHARE_HEAD = ("Share of `resispec`'s extra accepted length over `specinfer` that each exact rule achieves "
-              "((L_exact - L_specinfer) / (L_resispec - L_specinfer), bootstrap over prompts):")
+SHARE_HEAD = (PROSE["SHARE_HEAD"])
 
 
 def share_table(*runs: Results) -> str:
@@ -1588,280 +1446,73 @@ def llama_costs_section() -> list[str]:
 EARLIER_LOOPS = (  # closed-loop runs after the first two, oldest first: (run, plot tag, heading, lead)
     ("concurrency_bf16_rounds", "_rounds",
      "Many requests at once, target in bfloat16: the plan's group moves and measured costs, in two rounds",
-     ("The same closed loops after these changes to `default` (the run above predates them): the load-aware "
-      "plan moves groups of sequences, not one at a time, and its cost model holds the draft's measured cost "
-      "by batch size, the drafted rows' padding at the batch's longest context, the slope of rows beside "
-      "a joining prompt and the rows a draft catches up on after steps it sat out, and a move must raise the "
-      "batch's rate by 10 % (see docs/design.md, Load-aware speculation); in both verispec loops a joining "
-      "prompt's rows skip the output layer; the draft head is the one trained six epochs, shipped now (see "
-      "The draft head below). Beside them llama.cpp ran, one request at a time (`llama-cpp`) and as "
-      "`llama-server`; Hugging Face's static batches and transformers' continuous batching were left out to "
-      "fit the run in one session (they are in the runs above; the static batches trailed `ar` at every N). "
-      "Every loop ran twice, the methods' order reversed in the second round (`--rounds 2`). The reason: "
-      "in four runs of two loops each (`ar` and `default`, N = 8, T = 0, one process per run, git 4bbab27), "
-      "the first loop was the faster one every time, by 3-27 %, whichever method ran it; and the last run "
-      "with one round, `ar` always just before `default`, had `default` at 0.93x [0.91, 0.95] of `ar` at "
-      "N = 8, T = 0 (git a9e2cf3), an interval that holds the prompts' spread but not the machine's. "
-      "Throughput pools both rounds; each ratio is the geometric mean of the two rounds' ratios.",)),
+     (PROSE["EARLIER_LOOPS 0 3 0"],)),
     ("concurrency_bf16_static", "_static",
      "Many requests at once, target in bfloat16: Hugging Face's static batches at N = 8, in two rounds",
-     ("The run above with Hugging Face `generate` on static batches in place of llama.cpp, at N = 1 and 8 "
-      "only: the goals at N = 8 against HF's static batches of 8 and against `default`'s own N = 1, paired "
-      "within one run (two rounds, the methods' order reversed in the second).",)),
+     (PROSE["EARLIER_LOOPS 1 3 0"],)),
     ("concurrency_bf16_n8", "_n8",
      "Many requests at once, target in bfloat16: `default` against `ar` at N = 8, in four rounds",
-     ("`default` and `ar` alone at N = 8, after a switching draft's lookup match came from n-grams indexed as "
-      "the context grows and the plan's cost tables were read by bisection (ff186b9): a step that drafts "
-      "nothing had cost `default` about 1.15 ms more than `ar` (docs/design.md, Load-aware speculation). Four "
-      "rounds, the order reversed every other round.",)),
+     (PROSE["EARLIER_LOOPS 2 3 0"],)),
     ("concurrency_avx2", "_avx2",
      "Many requests at once on an AVX2 CPU (float32): every N, with transformers' continuous batching",
-     ("The whole closed-loop run of issue 25 on another kind of CPU: an AMD EPYC with AVX2 but no AVX-512, "
-      "so the native bfloat16 attention kernels do not run and the target computes in float32 (a plain "
-      "step of 8 sequences at 400 entries took 169 ms in bfloat16 against 84 in float32 there: "
-      "`scripts/experiments/drafted_rows.py --context 400 --dtype D`). Every cost the "
-      "load-aware plan weighs was measured again on this machine (`verispec.backends.costs`, "
-      "`verispec.drafters.costs`); nothing else changed. transformers' continuous batching ran with its "
-      "cache sized from the requests (it had sized it from 90 % of the machine's memory and was left out "
-      "of the later runs). Two rounds, the methods' order reversed in the second.",)),
+     (PROSE["EARLIER_LOOPS 3 3 0"],)),
     ("concurrency_native", "_native",
      "Many requests at once on an AVX2 CPU (float32), with verispec's own linear kernel",
-     ("The closed loops of the section above, on the same kind of CPU (AMD EPYC, AVX2, float32), after "
-      "verispec's float32 linear kernel (`verispec/backends/native/linear.cpp`, design.md) became the "
-      "plan for every row count: MKL's products for a few rows had cost steps with the row count (a "
-      "forward of 6-8 rows 1.7x one of 1-2), which made drafted rows dear under load. Every method runs on "
-      "the same model object, so Hugging Face `generate` computes with the same kernel. The cost tables "
-      "were measured again (they are keyed by the kernel plan). transformers' continuous batching was left "
-      "out of this run for time (its figures with the stock kernel are in the section above). Two rounds, "
-      "the methods' order reversed in the second.",)),
+     (PROSE["EARLIER_LOOPS 4 3 0"],)),
     ("concurrency_native_attention", "_native_attention",
      "Many requests at once on an AVX2 CPU (float32), with verispec's own attention kernel too",
-     ("The closed loops of the section above again, on the same kind of CPU, after three changes "
-      "(design.md, \"Native float32 attention\"): the lean forward's float32 attention runs in a kernel of "
-      "verispec's own (`verispec/backends/native/attention_f32.cpp`) that reads each sequence's keys and "
-      "values once for all its rows, where torch's products had read them again for every drafted row and "
-      "padded every sequence to the widest tree; the linear kernel's later passes over a weight fetch the "
-      "next one; and the EAGLE head's layers read float16 copies of its weights (half the bytes, the same "
-      "results: its saved weights are float16 values). `hf-generate` shares the linear kernel, not the "
-      "attention (it runs on its own cache). The cost tables were measured again. Two rounds, the methods' "
-      "order reversed in the second.",
-      "How to read it. At N = 8, T = 0 `default` drafted 296 tokens in 3,672 request steps (1.08 tokens a "
-      "step), so most of its 1.20x over `ar` there is the machine's drift between cells: `ar` ran at 71.2 "
-      "tokens/s in that cell and at 77.6 in its T = 0.6 cell, with the same rows a step. At N = 4 and 8 the "
-      "plan drafts little because rows are no longer nearly free on two cores once both kernels run "
-      "(design.md, \"What bounds a float32 batch of 8 on two cores now is arithmetic\"): a drafted token for "
-      "each of 8 sequences pays only where the head's depth-1 acceptance exceeds about 0.7. Against the "
-      "section above (9dbece9; another run, so with the drift between runs in it): `ar` at N = 8 71.2 / 77.6 "
-      "tokens/s against 49.6 / 60.1, `default` at N = 1 39.0 / 33.8 against 35.9 / 26.3; `hf-generate`, "
-      "which gained only the linear kernel's prefetch, 30.3 / 30.5 against 26.9 / 26.1 at N = 8.")),
+     (PROSE["EARLIER_LOOPS 5 3 0"],
+      PROSE["EARLIER_LOOPS 5 3 1"])),
     ("concurrency_verified", "_verified",
      "Many requests at once on an AVX2 CPU (float32), a 5 % margin, beside llama.cpp",
-     ("The closed loops of the section above on the same kind of CPU, after the load-aware plan's margin "
-      "went from 10 % to 5 % (design.md, \"The plan's margin is set by its worst batch\"), with llama.cpp beside "
-      "verispec: `llama-cpp` is llama-cpp-python serving one request at a time, `llama-server` llama.cpp's "
-      "own server with N slots, both built for this CPU (`bash scripts/install_llama.sh`, "
-      "`scripts/llama_build.py server`) and running the default model's GGUF file (Q4_1: a quantised model, "
-      "so its tokens are not verispec's). Hugging Face's static batches were left out for time; the section "
-      "above measured them. Two rounds, the methods' order reversed in the second. This loop did not yet "
-      "charge each drafting sequence its verification (`verispec/verifiers/costs.py`): an engine given its "
-      "costs up front, as the bench's is, charged it only from b5c7e0b on.",
-      "How to read it. Against `ar` at T = 0 / 0.6, `default` ran 1.28x / 1.15x at N = 2, 1.02x / 0.95x at "
-      "N = 4 and 1.09x / 1.01x at N = 8 (intervals in the table). The smaller margin drafts where few "
-      "sequences run: at N = 2 `default` drafted 2,714 / 2,682 tokens in 2,468 / 2,540 request steps, at "
-      "N = 8 only 590 / 458 in 3,526 / 3,650. At N = 8 it ran 2.34x / 2.47x its own N = 1 (`ar`: 2.90x / "
-      "3.56x), bounded by the machine's arithmetic as in the section above. llama.cpp decodes its quantised "
-      "file faster than verispec's float32 target one request at a time (at N = 1, 1.19x / 1.41x "
-      "`default`; its weights are about a sixth of float32's bytes), but gains little from many: "
-      "`llama-server` with 8 slots ran 1.25x / 1.15x its one slot, against `ar`'s 2.90x / 3.56x. So at "
-      "N = 8 `default` ran 1.52x / 1.60x `llama-server` and 1.69x / 1.81x llama-cpp-python serving one "
-      "request at a time. Other processes used at most 0.017 cores in any cell.")),
+     (PROSE["EARLIER_LOOPS 6 3 0"],
+      PROSE["EARLIER_LOOPS 6 3 1"])),
     ("concurrency_charged", "_charged",
     "Many requests at once on an AVX2 CPU (float32), verification charged, beside llama.cpp and static batches",
-    ("The closed loops of \"Many requests at once on an AVX2 CPU (float32), a 5 % margin, beside llama.cpp\" "
-     "(Earlier runs, below) on the same kind of CPU, after three changes. The load-aware plan charges each drafting "
-     "sequence its verification (`verispec/verifiers/costs.py`; in the bench from b5c7e0b on), so at a 5 % margin "
-     "it drafts less where many run. A greedy target's residual is read off its point mass instead of five float64 "
-     "passes over the vocabulary, and the passes that remain run in place (`probs.residual`), which cuts what a "
-     "verification costs, and what the plan charges for it, by about half (design.md, \"The plan's margin is set "
-     "by its worst batch\"). A prompt's prefill attends with torch's causal kernel instead of a causal mask (the "
-     "same results bit for bit). Hugging Face's static batches are back beside llama.cpp. Two rounds, the methods' "
-     "order reversed in the second.",
-     "How to read it. Against `ar` at T = 0 / 0.6, `default` ran 1.47x / 1.26x at N = 1, 1.26x / 1.12x at N = 2, "
-     "1.06x / 0.99x at N = 4 and 1.03x / 1.04x at N = 8 (intervals in the table): with the charge the plan drafts "
-     "a little less where many run (at N = 8, 486 / 332 tokens in 3,612 / 3,768 request steps, against 590 / 458 "
-     "in the 5 % margin run; at N = 2, 2,488 / 2,556 in 2,572 / 2,656). Against the peers at N = 8: 2.56x / 2.81x "
-     "Hugging Face's static batches of 8, 1.67x / 1.73x llama-cpp-python serving one request at a time, 1.55x / "
-     "1.51x `llama-server` with 8 slots. At N = 8 `default` ran 2.11x / 2.53x its own N = 1 and `ar` 3.00x / "
-     "3.05x its own: every request is prefilled once at any N, 9.7 of `default`'s 52.6 s at N = 1, T = 0, so the "
-     "N = 1 loop that already decodes 1.57x faster than `ar`'s is the harder one to multiply (design.md, "
-     "\"Prefill bounds how far a loop grows with N\"; `scripts/experiments/prefill_bound.py`); against plain "
-     "decoding serving one request at a time (`ar` at N = 1, the column \"vs ar at N = 1\") it ran 3.09x / 3.19x. "
-     "Between this run "
-     "and the 5 % margin run the same code's cells moved by up to 17 % (`ar` at N = 1, T = 0.6: 27.3 against 23.4 "
-     "tokens/s), so compare within a run. Other processes used at most 0.016 cores in any cell.")),
+    (PROSE["EARLIER_LOOPS 7 3 0"],
+     PROSE["EARLIER_LOOPS 7 3 1"])),
     ("concurrency_blocks", "_blocks",
     "Many requests at once on an AVX2 CPU (float32), the default model's layers from their GGUF blocks",
-    ("The closed loops of \"Many requests at once on an AVX2 CPU (float32), verification charged, beside llama.cpp "
-     "and static batches\" (the run above) on the same kind of CPU, after the native kernel began to stream "
-     "the default model's layers from the Q4_1 and Q8_0 blocks they were de-quantised from (afa4323; the same "
-     "weights, the same logits bit for bit: design.md, \"The default model's weights stream from their GGUF "
-     "blocks\"), a batch whose sequences are all pooled stopped gathering its rows (21f57c9), and the shipped head "
-     "was re-tuned for the faster forward (503f26a). One round; `llama-server` with N slots is the one peer (for "
-     "time: Hugging Face's static batches and llama-cpp-python one request at a time, whose code did not change, "
-     "are in the run above).",
-     "How to read it. A one-row forward got 1.67x cheaper and one of eight rows 1.06x "
-     "(`scripts/experiments/exact_panels.py`), so every loop ran faster, the lightly loaded ones most: `default` "
-     "at N = 1 made 48.0 / 41.5 tokens/s at T = 0 / 0.6 (44.5 / 43.6 in the speed run above; 37.8 / 34.3 in the "
-     "run above) and at N = 8 93.2 / 85.3 (79.6 / 87.0 above); against `llama-server` with 8 slots it ran "
-     "1.66x / 1.60x. But speculation's share shrank with it: drafted rows now cost about 10 % of a one-row forward "
-     "each (18.4 / 20.3 / 22.0 ms for 1 / 2 / 3 rows, `verispec tune-tree`), so against `ar` `default` ran "
-     "1.18x / 1.06x at N = 1, 1.02x / 1.01x at N = 2, 1.01x / 0.98x at N = 4 and 0.99x / 0.94x at N = 8. At "
-     "N = 8, T = 0.6 it drafted in few steps and lost 6 %: in `scripts/experiments/loop_split.py --concurrency 8 "
-     "--temperature 0.6 --dtype float32` its planning and proposing cost 1.3-1.6 ms a step against 0.7 for `ar`'s "
-     "(of a 51 ms step), a fixed price that the faster forward made visible; but the three rounds of the run "
-     "below, in alternating order, found that loss mostly the drift of a process's later loops (`ar` "
-     "ran first in every cell here). Batching multiplies less than before "
-     "for the same reason: `ar` at N = 8 ran 2.31x / 2.33x its N = 1 (3.00x / 3.05x above), `default` 1.94x / "
-     "2.06x its own.")),
+    (PROSE["EARLIER_LOOPS 8 3 0"],
+     PROSE["EARLIER_LOOPS 8 3 1"])),
     ("concurrency_rounds", "_rounds3",
     "Many requests at once on an AVX-512 CPU (float32): `default` against `ar` in three rounds",
-    ("`default` against `ar` alone, at the code of the run above (\"Many requests at once "
-     "on an AVX2 CPU (float32), the default model's layers from their GGUF blocks\", with `llama-server` beside them), "
-     "on another machine (an AVX-512 EPYC; the kernels are the same AVX2 builds), in three rounds with the methods' "
-     "order reversed every other round. That run had one round with `ar` first in every cell, and a process's later "
-     "loops run slower: in `scripts/experiments/loop_split.py --methods ar default default ar ar default "
-     "--concurrency 8 --temperature 0.6 --dtype float32`, here, `ar` made 111.8, 108.9 and 104.2 tokens/s in its "
-     "first, second and third loop and `default` 109.8, 108.6 and 106.2 between them. So its 0.94x at N = 8, "
-     "T = 0.6 was mostly that drift; alternating rounds spread it over both methods.",
-     "How to read it. `default` ran 1.19x / 1.08x `ar` at N = 1 (T = 0 / 0.6) and within a few percent of it at "
-     "every N above: 0.99x / 0.96x at N = 2, 0.96x / 1.00x at N = 4, 1.01x / 0.97x at N = 8, each interval holding "
-     "1.0 or ending there. It drafts where it should and still gains nothing: at N = 2 it drafted 1,800 / 1,338 "
-     "tokens (5,130 / 4,641 at N = 1) and at T = 0 its forwards took 9 % less time than `ar`'s (103.5 against "
-     "114.0 s; at T = 0.6, 102.6 against 98.4, other texts), but the head's own forwards, the plan and the "
-     "drafted rows' verification took that back. "
-     "On this CPU a drafted row is dear: the GGUF-block kernel is bound by its arithmetic for a few rows (each "
-     "weight is recomputed once for all rows, then each row adds its own multiply-adds: per 16 weights, 4 "
-     "floating-point operations to recompute them and 2 for each row), so a step of 3 rows for 2 sequences took "
-     "18.1 ms against 15.5 for 2 (`loop_split.py --concurrency 2`), and only a draft accepted well above the head's "
-     "rate pays for it. Batching multiplies little here for the same reason and because every prompt is prefilled "
-     "once at any N: `ar` at N = 8 made 1.84x / 1.86x its N = 1 (at T = 0 no more than at N = 4), `default` 1.57x "
-     "/ 1.67x its own. Greedy text is identical to the one-at-a-time loop for every request at every N.")),
+    (PROSE["EARLIER_LOOPS 9 3 0"],
+     PROSE["EARLIER_LOOPS 9 3 1"])),
     ("concurrency_rounds2", "_rounds3b",
     "Many requests at once on an AVX-512 CPU (float32): `default` against `ar` in three rounds, after the kernel "
     "and head changes",
-    ("The closed loops of \"Many requests at once on an AVX-512 CPU (float32): `default` against `ar` in three "
-     "rounds\" (the run above) on the same machine at da2fdcd, after three changes that keep every logit bit "
-     "for bit: the GGUF-block kernel runs 6 to 48 rows block by block instead of spilling registers at 6 or "
-     "recomputing whole panels into memory beyond (86b560f), the head's restricted output layer reads the target's "
-     "Q8_0 blocks (9fdff77), and rotary positions run in one native call (da2fdcd) (design.md, \"The default "
-     "model's weights stream from their GGUF blocks\" and \"The draft head reads float16 copies of its weights\"; "
-     "lean.py's docstring).",
-     "How to read it. Against `ar`, `default` ran 1.16x / 1.03x at N = 1 (T = 0 / 0.6), 1.00x / 0.97x at N = 2, "
-     "0.98x / 1.00x at N = 4 and 1.02x / 1.04x at N = 8: at N = 8 now above 1.0 at both temperatures with "
-     "intervals clear of it, at N = 2 and 4 within a few percent either way, as before. Every loop with several "
-     "requests got faster: at N = 8 `ar` made 119.9 / 112.6 tokens/s (107.9 / 103.9 in the run above) and "
-     "`default` 122.3 / 117.6 (109.1 / 100.8), 1.74x / 1.92x its own N = 1 and 2.02x / 1.98x `ar`'s. Prefill "
-     "still bounds how far the loops grow with N (design.md). Greedy text is identical to the one-at-a-time loop "
-     "for every request at every N.")),
+    (PROSE["EARLIER_LOOPS 10 3 0"],
+     PROSE["EARLIER_LOOPS 10 3 1"])),
     ("concurrency_rounds3", "_rounds3c",
      "Many requests at once on an AVX-512 CPU (float32), the 512-bit linear kernel: `default` against `ar` in three "
      "rounds",
-     ("`default` against `ar` alone at the code of the run \"the 512-bit linear kernel, beside every peer\" (the "
-      "latest closed loops with the peers, before Earlier runs; bb03bba: only results and this script changed "
-      "since), in three rounds with the methods' order reversed every other round, to judge the one cell of that run "
-      "below 1.0 (N = 8, T = 0.6).",
-      "How to read it. `default` ran 1.19x / 1.06x `ar` at N = 1 (T = 0 / 0.6), 1.02x / 1.00x at N = 2, 1.01x / "
-      "0.93x at N = 4 and 0.99x / 1.02x at N = 8. The cell of that run (0.90x) is 1.02x [0.98, 1.06] here, and "
-      "this run's lowest cell, N = 4 at T = 0.6 (0.93x [0.86, 1.00]: `default` 95.5, 105.4 and 104.8 tokens/s in its "
-      "rounds against `ar`'s 109.5, 109.0 and 109.6), was 0.97x in that run: the low cells move from run to run. "
-      "With several requests in flight `default` is within a few percent of `ar`, drafting in few steps (the table "
-      "below), and gains no more than that: a drafted row costs about 1.9 ms beside a 14 ms step of two sequences "
-      "(`python scripts/experiments/linear_avx512.py`: a forward of two sequences of one row 14.1 ms, of three rows "
-      "21.6), and the head is right 0.52 of the time at depth 1. Greedy text is identical to the "
-      "one-at-a-time loop for every request at every N.")),
+     (PROSE["EARLIER_LOOPS 11 3 0"],
+      PROSE["EARLIER_LOOPS 11 3 1"])),
     ("concurrency_calls", "_calls",
      "Many requests at once on an AVX-512 CPU (float32), after the forward's fewer calls: `default` against `ar` in "
      "three rounds",
-     ("The three rounds of the run above at 56a8a59, on the same machine: after a decoder layer's seven linear "
-      "layers became four native calls (fbafde5) and a step's attention one call that also writes its keys and "
-      "values (c1f8867), the same logits bit for bit (design.md, \"Fewer calls a layer\").",
-      "How to read it. Both loops got faster than in the run above (not paired: another run): at N = 1, T = 0 `ar` "
-      "58.7 -> 69.4 tokens/s and `default` 69.8 -> 82.0; at N = 8 121.3 -> 127.6 and 119.8 -> 126.5 (T = 0.6: "
-      "115.4 -> 128.0 and 117.2 -> 118.3). `default` ran 1.18x [1.08, 1.31] / 1.04x [1.01, 1.09] `ar` at N = 1 "
-      "(T = 0 / 0.6), 1.00x / 1.01x at N = 2, 1.00x / 0.90x [0.83, 0.98] at N = 4 and 0.99x / 0.92x [0.89, 0.96] at "
-      "N = 8, and 1.54x / 1.71x its own N = 1 at N = 8. With four or eight in flight it drafts almost nothing "
-      "(accepted length 1.01-1.05) and still carries the head: alternated outside the bench at N = 8, T = 0.6 "
-      "(`python scripts/experiments/ab_concurrency.py --methods ar default:plain --concurrency 8 --temperature 0.6 "
-      "--pairs 3 --dtype float32`, then `--methods default:plain default`), `default` kept from drafting at two "
-      "or more in flight ran 0.98x [0.96, 0.99] `ar`, and `default` 0.99x [0.97, 1.01] that: its drafts there "
-      "neither gain nor lose, about 2 % is what the head's bookkeeping costs a step in which it does not draft "
-      "(the target's features for it, the plan), and the rest of the bench's 0.92x is the spread between its "
-      "cells (`ar` itself ran 123.4 / 129.2 / 131.6 tokens/s in the three rounds of that cell). Greedy text is "
-      "identical to the one-at-a-time loop for every request at every N.",)),
+     (PROSE["EARLIER_LOOPS 12 3 0"],
+      PROSE["EARLIER_LOOPS 12 3 1"],)),
     ("concurrency_layers", "_layers",
      "Many requests at once on an AVX-512 CPU (float32), after the decoder layers in one call: `default` against "
      "`ar` in three rounds",
-     ("The three rounds of the run above at aa33b54 (the code of 5ed62f4), on the same machine: after a float32 "
-      "model's decoder layers ran in one native call (5ed62f4; the same logits bit for bit: design.md, \"The decoder "
-      "layers in one call\").",
-      "How to read it. Not paired with the run above (another run, and the machine drifts between runs: Hugging "
-      "Face `generate` ran 12 % slower in this session's speed run than in the last one's). At N = 1 both loops got "
-      "faster, `ar` 69.4 -> 76.7 tokens/s and `default` 82.0 -> 84.7 at T = 0 (66.4 -> 69.9 and 69.3 -> 71.8 at "
-      "T = 0.6); at N = 8 neither did (`ar` 127.6 -> 123.0, `default` 126.5 -> 123.1): a forward of eight gained "
-      "less (1.05-1.09x alone), the prompts' prefill not at all, and the drift between runs is of that size (the "
-      "run below, one change later, made 131.3 and 131.6). `default` ran 1.10x [1.02, 1.21] "
-      "/ 1.03x [0.97, 1.09] `ar` at N = 1 (T = 0 / 0.6), 1.02x / 0.97x at N = 2, 0.94x [0.91, 0.97] / 0.89x "
-      "[0.82, 0.98] at N = 4 and 1.00x / 1.00x at N = 8, and 1.45x / 1.67x its own N = 1 at N = 8. The N = 4 cells "
-      "are below 1.0 in every round here (T = 0.6: `default` 108.1, 105.2, 102.1 against `ar`'s 114.2, 122.8, "
-      "116.0 tokens/s) and were in the run above too (0.90x at T = 0.6), but not outside the bench: alternated at "
-      "69858ba (`python scripts/experiments/ab_concurrency.py --methods ar default --concurrency 4 --temperature 0.6 "
-      "--pairs 4 --dtype float32`) per round 0.97, 1.02, 0.95, 1.10, so 1.01x [0.96, 1.06]; and one loop each at "
-      "aa33b54 (`python scripts/experiments/loop_split.py --concurrency 4 --temperature 0.6 --dtype float32`) "
-      "110.5 and 108.1 tokens/s (0.98x), its steps with all 4 in flight 17.1 against 17.7 ms for 4.00 and 4.05 "
-      "tokens. Greedy text is identical to the one-at-a-time loop for every request at every N.",)),
+     (PROSE["EARLIER_LOOPS 13 3 0"],
+      PROSE["EARLIER_LOOPS 13 3 1"],)),
     ("concurrency_norm", "_norm",
      "Many requests at once on an AVX-512 CPU (float32), after the lean forward's own norm: `default` against `ar` in "
      "three rounds",
-     ("The three rounds of the run above at 3cbf7b0 (the code of 5d18cb3), on the same machine: after the lean "
-      "forward's float32 RMS norm became its own (5d18cb3; design.md, \"The lean forward's own RMS norm\").",
-      "How to read it. Not paired with the run above. Both loops are the fastest yet at every N: at N = 1 `ar` made "
-      "80.6 / 75.5 tokens/s at T = 0 / 0.6 (76.7 / 69.9 above) and `default` 87.3 / 79.5 (84.7 / 71.8); at N = 8 "
-      "`ar` 131.3 / 142.3 and `default` 131.6 / 139.5 (123.0 / 120.3 and 123.1 / 119.7). `default` ran 1.08x "
-      "[1.00, 1.19] / 1.05x [0.97, 1.13] `ar` at N = 1, 1.01x / 1.04x at N = 2, 0.97x [0.94, 1.00] / 0.98x [0.95, "
-      "1.00] at N = 4 and 1.00x / 0.98x [0.97, 0.99] at N = 8, and 1.51x / 1.75x its own N = 1 at N = 8. The N = 4 "
-      "cells are still below 1.0 in every round, now by 1-5 %: at four and eight in flight `default` drafts in few "
-      "steps (accepted length 1.01-1.04) and pays the plan and the head's bookkeeping in all of them. Greedy text is "
-      "identical to the one-at-a-time loop for every request at every N.",)),
+     (PROSE["EARLIER_LOOPS 14 3 0"],
+      PROSE["EARLIER_LOOPS 14 3 1"],)),
     ("concurrency_lookup", "_lookup",
      "Many requests at once on an AVX-512 CPU (float32), prompt lookup from its n-gram index: `default` against `ar` "
      "in three rounds",
-     ("The three rounds of the run above on the same machine, after prompt lookup's drafts read the index of the "
-      "context's n-grams kept step by step (3e14ce8: the same laws; design.md, \"Many sequences at once\") and the "
-      "shipped head's step costs were measured again.",
-      "How to read it. Not paired with the run above. At T = 0, where both methods write the same text, `default` "
-      "ran 1.07x [1.00, 1.17] `ar` at N = 1, 1.04x [0.89, 1.22] at N = 2, 0.99x [0.96, 1.01] at N = 4 and 1.01x "
-      "[0.99, 1.03] at N = 8 (1.08x, 1.01x, 0.97x and 1.00x above); at T = 0.6 0.99x, 0.92x [0.85, 1.00], 0.95x "
-      "[0.88, 1.03] and 0.95x [0.89, 1.00] (1.05x, 1.04x, 0.98x, 0.98x above). At N = 2, T = 0.6 `default` was "
-      "below `ar` in all three rounds (97.8, 95.7, 95.1 against 104.4, 105.5, 102.9 tokens/s): it drafted 1,101 "
-      "tokens and 636 were accepted, and its forwards cost 14.9 ms a request step against `ar`'s 12.8 (13.7 "
-      "against 13.3 above, with 1,305 drafted and 798 accepted). But at T = 0.6 every round drew the same texts (one "
-      "seed for all rounds, as in every closed-loop run before 6981dbd): `default`'s 1,873 tokens a round at N = 2 "
-      "against `ar`'s 2,004, and a loop's throughput moves with its texts' lengths, so its three rounds repeat one "
-      "draw and their interval is too narrow (the run below draws a seed a round). At N = 8 `default` made 1.56x / 1.66x "
-      "its own N = 1 (goal 3x; design.md, \"Prefill bounds how far a loop grows with N\"). Greedy text is "
-      "identical to the one-at-a-time loop for every request at every N.",)),
+     (PROSE["EARLIER_LOOPS 15 3 0"],
+      PROSE["EARLIER_LOOPS 15 3 1"],)),
     ("concurrency_seeds", "_seeds",
      "Many requests at once on an AVX-512 CPU (float32), a seed a round: `default` against `ar` in three rounds",
-     ("The three rounds of the run above on the same machine, each round now drawing with its own seed (6981dbd: "
-      "seed + 1000 x the round), so that at T = 0.6 the rounds sample texts too; nothing else changed.",
-      "How to read it. Not paired with that run. At T = 0, where every round writes the same text, `default` "
-      "ran 1.14x [1.07, 1.23] `ar` at N = 1, 0.98x [0.85, 1.15] at N = 2 (rounds of 106.8, 108.0, 113.0 against "
-      "117.0, 108.0, 109.8 tokens/s), 1.01x [0.97, 1.05] at N = 4 and 0.99x [0.97, 1.01] at N = 8. At T = 0.6, the "
-      "rounds now drawing texts of their own (`default` wrote 1,862, 1,923 and 1,841 tokens at N = 1), 1.04x [0.97, "
-      "1.12], 0.99x [0.91, 1.08], 0.95x [0.91, 0.98] and 0.98x [0.97, 0.99]. So N = 2 at T = 0.6 is level with `ar` "
-      "once its texts vary (0.92x there, on one draw), and `default` stays within a few percent of `ar` at 4 and 8 in "
-      "flight, where it drafts in few steps, below it at T = 0.6 (goals: >= 1.0x at every N, > 1.15x at N = 2). "
-      "Greedy text is identical to the one-at-a-time loop for every request at every N.",)),
+     (PROSE["EARLIER_LOOPS 16 3 0"],
+      PROSE["EARLIER_LOOPS 16 3 1"],)),
 )
 
 
@@ -1870,70 +1521,25 @@ EARLIER_LOOPS = (  # closed-loop runs after the first two, oldest first: (run, p
 LATEST_LOOPS = ((
     "concurrency_avx512", "_avx512",
     "Many requests at once on an AVX-512 CPU (float32), the 512-bit linear kernel, beside every peer",
-    ("The closed loops of \"Many requests at once on an AVX-512 CPU (float32): `default` against `ar` in three "
-     "rounds, after the kernel and head changes\" (in Earlier runs) on the same machine at "
-     "73500e6, after linear.cpp got a build with 512-bit paths (f1afceb: up to 16 rows against the GGUF blocks in one pass, the "
-     "same logits bit for bit; design.md, \"The default model's weights stream from their GGUF blocks\"), beside "
-     "every peer but transformers' continuous batching (measured in the AVX2 runs below; its code has not "
-     "changed): Hugging Face `generate` on static batches of N prompts, llama-cpp-python serving one request at a "
-     "time and `llama-server` with N slots, both llama.cpp builds with AVX-512, VNNI and BF16 (the options above). "
-     "Two rounds, the methods' order reversed in the second.",
-     "How to read it. At N = 8 `default` made 128.0 / 113.7 tokens/s at T = 0 / 0.6: 2.85x / 2.78x Hugging "
-     "Face's static batches of 8, 2.24x / 2.03x llama-cpp-python serving the same requests one at a time, 1.88x / "
-     "1.53x `llama-server` with 8 slots, and 1.68x / 1.83x its own N = 1 (3x is out of reach while every prompt is "
-     "prefilled once at any N: design.md, \"Prefill bounds how far a loop grows with N\"). Against `ar` it ran "
-     "1.23x / 1.06x at N = 1, 1.03x / 1.00x at N = 2, 1.03x / 0.97x at N = 4 and 1.06x / 0.90x at N = 8. The "
-     "last cell is below 1.0 in both rounds (111.9 and 115.5 against 123.1 and 129.5 tokens/s), but it does not "
-     "repeat outside the bench: the same loops at the same code in `python scripts/experiments/loop_split.py "
-     "--methods ar default default ar --concurrency 8 --temperature 0.6 --dtype float32` made 114.3, 115.1, 109.8 "
-     "and 110.2 tokens/s (`default` 1.00x), their full steps 34.3 / 33.7 / 35.1 / 35.6 ms with 8.00 tokens each, "
-     "and in three rounds it gave 1.04x [1.03, 1.06] at da2fdcd (Earlier runs) and 1.02x [0.98, 1.06] at this "
-     "code (\"the 512-bit linear kernel: `default` against `ar` in three rounds\", in Earlier runs). At T > 0 the two methods write different "
-     "texts of the same law (1,887 and 1,941 tokens here), and between cells of one run the same method moved by "
-     "up to 10 % (`ar` at N = 8: 120.6 tokens/s at T = 0, 126.2 at T = 0.6), so compare with that spread in mind. "
-     "Greedy text is identical to the one-at-a-time loop for every request at every N.")), (
+    (PROSE["LATEST_LOOPS 0 3 0"],
+     PROSE["LATEST_LOOPS 0 3 1"])), (
     "concurrency_peers_xeon", "_peers_xeon",
     "Many requests at once on an Intel Xeon (float32), a prompt's rows on the kernel measured faster for them, beside "
     "every peer at N = 1 and 8",
-    ("The peers of \"the 512-bit linear kernel, beside every peer\" (above; an AMD EPYC) on the Intel Xeon of the "
-     "run below, at its code: Hugging Face `generate` on static batches, llama-cpp-python serving one request at a "
-     "time and `llama-server` with N slots, both llama.cpp builds for this CPU's instructions "
-     "(`scripts/install_llama.sh`); N = 1 and 8, one round, to fit a session.",
-     "How to read it. One round, so each interval holds the prompts' spread only. At N = 8 `default` made 133.7 / "
-     "115.7 tokens/s at T = 0 / 0.6: 2.71x / 2.50x Hugging Face's static batches of 8 (goal 2x), 2.78x / 2.25x "
-     "llama-cpp-python serving the same requests one at a time (goal 1.5x), 2.72x / 1.78x `llama-server` with 8 "
-     "slots (goal 1.0x), 1.05x / 1.02x `ar`, and 1.56x / 1.88x its own N = 1 (goal 3x; design.md, \"Prefill bounds "
-     "how far a loop grows with N\"). `llama-server` made 49.2 tokens/s at T = 0 against 64.9 at T = 0.6 in this "
-     "round. Greedy text is identical to the one-at-a-time loop for every request at N = 8.")), (
+    (PROSE["LATEST_LOOPS 1 3 0"],
+     PROSE["LATEST_LOOPS 1 3 1"])), (
     "concurrency_prompt", "_prompt",
     "Many requests at once on an AVX-512 CPU (float32), a prompt's rows on the kernel measured faster for them: "
     "`default` against `ar` in three rounds",
-    ("The three rounds of \"a seed a round\" (the last closed loops in Earlier runs) on another machine, an Intel "
-     "Xeon with AVX-512 (the closed loops before it ran on an AMD EPYC), after a float32 prompt's rows went to the "
-     "linear kernel measured faster for many rows (5bcdbab; design.md, \"A prompt's rows on the kernel measured "
-     "faster for them\"): a joining prompt's chunks of 128 rows on MKL, every decoding row beside them on the "
-     "native kernel, as alone.",
-     "How to read it. Not comparable with the runs before it (another CPU). At T = 0 `default` ran 1.06x [0.94, "
-     "1.23] `ar` at N = 1, 1.08x [0.91, 1.32] at N = 2, 0.95x [0.80, 1.14] at N = 4 and 0.95x [0.88, 1.02] at N = "
-     "8; at T = 0.6 1.09x [1.03, 1.16], 0.98x [0.90, 1.06], 1.08x [0.97, 1.21] and 0.99x [0.94, 1.06]: level with "
-     "`ar` within the rounds' spread, short of the goals (>= 1.0x at every N, > 1.15x at N = 2). At N = 8 "
-     "`default` made 112.5 / 112.2 tokens/s, 1.43x / 1.76x its own N = 1 (goal 3x; design.md, \"Prefill bounds how "
-     "far a loop grows with N\"). Greedy text is identical to the one-at-a-time loop for every request at every N, "
-     "the joining prompts' chunks now on MKL beside the others' steps.")), (
+    (PROSE["LATEST_LOOPS 2 3 0"],
+     PROSE["LATEST_LOOPS 2 3 1"])), (
     "concurrency_peers_rounds", "_peers_rounds",
     "Many requests at once on an AVX-512 EPYC (float32), beside every peer at N = 1 and 8 in three rounds",
-    ("The peers of \"beside every peer at N = 1 and 8\" (one round, an Intel Xeon) again, on an AMD EPYC with "
-     "AVX-512 and in three rounds, the methods' order reversed every other round and each round drawing with its "
-     "own seed: Hugging Face `generate` on static batches, llama-cpp-python serving one request at a time and "
-     "`llama-server` with N slots, both llama.cpp builds for this CPU's instructions (`scripts/install_llama.sh`). "
-     "Not comparable with the Xeon run; compare within the run.",)), (
+    (PROSE["LATEST_LOOPS 3 3 0"],)), (
     "concurrency_sparse", "_sparse",
     "Many requests at once on an AVX-512 EPYC (float32), drafts from a short list grown on that list: `default` "
     "against `ar` in three rounds",
-    ("The three rounds of the section above on an AMD EPYC with AVX-512 (2026-12-07), after prompt lookup's drafts "
-     "grew on their few tokens a row (eff56d6; design.md, \"A draft from a short list grows on that list\"), which "
-     "made the default's lookup steps cheaper to draft. Not comparable with the Intel Xeon run above; compare "
-     "within the run.",)))
+    (PROSE["LATEST_LOOPS 4 3 0"],)))
 
 
 def earlier_loops(figs: Path) -> list[str]:
