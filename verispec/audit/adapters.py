@@ -1,7 +1,7 @@
 """The engines ``verispec audit-engine`` can sample here, and the negative controls (samplers wrong on purpose).
 
-Each is an ``engines.EngineAdapter``; ``ENGINES`` names them for the command line. Engines that need an optional
-part (llama.cpp) are left out with the reason where it is missing.
+Each is an ``engines.EngineAdapter``; ``ENGINES`` names them for the command line (``verispec-serve``, which needs a
+running server's URL, is built by the command itself). llama.cpp's engines have no adapter yet.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def hf_logits(model, prompt: list[int], prefixes: list[tuple[int, ...]], chunk: 
 
 class VerispecAdapter(EngineAdapter):
     """verispec's decoding loop (``generate``), one request at a time, or ``batch`` requests at once through the
-    batched engine (``generate_batch``: the load-aware plan, sequences joining and leaving)."""
+    batched engine (``generate_batch``: sequences joining and leaving one engine)."""
 
     def __init__(self, target, draft: str = "auto", verifier: str | None = None, tree: str | None = None,
                  policy: str | None = None, children: str | None = None, batch: int = 1, name: str = "verispec",
@@ -92,8 +92,8 @@ class ArgmaxControl(VerispecAdapter):
 
 
 class DoubleTemperatureControl(VerispecAdapter):
-    """A sampler that divides the logits by the temperature twice (the fault of dflash #74 and lattice #388 in
-    reverse): at T it samples at T squared, so at T = 1 it is right."""
+    """A sampler that divides the logits by the temperature twice, a temperature fault of the kind of dflash #74 and
+    lattice #388 (which ignored it): at T it samples at T squared, so at T = 1 it is right."""
 
     def _sampling(self, sampling):
         return Sampling(sampling.temperature ** 2, sampling.top_k, sampling.top_p)
