@@ -3,7 +3,7 @@ the target's law"): ``verispec audit-engine`` on every engine it ships and the n
 ``verispec serve`` started here on 127.0.0.1 (stopped by its pid at the end), then with top-k and top-p filtering.
 Rows go to results/audit_engines*.jsonl. About an hour on 2 cores.
 
-    python scripts/audit_engines.py [--samples 3000]
+    python scripts/audit_engines.py [--samples 3000] [--serve-only] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -35,16 +35,19 @@ def free_port() -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=3000)
+    ap.add_argument("--serve-only", action="store_true", help="only the server's rows")
+    ap.add_argument("--dtype", default="float32", help="the served target's dtype (the law is computed in the same)")
     args = ap.parse_args()
     n = str(args.samples)
     common = ["--samples", n, "--prompt", PROMPT, "--threads", "2"]
-    subprocess.run(cli("audit-engine", "verispec", "verispec-int8", "verispec-batch", "hf-assisted", "hf-lookup",
-                       "--controls", *common, "--out", "results/audit_engines.jsonl"), cwd=ROOT, check=False)
-    subprocess.run(cli("audit-engine", "verispec", "hf-assisted", "--temperatures", "1", "--top-k", "20", "--top-p",
-                       "0.9", *common, "--out", "results/audit_engines_filtered.jsonl"), cwd=ROOT, check=False)
+    if not args.serve_only:
+        subprocess.run(cli("audit-engine", "verispec", "verispec-int8", "verispec-batch", "hf-assisted", "hf-lookup",
+                           "--controls", *common, "--out", "results/audit_engines.jsonl"), cwd=ROOT, check=False)
+        subprocess.run(cli("audit-engine", "verispec", "hf-assisted", "--temperatures", "1", "--top-k", "20", "--top-p",
+                           "0.9", *common, "--out", "results/audit_engines_filtered.jsonl"), cwd=ROOT, check=False)
     port = free_port()
-    server = subprocess.Popen(cli("serve", "--host", "127.0.0.1", "--port", str(port), "--threads", "2"), cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(cli("serve", "--host", "127.0.0.1", "--port", str(port), "--threads", "2", "--dtype",
+                                  args.dtype), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
@@ -60,8 +63,8 @@ def main() -> None:
         else:
             raise SystemExit("the server was not ready in 10 minutes")
         subprocess.run(cli("audit-engine", "verispec-serve", "--url", f"http://127.0.0.1:{port}", "--samples", n,
-                           "--prompt", PROMPT, "--threads", "1", "--out", "results/audit_engines_serve.jsonl"),
-                       cwd=ROOT, check=False)
+                           "--prompt", PROMPT, "--threads", "1", "--dtype", args.dtype,
+                           "--out", "results/audit_engines_serve.jsonl"), cwd=ROOT, check=False)
     finally:
         if server.poll() is None:
             os.kill(server.pid, signal.SIGTERM)

@@ -645,6 +645,8 @@ def _add_audit_engine(sub):
     a.add_argument("--prompt", action="append", default=None,
                    help="a user message (repeatable; default: " + " / ".join(repr(p) for p in AUDIT_PROMPTS) + ")")
     a.add_argument("--target", default="smollm2-135m", help="the target model")
+    a.add_argument("--dtype", default="float32", help="what the target computes in (float32, bfloat16, auto); for "
+                   "verispec-serve, the server's own --dtype: the law must come from the target it serves")
     a.add_argument("--url", default=None, help="verispec-serve: the server's base URL (loopback)")
     a.add_argument("--floor", type=float, default=1e-5, help="prefixes below this probability are merged in the law")
     a.add_argument("--out", default=None, help="also write the rows as JSON lines to this file")
@@ -679,7 +681,7 @@ def cmd_audit_engine(args) -> int:
     if out is not None:
         out.write_text("")
     _set_threads(args)
-    target = load(args.target)
+    target = load(args.target, dtype=args.dtype)
     prompts = [target.encode_prompt(p) for p in (args.prompt or AUDIT_PROMPTS)]
     info = _info(args)
     rows = []
