@@ -1871,8 +1871,10 @@ def audit_engines_section() -> list[str]:
             "seeds 0 .. N-1 from each engine with its speculation on, against the exact law of those tokens from the "
             "same target's logits by teacher forcing (SmolLM2-135M-Instruct, float32; the prompt 'Name an animal.' "
             "through its chat template). Chi-square over the outcomes expected 5 times or more, the rest merged; a "
-            "law differs at p < 0.001. TV: the sample's total variation from the law over those cells with a 95 % "
-            "bootstrap interval (biased upward at this N); smallest detectable TV: the total variation of the "
+            "law differs at p < 0.001. TV: the sample's total variation from the law over those cells, and the 95 % "
+            "percentile interval of that estimate under resampling; the estimate is biased upward, by about "
+            "sqrt(cells / N), so an exact engine's rows sit near 0.04 and the interval lies above the estimate "
+            "(read both beside the detectable TV, not beside 0). Smallest detectable TV: the total variation of the "
             "least sharpening of the law that the same test rejects in 80 % of simulations at this N. Rows marked "
             "ctl- are negative controls, samplers wrong on purpose, which the report must flag (the temperature "
             "applied twice is no fault at T = 1, so it runs at 0.6 only). N is "
@@ -1884,7 +1886,26 @@ def audit_engines_section() -> list[str]:
             + f", and {len(controls) - len(missed)} of {len(controls)} control rows are flagged"
             + (f" (missed: {', '.join(c.engine for c in missed)}: the report is invalid)" if missed else "")
             + (f". At this N the test detects total variations of {min(detect):.3f}-{max(detect):.3f} shaped "
-               "like a temperature fault; smaller faults can pass." if detect else "."), ""]
+               "like a temperature fault; smaller faults can pass." if detect else "."), ""] + _served_bf16()
+
+
+def _served_bf16() -> list[str]:
+    """The server's first rows, served in bfloat16 against a float32 law: a target that differs, found."""
+    from verispec.audit.engines import EngineCheck, format_checks
+
+    p = ROOT / "results" / "audit_engines_serve_bf16.jsonl"
+    if not p.exists():
+        return []
+    rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    fields = set(EngineCheck.__dataclass_fields__)
+    checks = [EngineCheck(**{k: v for k, v in r.items() if k in fields}) for r in rows]
+    return ["The server's rows were first made against a server started without `--dtype` (`verispec serve --host "
+            "127.0.0.1 --port PORT --threads 2`, by scripts/audit_engines.py at git " + rows[0]["git"] + "), whose "
+            "`auto` computes in bfloat16 on this CPU, while the law came from the float32 model. The same harness "
+            "told the two targets apart where the law is sharper (the weights rounded to bfloat16 are a target of "
+            "their own, whose law every exact rule keeps, but not the float32 one's); the rows above served float32 "
+            "(`--dtype float32`, and `audit-engine --dtype` computes the law in the served dtype):", "",
+            format_checks(checks), ""]
 
 
 def render(figs: Path = ROOT / "docs" / "figures") -> str:
