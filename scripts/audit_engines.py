@@ -46,7 +46,7 @@ def main() -> None:
         subprocess.run(cli("audit-engine", "verispec", "hf-assisted", "--temperatures", "1", "--top-k", "20", "--top-p",
                            "0.9", *common, "--out", "results/audit_engines_filtered.jsonl"), cwd=ROOT, check=False)
     port = free_port()
-    # a fixed chain of 3: at 8 requests at once the load-aware plan drafts almost nothing (0.04 tokens a sample
+    # a fixed chain of 3: at 8 requests at once the load-aware plan drafts almost nothing (0.04-0.05 tokens a sample
     # measured), and a server that does not speculate tests nothing of its speculative sampling
     server = subprocess.Popen(cli("serve", "--host", "127.0.0.1", "--port", str(port), "--threads", "2", "--dtype",
                                   args.dtype, "--policy", "fixed", "--tree", "chain:3"), cwd=ROOT,

@@ -1905,7 +1905,7 @@ def _served_bf16() -> list[str]:
             "told the two targets apart where the law is sharper (the weights rounded to bfloat16 are a target of "
             "their own, whose law every exact rule keeps, but not the float32 one's). The server's rows above served "
             "float32 and drafted a fixed chain of 3 (`--dtype float32 --policy fixed --tree chain:3`; `audit-engine "
-            "--dtype` computes the law in the served dtype): with its default plan, 8 requests at once drafted 0.04 "
+            "--dtype` computes the law in the served dtype): with its default plan, 8 requests at once drafted 0.04-0.05 "
             "tokens a sample (results/audit_engines_serve_default_plan.jsonl, at git 465366a: same law at both "
             "temperatures), too few to test its speculation.", "",
             format_checks(checks), ""]
