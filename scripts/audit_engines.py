@@ -1,7 +1,7 @@
 """The committed audit of the engines' speculative sampling (docs/results.md, "Engines' speculative sampling against
 the target's law"): ``verispec audit-engine`` on every engine it ships and the negative controls, then on a
 ``verispec serve`` started here on 127.0.0.1 (stopped by its pid at the end), then with top-k and top-p filtering.
-Rows go to results/audit_engines*.jsonl. About an hour on 2 cores.
+Rows go to results/audit_engines*.jsonl.gz (written as .jsonl, then gzipped). About an hour on 2 cores.
 
     python scripts/audit_engines.py [--samples 3000] [--serve-only] [--dtype float32]
 """
@@ -9,6 +9,7 @@ Rows go to results/audit_engines*.jsonl. About an hour on 2 cores.
 from __future__ import annotations
 
 import argparse
+import gzip
 import os
 import signal
 import socket
@@ -78,5 +79,15 @@ def main() -> None:
                 server.wait(10)
 
 
+def pack() -> None:
+    """Each results/audit_engines*.jsonl gzipped beside itself (records are kept gzipped; .jsonl is ignored)."""
+    for p in (ROOT / "results").glob("audit_engines*.jsonl"):
+        with open(p, "rb") as src, gzip.GzipFile(p.with_suffix(".jsonl.gz"), "wb", mtime=0) as dst:
+            dst.write(src.read())
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        pack()
