@@ -1678,7 +1678,7 @@ def standing_section() -> list[str]:
         where = link("## Engines' speculative sampling against the target's law")
         engines = [r for r in rows if not r["control"]]
         names = ", ".join(dict.fromkeys(r["engine"] for r in engines))
-        out += ["### Other engines' speculative sampling", "",
+        out += ["### Speculative sampling, audited by sampling", "",
                 f"`verispec audit-engine` drew the first two tokens {min(r['samples'] for r in rows):,} times per "
                 f"setting from {names}: {sum(not r['differs'] for r in engines)} of {len(engines)} rows keep the "
                 f"target's law, and {sum(r['differs'] for r in rows if r['control'])} of "
