@@ -1,7 +1,7 @@
 """The committed audit of the engines' speculative sampling (docs/results.md, "Engines' speculative sampling against
 the target's law"): ``verispec audit-engine`` on every engine it ships and the negative controls, then on a
 ``verispec serve`` started here on 127.0.0.1 (stopped by its pid at the end), then with top-k and top-p filtering.
-Rows go to results/audit_engines*.jsonl.gz (written as .jsonl, then gzipped). About an hour on 2 cores.
+Rows go to results/audit_engines/*.jsonl.gz (written as .jsonl, then gzipped). About an hour on 2 cores.
 
     python scripts/audit_engines.py [--samples 3000] [--serve-only] [--dtype float32]
 """
@@ -39,13 +39,14 @@ def main() -> None:
     ap.add_argument("--serve-only", action="store_true", help="only the server's rows")
     ap.add_argument("--dtype", default="float32", help="the served target's dtype (the law is computed in the same)")
     args = ap.parse_args()
+    (ROOT / "results" / "audit_engines").mkdir(parents=True, exist_ok=True)
     n = str(args.samples)
     common = ["--samples", n, "--prompt", PROMPT, "--threads", "2"]
     if not args.serve_only:
         subprocess.run(cli("audit-engine", "verispec", "verispec-int8", "verispec-batch", "hf-assisted", "hf-lookup",
-                           "--controls", *common, "--out", "results/audit_engines.jsonl"), cwd=ROOT, check=False)
+                           "--controls", *common, "--out", "results/audit_engines/engines.jsonl"), cwd=ROOT, check=False)
         subprocess.run(cli("audit-engine", "verispec", "hf-assisted", "--temperatures", "1", "--top-k", "20", "--top-p",
-                           "0.9", *common, "--out", "results/audit_engines_filtered.jsonl"), cwd=ROOT, check=False)
+                           "0.9", *common, "--out", "results/audit_engines/filtered.jsonl"), cwd=ROOT, check=False)
     port = free_port()
     # a fixed chain of 3: at 8 requests at once the load-aware plan drafts almost nothing (0.04-0.05 tokens a sample
     # measured), and a server that does not speculate tests nothing of its speculative sampling
@@ -68,7 +69,7 @@ def main() -> None:
             raise SystemExit("the server was not ready in 10 minutes")
         subprocess.run(cli("audit-engine", "verispec-serve", "--url", f"http://127.0.0.1:{port}", "--samples", n,
                            "--prompt", PROMPT, "--threads", "1", "--dtype", args.dtype,
-                           "--out", "results/audit_engines_serve.jsonl"), cwd=ROOT, check=False)
+                           "--out", "results/audit_engines/serve.jsonl"), cwd=ROOT, check=False)
     finally:
         if server.poll() is None:
             os.kill(server.pid, signal.SIGTERM)
@@ -80,8 +81,8 @@ def main() -> None:
 
 
 def pack() -> None:
-    """Each results/audit_engines*.jsonl gzipped beside itself (records are kept gzipped; .jsonl is ignored)."""
-    for p in (ROOT / "results").glob("audit_engines*.jsonl"):
+    """Each results/audit_engines/*.jsonl gzipped beside itself (records are kept gzipped)."""
+    for p in (ROOT / "results" / "audit_engines").glob("*.jsonl"):
         with open(p, "rb") as src, gzip.GzipFile(p.with_suffix(".jsonl.gz"), "wb", mtime=0) as dst:
             dst.write(src.read())
 

@@ -1836,12 +1836,12 @@ def claims_section() -> list[str]:
             markdown(["rule", "claim", "verispec's computation", "verdict"], rows), ""]
 
 
-AUDIT_ENGINES = ("audit_engines", "audit_engines_filtered", "audit_engines_serve")  # results/NAME.jsonl.gz, in order
+AUDIT_ENGINES = ("engines", "filtered", "serve")  # results/audit_engines/NAME.jsonl.gz, in order
 
 
 def audit_rows(name: str) -> list[dict]:
-    """The rows of ``verispec audit-engine --out`` kept as results/NAME.jsonl.gz (none if it is not there)."""
-    p = ROOT / "results" / f"{name}.jsonl.gz"
+    """The rows of ``verispec audit-engine --out`` kept as results/audit_engines/NAME.jsonl.gz (none if missing)."""
+    p = ROOT / "results" / "audit_engines" / f"{name}.jsonl.gz"
     if not p.exists():
         return []
     with gzip.open(p, "rt", encoding="utf-8") as f:
@@ -1854,7 +1854,7 @@ def audit_engine_rows() -> list[dict]:
 
 def audit_engines_section() -> list[str]:
     """Every engine's speculative sampling against its target's law (``verispec audit-engine``, made by
-    ``python scripts/audit_engines.py``: results/audit_engines*.jsonl.gz, one row per engine, prompt and setting)."""
+    ``python scripts/audit_engines.py``: results/audit_engines/*.jsonl.gz, one row per engine, prompt and setting)."""
     from verispec.audit.engines import EngineCheck, format_checks
 
     rows = audit_engine_rows()
@@ -1897,7 +1897,7 @@ def _served_bf16() -> list[str]:
     """The server's first rows, served in bfloat16 against a float32 law: a target that differs, found."""
     from verispec.audit.engines import EngineCheck, format_checks
 
-    rows = audit_rows("audit_engines_serve_bf16")
+    rows = audit_rows("serve_bf16")
     if not rows:
         return []
     fields = set(EngineCheck.__dataclass_fields__)
@@ -1909,7 +1909,7 @@ def _served_bf16() -> list[str]:
             "their own, whose law every exact rule keeps, but not the float32 one's). The server's rows above served "
             "float32 and drafted a fixed chain of 3 (`--dtype float32 --policy fixed --tree chain:3`; `audit-engine "
             "--dtype` computes the law in the served dtype): with its default plan, 8 requests at once drafted 0.04-0.05 "
-            "tokens a sample (results/audit_engines_serve_default_plan.jsonl.gz, at git 465366a: same law at both "
+            "tokens a sample (results/audit_engines/serve_default_plan.jsonl.gz, at git 465366a: same law at both "
             "temperatures), too few to test its speculation.", "",
             format_checks(checks), ""]
 
