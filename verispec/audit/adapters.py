@@ -15,21 +15,8 @@ from typing import Callable
 import torch
 
 from ..probs import Sampling
-from ..tree import Tree
 from .engines import EngineAdapter
-
-
-def tree_logits(target, prompt: list[int], prefixes: list[tuple[int, ...]]) -> torch.Tensor:
-    """A verispec target's next-token logits after ``prompt`` + each prefix: one forward of the tree of every prefix
-    and its ancestors over the prompt (the decoding loop's own forward)."""
-    nodes = sorted({p[:i] for p in prefixes for i in range(len(p) + 1)}, key=lambda p: (len(p), p))
-    index = {p: i for i, p in enumerate(nodes)}
-    tree = Tree(tuple([-1] + [index[p[:-1]] for p in nodes[1:]]))
-    state = target.new_state()
-    target.prefill(state, prompt[:-1])
-    out = target.forward(state, torch.tensor([prompt[-1]] + [p[-1] for p in nodes[1:]]),
-                         state.committed + torch.tensor(tree.depths), tree.ancestors_mask())
-    return out.logits[[index[p] for p in prefixes]]
+from .sampled import tree_logits
 
 
 def hf_logits(model, prompt: list[int], prefixes: list[tuple[int, ...]], chunk: int = 32) -> torch.Tensor:

@@ -38,6 +38,19 @@ class SampledCheck:
         return self.p_value >= 1e-3
 
 
+def tree_logits(target, prompt: list[int], prefixes: list[tuple[int, ...]]) -> torch.Tensor:
+    """The target's next-token logits after ``prompt`` + each prefix: one forward of the tree of every prefix and its
+    ancestors over the prompt (the decoding loop's own forward)."""
+    nodes = sorted({p[:i] for p in prefixes for i in range(len(p) + 1)}, key=lambda p: (len(p), p))  # parents first
+    index = {p: i for i, p in enumerate(nodes)}
+    tree = Tree(tuple([-1] + [index[p[:-1]] for p in nodes[1:]]))
+    state = target.new_state()
+    target.prefill(state, prompt[:-1])
+    out = target.forward(state, torch.tensor([prompt[-1]] + [p[-1] for p in nodes[1:]]),
+                         state.committed + torch.tensor(tree.depths), tree.ancestors_mask())
+    return out.logits[[index[p] for p in prefixes]]
+
+
 def exact_law(target, prompt_ids: list[int], k: int, sampling: Sampling, floor: float = 1e-5,
               max_nodes: int = 4096) -> dict[tuple[int, ...], float]:
     """The target's law of its next ``k`` tokens after ``prompt_ids`` (outcomes shorter than k end on an
@@ -47,18 +60,10 @@ def exact_law(target, prompt_ids: list[int], k: int, sampling: Sampling, floor: 
     prefixes: dict[tuple[int, ...], float] = {(): 1.0}  # continuing prefixes and their probabilities
     law: dict[tuple[int, ...], float] = {}
     for depth in range(k):
-        nodes = sorted(prefixes, key=lambda p: (len(p), p))  # parents before children
-        index = {p: i for i, p in enumerate(nodes)}
-        tree = Tree(tuple([-1] + [index[p[:-1]] for p in nodes[1:]]))
-        state = target.new_state()
-        target.prefill(state, prompt_ids[:-1])
-        out = target.forward(state, torch.tensor([prompt_ids[-1]] + [p[-1] for p in nodes[1:]]),
-                             state.committed + torch.tensor(tree.depths), tree.ancestors_mask())
-        laws = logits_to_probs(out.logits.double(), sampling)
+        paths = sorted(p for p in prefixes if len(p) == depth)
+        laws = logits_to_probs(tree_logits(target, prompt_ids, paths).double(), sampling)
         grown = 0
-        for row, path in enumerate(nodes):
-            if len(path) != depth:
-                continue
+        for row, path in enumerate(paths):
             for x in torch.nonzero(laws[row] * prefixes[path] >= floor).flatten().tolist():
                 w = prefixes[path] * float(laws[row, x])
                 if depth + 1 == k or x in eos:

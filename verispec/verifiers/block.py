@@ -37,7 +37,16 @@ def block(draft, p, rng) -> Verdict:
         S = float((w[i] * P[i] - laws[i]).clamp_min(0).sum())
         denom = S + 1 - w[i]
         h.append(S / denom if denom > 0 else 1.0)
-    keep = rng.bernoulli(torch.tensor(h, dtype=torch.float64))  # u_i <= h_i
+    return kept_prefix_verdict(h, w, P, laws, rng)
+
+
+def kept_prefix_verdict(h, w, P: torch.Tensor, laws: torch.Tensor, rng) -> Verdict:
+    """A chain's verdict from its stopping coins: draw ``u_i <= h[i - 1]`` for i = 1..g, keep ``x_1..x_tau`` for the
+    last i that holds (0 if none), then emit from ``norm((w_tau p_{tau+1} - q_{tau+1})_+)`` (``p_{tau+1}`` where that
+    is empty), or the bonus token from ``p_{g+1}`` when the whole chain is kept. Block verification's, and HSD's
+    with its own last coin."""
+    g = len(h)
+    keep = rng.bernoulli(torch.tensor(h, dtype=torch.float64))
     tau = max((i + 1 for i in range(g) if bool(keep[i])), default=0)
     path = tuple(range(1, tau + 1))
     tested = (1,) * min(tau + 1, g)

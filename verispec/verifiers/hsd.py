@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from .base import Verdict, first_child_law, register
+from .block import kept_prefix_verdict
 
 
 @register("hsd", exact=False, chain_only=True,
@@ -47,12 +48,4 @@ def hsd(draft, p, rng) -> Verdict:
         over, under = float(diff.clamp_min(0).sum()), float((-diff).clamp_min(0).sum())
         keep.append(over / max(over, under) if over > 0 else 0.0)
     keep.append(min(1.0, float(ratio[g])))  # the whole chain
-    coins = rng.bernoulli(torch.tensor(keep, dtype=torch.float64))
-    tau = max((k + 1 for k in range(g) if bool(coins[k])), default=0)
-    path = tuple(range(1, tau + 1))
-    tested = (1,) * min(tau + 1, g)
-    if tau == g:
-        return Verdict(path, int(rng.categorical(P[g])), tested)
-    res = (w[tau] * P[tau] - laws[tau]).clamp_min(0)
-    total = float(res.sum())
-    return Verdict(path, int(rng.categorical(res / total)) if total > 0 else int(rng.categorical(P[tau])), tested)
+    return kept_prefix_verdict(keep, w, P, laws, rng)
