@@ -427,6 +427,29 @@ def test_bfloat16_layers_run_on_prepacked_weights_bitwise_as_a_linear_layer_and_
     assert "forward" not in layer.__dict__ and "_verispec_packed" not in layer.__dict__
 
 
+def test_bfloat16_rows_run_at_few_row_counts_with_the_same_results():
+    """oneDNN keeps a compiled kernel for every row count it meets: ``packed_rows`` pads the rows to one of a few
+    counts (copies of the first row), so a server meeting every prompt length asks for a bounded set, which
+    ``warm_packed`` compiles up front; each row's result is the one it has alone."""
+    from verispec.backends import kernels
+
+    widths = kernels.packed_widths(1024)
+    assert widths[:7] == [2, 3, 4, 5, 6, 7, 8] and len(widths) <= 30
+    assert all(kernels.packed_width(n) >= n and kernels.packed_width(n) in widths for n in range(1, 1025))
+    if not kernels.packing_available():
+        pytest.skip("this torch or CPU has no oneDNN bfloat16 linear")
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 40).bfloat16()
+    x = torch.randn(70, 64).bfloat16()
+    with torch.no_grad():
+        undo = kernels.use_fast_linear(layer)
+        whole = layer(x)  # 70 rows run as 96
+        for rows in (0, 1, 9, 13, 70):
+            assert torch.equal(layer(x[:rows]), whole[:rows]), rows
+        assert kernels.warm_packed(100) >= len(kernels.packed_widths(100))  # this layer, and any other alive
+        undo()
+
+
 def test_auto_dtype_is_bfloat16_only_where_the_cpu_has_bfloat16_arithmetic(monkeypatch):
     from verispec.backends import loading
     from verispec.errors import VerispecError

@@ -467,6 +467,29 @@ def test_a_cancelled_request_leaves_before_the_next_step():
         service.stop()
 
 
+def test_a_finished_request_lets_go_of_its_sequence():
+    """A handle may outlive its request in a reference cycle of the HTTP layer's until the garbage collector's next
+    full pass: once ended it holds no sequence, so the sequence's draft state and caches are freed with it (a
+    server's memory grew by about 35 MiB every 64 requests while handles held them)."""
+    service = make_service().start()
+    events, handles = [], []
+    try:
+        for n in (6, 200):
+            handles.append(service.submit(service_request(service, n), events.append))
+        deadline = time.monotonic() + 60
+        while not handles[0].finished:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert handles[0].seq is None
+        handles[1].cancel()
+        while not handles[1].finished:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert handles[1].seq is None  # a cancelled one too
+    finally:
+        service.stop()
+
+
 def service_request(service, max_tokens):
     from verispec.probs import Sampling
     from verispec.serve import Request

@@ -41,6 +41,7 @@ import os
 import platform
 import statistics
 import time
+import weakref
 
 import torch
 from torch import nn
@@ -247,16 +248,63 @@ def _prepacked(module: nn.Module, pack, kind: str) -> torch.Tensor:
     return module._verispec_packed
 
 
+_ONEDNN_PACKED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # every layer that has run in ``packed_rows``
+
+
+def packed_width(rows: int) -> int:
+    """The row count ``packed_rows`` runs ``rows`` rows as: one row as two, up to 8 as they are, then the next multiple
+    of 8 (to 64), of 32 (to 256), of 128. oneDNN compiles a kernel for each row count and weight shape it sees and
+    keeps them all (about 0.5 MB and 0.4 ms each here, up to 1,024 of them): a server meeting every prompt length
+    and batch size grew by about 35 MiB every 64 requests, until this bounded the counts it sees."""
+    if rows <= 8:
+        return max(rows, 2)
+    step = 8 if rows <= 64 else 32 if rows <= 256 else 128
+    return -(-rows // step) * step
+
+
+def packed_widths(max_rows: int) -> list[int]:
+    """Every row count ``packed_rows`` runs for 1 to ``max_rows`` rows."""
+    return sorted({packed_width(n) for n in range(1, max_rows + 1)})
+
+
+def _onednn_pack(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    _ONEDNN_PACKED.add(module)
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 2)
+
+
 def packed_rows(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
     """``x [n, K] @ weight^T + bias`` for a bfloat16 layer, with oneDNN's copy of the weight in its own blocked layout
-    (made on first use and again whenever the weight is replaced or changed in place). One row runs as two equal
-    rows: for one row oneDNN takes a kernel that sums in another order on some layers (here: SmolLM2's 1536-wide down
-    projection, on real activations though not on random ones), and a row's result would then depend on how many
-    rows came with it. Measured here: this costs a one-sequence decoding step about 4 ms of 33."""
-    packed = _prepacked(module, lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 2), "onednn")
-    if x.shape[0] == 1:
-        return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), packed, module.bias, "none", [], "")[:1]
-    return torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], "")
+    (made on first use and again whenever the weight is replaced or changed in place). The rows run as
+    ``packed_width(n)`` rows, the first one repeated as padding. One row runs as two equal rows: for one row oneDNN
+    takes a kernel that sums in another order on some layers (here: SmolLM2's 1536-wide down projection, on real
+    activations though not on random ones), and a row's result would then depend on how many rows came with it
+    (from 2 to 64 rows, each row's result is the same whatever its company: ``scripts/experiments/linear_rows.py``).
+    Measured here: one row as two costs a one-sequence decoding step about 4 ms of 33."""
+    packed = _prepacked(module, functools.partial(_onednn_pack, module), "onednn")
+    rows = x.shape[0]
+    if not rows:
+        return x.new_empty(0, module.weight.shape[0])
+    width = packed_width(rows)
+    if width > rows:
+        x = torch.cat([x, x[:1].expand(width - rows, -1)])
+    y = torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], "")
+    return y[:rows] if width > rows else y
+
+
+def warm_packed(max_rows: int) -> int:
+    """Have oneDNN compile now the kernels ``packed_rows`` will ask for, for every layer that has run there and every
+    row count up to ``max_rows``, rather than in the middle of a request (a server's warm-up); returns how many
+    (weight shape, row count) pairs it ran."""
+    seen, count = set(), 0
+    for m in list(_ONEDNN_PACKED):
+        key = (tuple(m.weight.shape), m.bias is None)
+        if key in seen:
+            continue
+        seen.add(key)
+        for width in packed_widths(max_rows):
+            packed_rows(m.weight.new_zeros(width, m.weight.shape[1]), m)
+            count += 1
+    return count
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from ..backends import default_threads, load, resolve_dtype
+from ..backends import default_threads, kernels, load, resolve_dtype
 from ..decode import TextStream
 from ..drafters import DraftSpec, SuffixCache, build_drafter, with_answer_cache
 from ..drafters.base import Drafter
@@ -305,6 +305,10 @@ class Service:
                 run_all(engine)
         finally:
             engine.answer_cache = cache
+        # the largest forward: a prompt's chunk beside every other sequence's drafted tree
+        rows = (engine.prefill_chunk or 128) + engine.max_batch * getattr(self.tree, "size", 8)
+        if kernels.warm_packed(rows):
+            self.log(f"compiled oneDNN's kernels for forwards of up to {rows} rows")
         self.log(f"ready after {time.perf_counter() - t:.1f}s of measuring and warming up")
 
     def _drain(self, block: bool) -> None:
@@ -347,7 +351,7 @@ class Service:
             try:
                 self._tell(h)
             except Exception as exc:  # noqa: BLE001 - one request's failure is its own, never the engine thread's
-                if not h.seq.done:
+                if h.seq is not None and not h.seq.done:
                     self.engine.cancel(h.seq, "error")
                 self._end(h, "error", one_line(exc))
 
@@ -404,7 +408,9 @@ class Service:
         return out, False
 
     def _end(self, h: Handle, reason: str | None, error: str | None = None) -> None:
-        """Send the request's last event (none for a cancelled one) and forget it."""
+        """Send the request's last event (none for a cancelled one) and forget it, and its sequence: a finished
+        handle may outlive its request in a reference cycle of the HTTP layer's (a timeout's traceback) until the
+        garbage collector's next full pass, and its sequence's draft state and caches (a few MB) must not."""
         if h.finished:
             return
         h.finished = True
@@ -412,6 +418,12 @@ class Service:
             self._live.remove(h)
         with self._lock:
             self._outstanding -= 1
+        try:
+            self._last_event(h, reason, error)
+        finally:
+            h.seq = None
+
+    def _last_event(self, h: Handle, reason: str | None, error: str | None) -> None:
         if reason == "error":
             with self._lock:
                 self.metrics.finished["error"] += 1
