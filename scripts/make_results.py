@@ -225,6 +225,14 @@ SPEED_PROMPT_LEAD = (
     PROSE["SPEED_PROMPT_LEAD 1"],
 )
 
+# the same with each seed a round and the methods' order reversed every other round (issue 67), on an AVX-512 EPYC
+# with llama-cpp-python, after the serving fixes of ac2f5a4 (oneDNN's bfloat16 row counts; float32 runs here)
+RUNS["speed_rounds"] = [*speed_run(), "--seeds", "0", "1", "2"]
+SPEED_ROUNDS_HEADING = "## Speed of the defaults in three rounds of alternating order (2026-12-07)"
+SPEED_ROUNDS_LEAD = (
+    PROSE["SPEED_ROUNDS_LEAD 0"],
+)
+
 # every speed run, oldest first: (run, figure tag, heading, lead); "" and () give speed_section's own. The last
 # LATEST_SPEED are the page's first sections after "Where it stands"; the others open Earlier runs, in this order.
 SPEED_RUNS = (("speed", "", "", ()), ("speed_bf16", "", "", ()),
@@ -237,7 +245,8 @@ SPEED_RUNS = (("speed", "", "", ()), ("speed_bf16", "", "", ()),
                   ("speed_verify", SPEED_VERIFY_HEADING, SPEED_VERIFY_LEAD),
                   ("speed_lookup", SPEED_LOOKUP_HEADING, SPEED_LOOKUP_LEAD),
                   ("speed_seeds", SPEED_SEEDS_HEADING, SPEED_SEEDS_LEAD),
-                  ("speed_prompt", SPEED_PROMPT_HEADING, SPEED_PROMPT_LEAD))))
+                  ("speed_prompt", SPEED_PROMPT_HEADING, SPEED_PROMPT_LEAD),
+                  ("speed_rounds", SPEED_ROUNDS_HEADING, SPEED_ROUNDS_LEAD))))
 LATEST_SPEED = 1
 
 
@@ -1631,7 +1640,8 @@ def standing_section() -> list[str]:
                  for t, (res, _) in runs.items()}
         out += ["### One request at a time", "",
                 "The tokens/s of `default` (what `verispec generate` does with no options) over each one's, on the "
-                "same Spec-Bench prompts (3 questions of each of 6 categories, 128 new tokens):", "",
+                "same Spec-Bench prompts (3 questions of each of 6 categories, 128 new tokens; each seed a round, "
+                "the methods' order reversed every other round):", "",
                 markdown(["`default` against", *[f"T = {t:g}" + (f" ({len(seeds[t])} seeds)" if len(seeds[t]) > 1
                                                                    else "") for t in runs]], body), "",
                 "From " + ("; ".join(f"T = {t:g}: {link(title)} ({_short(res)})" for t, (res, title) in runs.items())

@@ -222,6 +222,11 @@ def test_plan_runs_draft_free_methods_once_and_skips_what_hf_cannot_do(tmp_path)
     assert per_prompt == [("hf-generate", "-"), ("hf-assisted", "ngram"), ("ar", "-"), ("fixed", "ngram"),
                           ("fixed", "layerskip:2")]
     assert len(notes) == 1 and "layerskip:2" in notes[0]
+    config.seeds = [0, 1]  # every other seed a round in reverse order
+    cells, _ = plan(config, config.validate(), jsonl_problems(f))
+    second = [(c.method.name, c.draft) for c in cells if c.problem.prompt == "a" and c.seed == 1]
+    assert second == [("fixed", "ngram"), ("fixed", "layerskip:2"), ("ar", "-"), ("hf-assisted", "ngram"),
+                      ("hf-generate", "-")]
     with pytest.raises(VerispecError, match="twice"):
         BenchConfig(methods=["ar", "ar"]).validate()
 

@@ -170,7 +170,9 @@ def static_notes(config: BenchConfig) -> list[str]:
 
 def plan(config: BenchConfig, methods: list[Plan | Peer], problems: list[Problem]) -> tuple[list[Cell], list[str]]:
     """All cells, interleaved so that machine load hits the methods alike: per temperature, seed and prompt,
-    every method (with every draft it uses) in turn. Returns (cells, notes about the cells left out)."""
+    every method (with every draft it uses) in turn, in reverse order for every other seed (each seed a round: a
+    method's place in the turn, first after another prompt's last or last before the next, costs it alike in every
+    ratio). Returns (cells, notes about the cells left out)."""
     cells, notes = [], []
     kept = []
     for m in methods:
@@ -181,9 +183,9 @@ def plan(config: BenchConfig, methods: list[Plan | Peer], problems: list[Problem
         kept.append(m)
     notes += static_notes(config)
     for t in config.temperatures:
-        for seed in config.seeds:
+        for i, seed in enumerate(config.seeds):
             for prob in problems:
-                for m in kept:
+                for m in (kept if i % 2 == 0 else kept[::-1]):
                     if not m.drafts:
                         cells.append(Cell(t, seed, prob, NO_DRAFT, m))
                         continue
