@@ -1,9 +1,11 @@
 """The committed audit of the engines' speculative sampling (docs/results.md, "Engines' speculative sampling against
 the target's law"): ``verispec audit-engine`` on every engine it ships and the negative controls, then on a
-``verispec serve`` started here on 127.0.0.1 (stopped by its pid at the end), then with top-k and top-p filtering.
-Rows go to results/audit_engines/*.jsonl.gz (written as .jsonl, then gzipped). About an hour on 2 cores.
+``verispec serve`` started here on 127.0.0.1 (stopped by its pid at the end), then with top-k and top-p filtering,
+then llama-cpp-python's prompt lookup (the llama extra: ``bash scripts/install_llama.sh``) on both of
+``audit-engine``'s default prompts (its drafts need text that repeats). Rows go to results/audit_engines/*.jsonl.gz
+(written as .jsonl, then gzipped). About an hour on 2 cores.
 
-    python scripts/audit_engines.py [--samples 3000] [--serve-only] [--dtype float32]
+    python scripts/audit_engines.py [--samples 3000] [--only engines filtered serve llama] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Name an animal."
+REPEATS = "Continue the pattern: red, blue, red, blue, red,"  # text a prompt lookup drafts from
+PARTS = ("engines", "filtered", "serve", "llama")
 
 
 def cli(*args: str) -> list[str]:
@@ -36,22 +40,32 @@ def free_port() -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=3000)
-    ap.add_argument("--serve-only", action="store_true", help="only the server's rows")
+    ap.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS), help="which parts to run")
     ap.add_argument("--dtype", default="float32", help="the served target's dtype (the law is computed in the same)")
     args = ap.parse_args()
     (ROOT / "results" / "audit_engines").mkdir(parents=True, exist_ok=True)
     n = str(args.samples)
     common = ["--samples", n, "--prompt", PROMPT, "--threads", "2"]
-    if not args.serve_only:
+    if "engines" in args.only:
         subprocess.run(cli("audit-engine", "verispec", "verispec-int8", "verispec-batch", "hf-assisted", "hf-lookup",
                            "--controls", *common, "--out", "results/audit_engines/engines.jsonl"), cwd=ROOT, check=False)
+    if "filtered" in args.only:
         subprocess.run(cli("audit-engine", "verispec", "hf-assisted", "--temperatures", "1", "--top-k", "20", "--top-p",
                            "0.9", *common, "--out", "results/audit_engines/filtered.jsonl"), cwd=ROOT, check=False)
+    if "llama" in args.only:
+        subprocess.run(cli("audit-engine", "llama-cpp-lookup", "--samples", n, "--prompt", PROMPT, "--prompt", REPEATS,
+                           "--threads", "2", "--out", "results/audit_engines/llama.jsonl"), cwd=ROOT, check=False)
+    if "serve" in args.only:
+        serve(n, args.dtype)
+
+
+def serve(n: str, dtype: str) -> None:
+    """The server's rows: a ``verispec serve`` started here, audited over HTTP, stopped by its pid."""
     port = free_port()
     # a fixed chain of 3: at 8 requests at once the load-aware plan drafts almost nothing (0.04-0.05 tokens a sample
     # measured), and a server that does not speculate tests nothing of its speculative sampling
     server = subprocess.Popen(cli("serve", "--host", "127.0.0.1", "--port", str(port), "--threads", "2", "--dtype",
-                                  args.dtype, "--policy", "fixed", "--tree", "chain:3"), cwd=ROOT,
+                                  dtype, "--policy", "fixed", "--tree", "chain:3"), cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 600
@@ -68,7 +82,7 @@ def main() -> None:
         else:
             raise SystemExit("the server was not ready in 10 minutes")
         subprocess.run(cli("audit-engine", "verispec-serve", "--url", f"http://127.0.0.1:{port}", "--samples", n,
-                           "--prompt", PROMPT, "--threads", "1", "--dtype", args.dtype,
+                           "--prompt", PROMPT, "--threads", "1", "--dtype", dtype,
                            "--out", "results/audit_engines/serve.jsonl"), cwd=ROOT, check=False)
     finally:
         if server.poll() is None:

@@ -1846,7 +1846,7 @@ def claims_section() -> list[str]:
             markdown(["rule", "claim", "verispec's computation", "verdict"], rows), ""]
 
 
-AUDIT_ENGINES = ("engines", "filtered", "serve")  # results/audit_engines/NAME.jsonl.gz, in order
+AUDIT_ENGINES = ("engines", "filtered", "serve", "llama")  # results/audit_engines/NAME.jsonl.gz, in order
 
 
 def audit_rows(name: str) -> list[dict]:
@@ -1883,8 +1883,10 @@ def audit_engines_section() -> list[str]:
             f"Made by `python scripts/audit_engines.py`, which ran {made}.", "",
             "`verispec audit-engine` (docs/audit-engine.md): the first 2 tokens after the prompt, drawn N times with "
             "seeds 0 .. N-1 from each engine with its speculation on, against the exact law of those tokens from the "
-            "same target's logits by teacher forcing (SmolLM2-135M-Instruct, float32; the prompt 'Name an animal.' "
-            "through its chat template). Chi-square over the outcomes expected 5 times or more, the rest merged; a "
+            "same target's logits by teacher forcing (SmolLM2-135M-Instruct, float32; for llama-cpp-lookup the Q4_1 "
+            "GGUF file llama.cpp runs, a target of its own, its logits from llama.cpp itself; prompt 0 is 'Name an "
+            "animal.', prompt 1 'Continue the pattern: red, blue, red, blue, red,', a text prompt lookup drafts "
+            "from, each through the chat template). Chi-square over the outcomes expected 5 times or more, the rest merged; a "
             "law differs at p < 0.001. TV: the sample's total variation from the law over those cells, and the 95 % "
             "percentile interval of that estimate under resampling; the estimate is biased upward, by about "
             "sqrt(cells / N), so an exact engine's rows sit near 0.04 and the interval lies above the estimate "
@@ -1892,8 +1894,10 @@ def audit_engines_section() -> list[str]:
             "least sharpening of the law that the same test rejects in 80 % of simulations at this N. Rows marked "
             "ctl- are negative controls, samplers wrong on purpose, which the report must flag (the temperature "
             "applied twice is no fault at T = 1, so it runs at 0.6 only). N is "
-            f"{', '.join(sorted({f'{c.samples:,}' for c in checks}))} per row, below the 5,000 aimed at: the "
-            "whole audit took about an hour on 2 cores.", "",
+            f"{' or '.join(f'{n:,}' for n in sorted({c.samples for c in checks}))} per row"
+            + (": rows under the 5,000 aimed at are those of engines too slow for it here (the verispec and Hugging "
+               "Face rows took about an hour together on 2 cores)." if min(c.samples for c in checks) < 5000 else ".")
+            + "", "",
             format_checks(checks), "",
             f"Verdict: {len(engines) - len(differ)} of {len(engines)} engine rows keep the target's law "
             + (f"({', '.join(sorted({c.engine for c in differ}))} differ)" if differ else "(none differs)")

@@ -3,6 +3,7 @@ on a tiny model, with the negative controls that must be flagged."""
 
 from __future__ import annotations
 
+import importlib.util
 import random
 from collections import Counter
 
@@ -101,3 +102,28 @@ def test_verispecs_own_engine_batch_and_server_keep_the_law_and_the_controls_are
         ids = list(b"abcabcabcab")
         row = check_engine(served, ids, 1, 1500, Sampling(1.0), floor=1e-4)
     assert not row.differs and row.drafted > 0 and row.cells > 50, row
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed (the "
+                    "optional extra: bash scripts/install_llama.sh; then .venv/bin/python -m pytest -q "
+                    "tests/test_audit_engine.py -k llama)")
+def test_llama_cpp_prompt_lookup_keeps_its_own_models_law():
+    """llama-cpp-python's prompt-lookup speculative decoding of the default model's GGUF file, on a prompt whose text
+    it drafts from, keeps the law of that model's own logits (read from llama.cpp by teacher forcing), while its
+    drafts are used; runs checked against a law at half the temperature are flagged."""
+    from verispec import load
+    from verispec.audit.adapters import LlamaCppAdapter
+
+    target = load("smollm2-135m", dtype="float32")
+    adapter = LlamaCppAdapter(target)
+    prompt = target.encode_prompt("red, blue, green, red, blue, green, red, blue, green, red,", chat=False)
+    row = check_engine(adapter, prompt, 2, 600, Sampling(1.0))
+    assert not row.differs and row.drafted > 1 and row.cells >= 3, row
+
+    class HalfTemperatureLaw(LlamaCppAdapter):
+        def next_logits(self, prompt, prefixes):
+            return super().next_logits(prompt, prefixes) * 2  # the law at T / 2: the runs' law is not this one
+
+    spread = target.encode_prompt("Name an animal.")  # many first tokens: a sharper law is far from the runs'
+    assert check_engine(HalfTemperatureLaw(target), spread, 2, 600, Sampling(1.0), control=True).differs

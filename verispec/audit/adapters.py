@@ -1,7 +1,8 @@
 """The engines ``verispec audit-engine`` can sample here, and the negative controls (samplers wrong on purpose).
 
 Each is an ``engines.EngineAdapter``; ``ENGINES`` names them for the command line (``verispec-serve``, which needs a
-running server's URL, is built by the command itself). llama.cpp's engines have no adapter yet.
+running server's URL, is built by the command itself). ``llama-server`` with a draft model (``-md``) has no adapter
+yet.
 """
 
 from __future__ import annotations
@@ -112,6 +113,76 @@ class HFAssistedAdapter(EngineAdapter):
         return hf_logits(self.target.hf, prompt, prefixes)
 
 
+class _CountedDraft:
+    """A llama-cpp-python draft model that counts the tokens it proposes."""
+
+    def __init__(self, inner):
+        self.inner, self.drafted = inner, 0
+
+    def __call__(self, input_ids, *args, **kwargs):
+        out = self.inner(input_ids, *args, **kwargs)
+        self.drafted += len(out)
+        return out
+
+
+class LlamaCppAdapter(EngineAdapter):
+    """llama-cpp-python decoding the target's GGUF file with its prompt-lookup speculative decoding (``lookup`` tokens
+    proposed a step; its sampler draws each position and keeps a draft token while the draw equals it). The law comes
+    from the same llama.cpp model's own logits, by teacher forcing: the quantised model llama.cpp runs is a target of
+    its own, not the float32 model's."""
+
+    def __init__(self, target, lookup: int | None = None, name: str = "llama-cpp-lookup", note: str = ""):
+        from ..bench.peers import HF_LOOKUP_TOKENS, gguf_path, llama_available  # noqa: PLC0415
+        from ..errors import VerispecError  # noqa: PLC0415
+
+        if not llama_available():
+            raise VerispecError("llama-cpp-lookup needs llama-cpp-python: bash scripts/install_llama.sh")
+        self.path = gguf_path(target.name)
+        if self.path is None:
+            raise VerispecError(f"llama-cpp-lookup needs a GGUF target (a built-in alias), not {target.name!r}")
+        self.target, self.lookup, self.name = target, lookup or HF_LOOKUP_TOKENS, name
+        self.note = note or f"prompt lookup of {self.lookup} tokens on {self.path.rsplit('/', 1)[-1]}"
+        self._llm = None
+        self.eos = frozenset(target.eos_token_ids)  # the same vocabulary: the run stops on the ids the law ends on
+
+    def _model(self):
+        if self._llm is None:
+            import llama_cpp  # noqa: PLC0415 - the optional [llama] extra
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding  # noqa: PLC0415
+
+            # a draft makes llama-cpp-python keep every position's logits: logits_all, as bench.peers explains
+            self._llm = llama_cpp.Llama(model_path=self.path, n_ctx=1024, n_threads=torch.get_num_threads(),
+                                        n_threads_batch=torch.get_num_threads(), verbose=False, logits_all=True,
+                                        draft_model=_CountedDraft(LlamaPromptLookupDecoding(
+                                            num_pred_tokens=self.lookup)))
+        return self._llm
+
+    def sample(self, prompt, k, seed, sampling):
+        llm = self._model()
+        before = llm.draft_model.drafted
+        llm.reset()
+        llm.set_seed(seed)
+        out = []
+        for tok in llm.generate(list(prompt), temp=float(sampling.temperature), top_k=sampling.top_k,
+                                top_p=sampling.top_p, min_p=0.0, typical_p=1.0, repeat_penalty=1.0, reset=True):
+            out.append(int(tok))
+            if int(tok) in self.eos or len(out) >= k:
+                break
+        return out, llm.draft_model.drafted - before
+
+    def next_logits(self, prompt, prefixes):
+        llm = self._model()
+        llm.reset()
+        llm.eval(list(prompt))
+        base, rows = llm.n_tokens, []
+        for p in prefixes:
+            llm.n_tokens = base  # the prompt's cache is kept; eval drops what lies past it
+            if p:
+                llm.eval(list(p))
+            rows.append(torch.tensor(llm.scores[llm.n_tokens - 1], dtype=torch.float32))
+        return torch.stack(rows)
+
+
 @dataclass(frozen=True)
 class EngineEntry:
     name: str
@@ -134,6 +205,9 @@ def _entries() -> dict[str, EngineEntry]:
                     "assistant model", lambda t: HFAssistedAdapter(t, "int8", "hf-assisted")),
         EngineEntry("hf-lookup", "Hugging Face assisted generation with prompt lookup",
                     lambda t: HFAssistedAdapter(t, "lookup", "hf-lookup")),
+        EngineEntry("llama-cpp-lookup", "llama-cpp-python's prompt-lookup speculative decoding of the target's GGUF "
+                    "file (10 tokens a step), the law from that quantised model's own logits (the llama extra: bash "
+                    "scripts/install_llama.sh)", lambda t: LlamaCppAdapter(t)),
         EngineEntry("ctl-resispec", "negative control: verispec's loop verifying with resispec (ResiSpec as "
                     "published: its residual depends on the rejected candidate) on 2 i.i.d. candidates a node from "
                     "the shipped head", lambda t: VerispecAdapter(t, draft="eagle", verifier="resispec", tree="2x2",
