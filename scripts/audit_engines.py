@@ -2,7 +2,7 @@
 the target's law"): ``verispec audit-engine`` on every engine it ships and the negative controls, then on a
 ``verispec serve`` started here on 127.0.0.1 (stopped by its pid at the end), then with top-k and top-p filtering,
 then llama-cpp-python's prompt lookup (the llama extra: ``bash scripts/install_llama.sh``) on both of
-``audit-engine``'s default prompts (its drafts need text that repeats). Rows go to results/audit_engines/*.jsonl.gz
+``audit-engine``'s default prompts and a plain text that repeats (through the chat template it rarely drafts). Rows go to results/audit_engines/*.jsonl.gz
 (written as .jsonl, then gzipped). About an hour on 2 cores.
 
     python scripts/audit_engines.py [--samples 3000] [--only engines filtered serve llama] [--dtype float32]
@@ -23,7 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Name an animal."
-REPEATS = "Continue the pattern: red, blue, red, blue, red,"  # text a prompt lookup drafts from
+REPEATS = "Continue the pattern: red, blue, red, blue, red,"
+TEXT = "red, blue, green, red, blue, green, red, blue, green, red,"  # plain text, no chat template: lookup drafts here
 PARTS = ("engines", "filtered", "serve", "llama")
 
 
@@ -54,7 +55,8 @@ def main() -> None:
                            "0.9", *common, "--out", "results/audit_engines/filtered.jsonl"), cwd=ROOT, check=False)
     if "llama" in args.only:
         subprocess.run(cli("audit-engine", "llama-cpp-lookup", "--samples", n, "--prompt", PROMPT, "--prompt", REPEATS,
-                           "--threads", "2", "--out", "results/audit_engines/llama.jsonl"), cwd=ROOT, check=False)
+                           "--text", TEXT, "--threads", "2", "--out", "results/audit_engines/llama.jsonl"), cwd=ROOT,
+                       check=False)
     if "serve" in args.only:
         serve(n, args.dtype)
 

@@ -643,7 +643,11 @@ def _add_audit_engine(sub):
     a.add_argument("--top-k", type=int, default=0, help="top-k filtering of every run and of the law (0: off)")
     a.add_argument("--top-p", type=float, default=1.0, help="nucleus filtering of every run and of the law (1: off)")
     a.add_argument("--prompt", action="append", default=None,
-                   help="a user message (repeatable; default: " + " / ".join(repr(p) for p in AUDIT_PROMPTS) + ")")
+                   help="a user message (repeatable; default, unless --text is given: "
+                        + " / ".join(repr(p) for p in AUDIT_PROMPTS) + ")")
+    a.add_argument("--text", action="append", default=None,
+                   help="a plain text prompt, without the chat template, after the --prompt ones (repeatable; prompt "
+                        "lookup drafts most where the text repeats)")
     a.add_argument("--target", default="smollm2-135m", help="the target model")
     a.add_argument("--dtype", default="float32", help="what the target computes in (float32, bfloat16, auto); for "
                    "verispec-serve, the server's own --dtype: the law must come from the target it serves")
@@ -682,7 +686,8 @@ def cmd_audit_engine(args) -> int:
         out.write_text("")
     _set_threads(args)
     target = load(args.target, dtype=args.dtype)
-    prompts = [target.encode_prompt(p) for p in (args.prompt or AUDIT_PROMPTS)]
+    chats = args.prompt or ([] if args.text else list(AUDIT_PROMPTS))
+    prompts = [target.encode_prompt(p) for p in chats] + [target.encode_prompt(t, chat=False) for t in args.text or []]
     info = _info(args)
     rows = []
     for name in wanted:
