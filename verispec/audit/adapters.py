@@ -147,26 +147,24 @@ class LlamaCppAdapter(EngineAdapter):
 
     def _model(self):
         if self._llm is None:
-            import llama_cpp  # noqa: PLC0415 - the optional [llama] extra
-            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding  # noqa: PLC0415
+            from ..bench.peers import llama_model, lookup_draft  # noqa: PLC0415
 
-            # a draft makes llama-cpp-python keep every position's logits: logits_all, as bench.peers explains
-            self._llm = llama_cpp.Llama(model_path=self.path, n_ctx=1024, n_threads=torch.get_num_threads(),
-                                        n_threads_batch=torch.get_num_threads(), verbose=False, logits_all=True,
-                                        draft_model=_CountedDraft(LlamaPromptLookupDecoding(
-                                            num_pred_tokens=self.lookup)))
+            # flash attention off, as the committed audit rows ran
+            self._llm = llama_model(self.path, 1024, torch.get_num_threads(), _CountedDraft(lookup_draft(self.lookup)),
+                                    flash_attn=False)
         return self._llm
 
     def sample(self, prompt, k, seed, sampling):
+        from ..bench.peers import llama_tokens  # noqa: PLC0415
+
         llm = self._model()
         before = llm.draft_model.drafted
         llm.set_seed(seed)  # no reset: generate keeps the prompt's cache from the last run (15 against 103 ms a run
         # here, the same tokens for the same seeds)
         out = []
-        for tok in llm.generate(list(prompt), temp=float(sampling.temperature), top_k=sampling.top_k,
-                                top_p=sampling.top_p, min_p=0.0, typical_p=1.0, repeat_penalty=1.0, reset=True):
-            out.append(int(tok))
-            if int(tok) in self.eos or len(out) >= k:
+        for tok in llama_tokens(llm, prompt, sampling.temperature, sampling.top_k, sampling.top_p):
+            out.append(tok)
+            if tok in self.eos or len(out) >= k:
                 break
         return out, llm.draft_model.drafted - before
 

@@ -147,6 +147,34 @@ def llama_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
+def lookup_draft(tokens: int):
+    """llama-cpp-python's own prompt-lookup draft model, proposing ``tokens`` tokens a step."""
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding  # noqa: PLC0415 - the optional [llama] extra
+
+    return LlamaPromptLookupDecoding(num_pred_tokens=tokens)
+
+
+def llama_model(path: str, n_ctx: int, threads: int, draft=None, flash_attn: bool = True):
+    """A llama-cpp-python model of the GGUF file ``path``, speculating with ``draft`` (a llama-cpp-python draft model)
+    if given. A draft makes llama-cpp-python keep logits for every position, but it sizes its score buffer from the
+    logits_all argument (n_batch rows otherwise): a prompt past n_batch tokens then fails to broadcast. So
+    logits_all=True with a draft."""
+    check_engine(path)
+    import llama_cpp  # noqa: PLC0415 - the optional [llama] extra
+
+    return llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False,
+                           draft_model=draft, logits_all=draft is not None, flash_attn=flash_attn)
+
+
+def llama_tokens(llm, prompt_ids: list[int], temperature: float, top_k: int = 0, top_p: float = 1.0):
+    """The tokens llama-cpp-python samples after ``prompt_ids`` (its cache of a common prefix kept), one at a time, as
+    ints; sampling matched to verispec's: temperature, top-k and top-p as given, min-p, typical-p and the repetition
+    penalty off."""
+    for tok in llm.generate(list(prompt_ids), temp=float(temperature), top_k=top_k, top_p=top_p, min_p=0.0,
+                            typical_p=1.0, repeat_penalty=1.0, reset=True):
+        yield int(tok)
+
+
 def llama_generate(target_spec: str, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int = 0,
                    lookup: int | None = None, threads: int | None = None) -> PeerResult:
     """llama.cpp's own decoding of the target's GGUF file (``llama-cpp-python``): plain, or with its prompt-lookup
@@ -160,9 +188,8 @@ def llama_generate(target_spec: str, prompt_ids: list[int], max_new_tokens: int,
         raise VerispecError(f"the llama-cpp peers need a GGUF target (a built-in alias or a .gguf file), not "
                             f"{target_spec!r}")
     threads = threads or torch.get_num_threads()
-    # A draft model makes llama-cpp-python keep logits for every position, but it sizes its score buffer from the
-    # logits_all argument (n_batch rows otherwise): a prompt past n_batch tokens then fails to broadcast. Pass
-    # logits_all=True with a draft, and keep the context (n_ctx x vocabulary floats) as short as the request allows.
+    # with a draft every position's logits are kept (``llama_model``): the context (n_ctx x vocabulary floats) as
+    # short as the request allows
     n_ctx = 8192
     if lookup:
         n_ctx = 1024
@@ -170,28 +197,19 @@ def llama_generate(target_spec: str, prompt_ids: list[int], max_new_tokens: int,
             n_ctx *= 2
     key = (path, lookup, threads, n_ctx)
     if key not in _LLAMAS:
-        check_engine(path)
-        import llama_cpp  # noqa: PLC0415 - the optional [llama] extra
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding  # noqa: PLC0415 - the optional [llama] extra
-
-        draft = None
-        if lookup:
-            draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup)
         for old in [k for k in _LLAMAS if k[:3] == key[:3]]:  # one context per file and mode: free the old size
             del _LLAMAS[old]
-        _LLAMAS[key] = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                                       verbose=False, draft_model=draft, logits_all=bool(lookup), flash_attn=True)
+        _LLAMAS[key] = llama_model(path, n_ctx, threads, lookup_draft(lookup) if lookup else None)
     llm = _LLAMAS[key]
     eos = llm.token_eos()
     llm.reset()
     llm.set_seed(seed)
     out, first = [], None
     t = time.perf_counter()
-    for tok in llm.generate(prompt_ids, temp=float(temperature), top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0,
-                            repeat_penalty=1.0, reset=True):
+    for tok in llama_tokens(llm, prompt_ids, temperature):
         if first is None:
             first = time.perf_counter() - t
-        out.append(int(tok))
+        out.append(tok)
         if tok == eos or len(out) >= max_new_tokens:
             break
     wall = time.perf_counter() - t
