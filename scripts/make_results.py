@@ -1748,7 +1748,7 @@ def never_lose() -> list[dict]:
     from verispec.audit.run import never_lose_rows
     from verispec.verifiers import VERIFIERS
 
-    specs = [s for s in VERIFIERS.values() if s.exact and s.node_rule and (s.children or "iid") == "iid"
+    specs = [s for s in VERIFIERS.values() if s.exact and s.node_rule and s.default_children == "iid"
              and not s.greedy_only]
     return never_lose_rows(specs, cases=100, seed=0)
 

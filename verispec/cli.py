@@ -25,7 +25,9 @@ from tqdm import tqdm
 from .audit.controls import NEGATIVE_CONTROLS
 from .audit.distortion import distortion_report, format_distortion, format_nll
 from .audit.montecarlo import format_monte_carlo, monte_carlo_report
-from .audit.run import CHAIN_RULES, audit, chain_optimum_table, format_table, never_lose_table
+from .audit.run import (
+    CHAIN_RULES, audit, chain_optimum_table, format_pairs, format_table, never_lose_table, pair_rows,
+)
 from .backends import DTYPES, default_threads, load
 from .bench import QUICK, BenchConfig, Results, run_bench
 from .bench.agreement import agreement_report, format_agreement
@@ -46,7 +48,7 @@ from .probs import DEFAULT_TEMPERATURE, Sampling
 from .serve import ServiceRecipe, bind
 from .serve import run as run_server
 from .tree import MAX_NODES
-from .tune import tune_tree
+from .tune import VERIFIER_FOR, tune_tree
 from .verifiers import VERIFIERS, get_verifier
 from .version import __version__
 
@@ -119,8 +121,9 @@ def _recipe_args(g, dtype: str = "float32") -> None:
                         + "; ".join(f"{k}: {v}" for k, v in POLICIES.items()))
     g.add_argument("--tree", default=None, help=TREE_HELP + " (default: the method's)")
     g.add_argument("--children", default=None, choices=CHILD_MODES,
-                   help="how the children of a tree node are drawn: i.i.d. from q, without replacement, or the top-k "
-                        "(default: what the verifier needs; iid for verifiers that take any)")
+                   help="how the children of a tree node are drawn: i.i.d. from q, without replacement, the top-k, "
+                        "or SpecHub's pairs through q's top token (hub: at most 2 a node) (default: what the verifier "
+                        "needs; iid for verifiers that take any)")
     g.add_argument("--dtype", default=dtype, choices=DTYPES,
                    help=f"what the model computes in (default {dtype}; auto: bfloat16 where the CPU has bfloat16 "
                         "arithmetic, AVX512-BF16 or AMX, else float32; bfloat16 pays from a few sequences at once, "
@@ -335,15 +338,18 @@ def cmd_audit(args) -> int:
     print(json.dumps([r.as_dict() for r in rows]) if args.json else format_table(rows))
     if not args.json:
         print("\nAgainst specinfer, node by node (exact i.i.d.-children rules on random small (p, q, k)):\n")
-        print(never_lose_table([s for s in specs if s.exact and (s.children or "iid") == "iid" and s.node_rule],
+        print(never_lose_table([s for s in specs if s.exact and s.default_children == "iid" and s.node_rule],
                                cases=max(args.cases, 50), seed=args.seed))
+        if any(s.name == "spechub" for s in specs):
+            print("\nTwo candidates a node, each rule with its own children (SpecHub's pairs through the hub):\n")
+            print(format_pairs(pair_rows(cases=max(args.cases, 50), seed=args.seed)))
         chains = [s for s in specs if s.name in CHAIN_RULES]
         if chains and any(s.name == "block" for s in specs):
             print("\nOn chains, against block verification (the most an exact rule keeps from one chain):\n")
             print(chain_optimum_table(chains, cases=max(args.cases, 40), seed=args.seed))
     failed = [r.verifier for r in rows if r.verdict.startswith("FAIL")]
     if args.montecarlo > 0:
-        failed += _audit_montecarlo(args, [s for s in specs if s.node_rule is not None and (s.children or "iid") == "iid"
+        failed += _audit_montecarlo(args, [s for s in specs if s.node_rule is not None and s.default_children == "iid"
                                            and not s.greedy_only])
     return 1 if failed else 0
 
@@ -783,7 +789,7 @@ def _add_tune_tree(sub):
                    help="engine computing the target: Hugging Face transformers, or llama.cpp on the GGUF file")
     t.add_argument("--draft", default="eagle", help="the draft: " + draft_help())
     t.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the acceptance runs")
-    t.add_argument("--children", default="iid", choices=CHILD_MODES, help="how children are drawn")
+    t.add_argument("--children", default="iid", choices=tuple(VERIFIER_FOR), help="how children are drawn")
     t.add_argument("--prompts", type=int, default=6,
                    help="Spec-Bench prompts to measure acceptance on (each category's last questions, so that the "
                         "first ones, which the benchmarks use, stay unseen)")

@@ -152,7 +152,7 @@ def resolve(method: str | None = None, *, verifier: str | VerifierSpec | None = 
     chosen_policy = policy if policy is not None else row.policy
     if isinstance(chosen_policy, str):
         get_policy(chosen_policy)  # fails early on a bad policy
-    child = children or spec.children or "iid"
+    child = children or spec.default_children
     check(spec, parsed, child, chosen_policy if isinstance(chosen_policy, str) else chosen_policy.name, temperature)
     return Plan(name, spec, chosen_policy, chosen_tree, child)
 

@@ -181,6 +181,11 @@ class Tree:
     def is_chain(self) -> bool:
         return all(len(c) <= 1 for c in self.children)
 
+    @property
+    def branching(self) -> int:
+        """The most children any node has (0 for a root alone)."""
+        return max(len(c) for c in self.children)
+
     @cached_property
     def paths(self) -> tuple[tuple[int, ...], ...]:
         """Root-to-leaf node lists, excluding the root (a root-only tree has one empty path)."""

@@ -52,7 +52,7 @@ def main() -> None:
         t_fwd = statistics.median(fwd)
         p = logits_to_probs(logits, sampling)
         for spec in VERIFIERS.values():
-            if spec.greedy_only or (spec.chain_only and not draft.tree.is_chain) or (spec.children or "iid") != mode:
+            if spec.greedy_only or (spec.chain_only and not draft.tree.is_chain) or spec.default_children != mode:
                 continue
             times = []
             for r in range(args.repeats):

@@ -56,7 +56,7 @@ def tuple_law(rule, p: torch.Tensor, q: torch.Tensor, xs: tuple[int, ...], child
 def monte_carlo_node(spec: VerifierSpec, p: torch.Tensor, q: torch.Tensor, k: int, n_draws: int = 1_000_000,
                      seed: int = 0, z: float = 4.0) -> MonteCarloResult:
     """Estimate the law of the token a node with k i.i.d. children emits under ``spec``; compare with ``p``."""
-    if spec.node_rule is None or (spec.children or "iid") != "iid":
+    if spec.node_rule is None or spec.default_children != "iid":
         raise ValueError(f"{spec.name}: the Monte Carlo check covers node rules over i.i.d. children")
     p, q = p.double(), q.double()
     gen = torch.Generator().manual_seed(seed)

@@ -21,12 +21,56 @@ def alpha_star_iid(p: torch.Tensor, q: torch.Tensor, k: int) -> float:
     return 1.0 - max(0.0, float(gap.max()))
 
 
+def alpha_star_hub(p: torch.Tensor, q: torch.Tensor) -> float:
+    """The best acceptance any exact rule has with SpecHub's pairs (``drafters.base.hub_pair``): every pair holds the
+    hub ``a``, and ``{i, a}`` has mass ``m(i) = q(i) (1 + q(a) / sum_{j != a} q(j))``. A max-flow min-cut over sets H of
+    tokens (cost ``p(H)`` plus the pairs not inside H) gives ``min(1, 1 + p(a) - sum_{i != a} (m(i) - p(i))_+)``:
+    each ``i`` only by its own pair, the hub by what the pairs have left."""
+    p, q = p.double(), q.double()
+    a = int(torch.argmax(q))
+    off = q.clone()
+    off[a] = 0
+    if float(off.sum()) <= 0:  # q all on the hub: one candidate
+        return min(float(p[a]), 1.0)
+    m = off * (1 + q[a] / off.sum())
+    spare = (m - p).clamp_min(0)
+    spare[a] = 0
+    return min(1.0, 1.0 + float(p[a]) - float(spare.sum()))
+
+
 def sequential_acceptance(p: torch.Tensor, q: torch.Tensor, k: int, reserve: bool) -> float:
     """Exact acceptance of ``specinfer`` (``reserve=False``) or ``reserve`` at a node with k i.i.d. children.
 
     Both rules' targets after a rejection do not depend on the rejected token, so a node's whole plan, and its
     acceptance, follow from ``(p, q, k)`` in one pass over the stages (``verispec.verifiers.reserve.plan_masses``)."""
     return sum(best_plan(p, q, k)[0] if reserve else plan_masses(p, q, k, 1))
+
+
+def swor_acceptance_k2(p: torch.Tensor, q: torch.Tensor) -> float:
+    """Acceptance of ``swor`` at a node with 2 children drawn without replacement, in O(V log V).
+
+    Stage 1 accepts ``sum min(p, q)``. A first token y is refused with mass ``(q - p)_+(y)``; the target is then
+    ``r = norm((p - q)_+)``, positive only where ``p > q`` (never at y), and the second candidate has law
+    ``q / (1 - q(y))`` off y, so stage 2 adds ``sum_y (q - p)_+(y) f(1 / (1 - q(y)))`` with
+    ``f(c) = sum_z min(r(z), c q(z))``, read off the ratios ``r / q`` sorted once."""
+    p, q = p.double(), q.double()
+    first = float(torch.minimum(p, q).sum())
+    gain = (p - q).clamp_min(0)
+    refused = (q - p).clamp_min(0)
+    if float(gain.sum()) <= 0 or float(refused.sum()) <= 0 or int((q > 0).sum()) < 2:  # no second stage
+        return first
+    r = gain / gain.sum()
+    z = torch.nonzero(gain > 0).flatten()
+    ratio, order = torch.sort(r[z] / q[z].clamp_min(1e-300))
+    rs, qs = r[z][order], q[z][order]
+    r_below = torch.cat([torch.zeros(1, dtype=p.dtype), torch.cumsum(rs, 0)])  # r of the first j ratios
+    q_above = torch.flip(torch.cumsum(torch.flip(qs, [0]), 0), [0])
+    q_above = torch.cat([q_above, torch.zeros(1, dtype=p.dtype)])  # q from the j-th ratio on
+    y = torch.nonzero(refused > 0).flatten()
+    c = 1 / (1 - q[y]).clamp_min(1e-300)
+    j = torch.searchsorted(ratio, c, right=True)  # ratios <= c give r(z), the others c q(z)
+    f = (r_below[j] + c * q_above[j]).clamp_max(1.0)
+    return first + float((refused[y] * f).sum())
 
 
 def ordered_acceptance_k2(p: torch.Tensor, q: torch.Tensor, chunk: int = 256, slack: float = 0.0) -> float:

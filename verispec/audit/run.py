@@ -8,12 +8,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..drafters.base import CHILD_MODES
 from ..tree import Tree
 from ..verifiers import get_verifier
 from ..verifiers.base import VerifierSpec
 from .law import node_acceptance, random_tables, target_law, tv_and_kl, verifier_law
-from .optimum import alpha_star_iid
+from .optimum import alpha_star_hub, alpha_star_iid
 
 TREE_SHAPES = [  # depth <= 3, branching <= 3
     Tree.complete(2, 1), Tree.complete(3, 1), Tree.from_branching([2, 1]), Tree.from_branching([1, 2]),
@@ -21,6 +20,7 @@ TREE_SHAPES = [  # depth <= 3, branching <= 3
     Tree.from_paths([(0,), (1,), (2,), (0, 0), (0, 1)]), Tree.from_branching([1, 1, 2]),
 ]
 CHAIN_SHAPES = [Tree.chain(1), Tree.chain(2), Tree.chain(3)]
+PAIR_SHAPES = [t for t in TREE_SHAPES if t.branching <= 2]  # for the hub child mode's pairs
 
 
 
@@ -42,10 +42,12 @@ class AuditRow:
 def audit_case(spec: VerifierSpec, index: int, seed: int = 0):
     """One random case for ``spec``: returns (tv, kl, acceptance at the root, alpha* at the root)."""
     rnd = random.Random(seed * 100_003 + index)
-    shapes = CHAIN_SHAPES if spec.chain_only else TREE_SHAPES
+    shapes = CHAIN_SHAPES if spec.chain_only else PAIR_SHAPES if spec.children == "hub" else TREE_SHAPES
     tree = shapes[index % len(shapes)]
     vocab = rnd.choice([3, 4, 5, 6] if tree.size <= 4 else [3, 4])
-    children = spec.children or CHILD_MODES[index % len(CHILD_MODES)]
+    children = spec.modes[index % len(spec.modes)]
+    if children == "hub" and tree.branching > 2:  # hub children come in pairs
+        children = spec.default_children
     p, q = random_tables(vocab, seed * 7919 + index, concentration=rnd.choice([0.3, 0.7, 1.5]),
                          sparsity=rnd.choice([0.0, 0.0, 0.3]))
     if spec.greedy_only:
@@ -103,6 +105,59 @@ def format_table(rows: list[AuditRow]) -> str:
     return "\n".join(lines)
 
 
+def random_node(i: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The i-th seeded random node of the optimum tables: ``(p, q, k)`` over 3-5 tokens, k = 2 or 3 candidates in turn,
+    every fifth with p close to q (where residual drift is worst)."""
+    rnd = random.Random(seed * 100_003 + i)
+    vocab, k = rnd.choice([3, 4, 5]), 2 + i % 2
+    p, q = (t((0,)) for t in random_tables(vocab, seed * 7919 + i, concentration=rnd.choice([0.3, 0.7, 1.5]),
+                                             sparsity=rnd.choice([0.0, 0.0, 0.3])))
+    if i % 5 == 4:
+        p = (0.9 * q + 0.1 * p) / (0.9 * q + 0.1 * p).sum()
+    return p, q, k
+
+
+PAIR_RULES = (("specinfer", "iid"), ("reserve", "iid"), ("swor", "swor"), ("spechub", "hub"))
+
+
+def pair_rows(cases: int = 100, seed: int = 0) -> list[dict]:
+    """Two candidates a node, each rule with the children it is made for (``PAIR_RULES``), on the random nodes of
+    ``never_lose_rows`` (k = 2 for all): its exact acceptance (enumerated), its share of the best acceptance any exact
+    rule has with the same children's law (``alpha*_iid`` for i.i.d. pairs, ``alpha*_hub`` for SpecHub's; none is
+    computed here for pairs without replacement), and node by node against ``specinfer`` (i.i.d. pairs, SpecHub's
+    "RRS") and ``swor`` (its "RRS without replacement")."""
+    nodes = [random_node(i, seed)[:2] for i in range(cases)]
+    acc = {name: [node_acceptance(get_verifier(name), p, q, 2, children) for p, q in nodes]
+           for name, children in PAIR_RULES}
+    rows = []
+    for name, children in PAIR_RULES:
+        best = [alpha_star_iid(p, q, 2) if children == "iid" else alpha_star_hub(p, q) if children == "hub" else None
+                for p, q in nodes]
+        shares = [a / b if b > 1e-12 else 1.0 for a, b in zip(acc[name], best) if b is not None]
+        rows.append({"verifier": name, "children": children, "cases": cases,
+                     "mean_acceptance": sum(acc[name]) / cases,
+                     "mean_share_of_optimum": sum(shares) / len(shares) if shares else None,
+                     "worst_share_of_optimum": min(shares) if shares else None,
+                     **{f"{other}_{word}": sum(test(a, b) for a, b in zip(acc[name], acc[other]))
+                        for other in ("specinfer", "swor")
+                        for word, test in (("above", lambda a, b: a > b + 1e-9), ("below", lambda a, b: a < b - 1e-9))},
+                     "mean_gain_over_specinfer": sum(a - b for a, b in zip(acc[name], acc["specinfer"])) / cases})
+    return rows
+
+
+def format_pairs(rows: list[dict]) -> str:
+    def share(x):
+        return "-" if x is None else f"{x:.4f}"
+    lines = ["| verifier | children | nodes | mean acceptance | mean share of its children's optimum | worst share | "
+             "nodes above / below specinfer | nodes above / below swor | mean gain over specinfer |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['verifier']} | {r['children']} | {r['cases']} | {r['mean_acceptance']:.4f} | "
+              f"{share(r['mean_share_of_optimum'])} | {share(r['worst_share_of_optimum'])} | "
+              f"{r['specinfer_above']} / {r['specinfer_below']} | {r['swor_above']} / {r['swor_below']} | "
+              f"{r['mean_gain_over_specinfer']:+.4f} |" for r in rows]
+    return "\n".join(lines)
+
+
 def never_lose_rows(specs: list[VerifierSpec], cases: int = 100, seed: int = 0) -> list[dict]:
     """Per exact rule over i.i.d. children, on random small (p, q) with k = 2 and 3 candidates (exact acceptance by
     enumeration): nodes where it accepts less than ``specinfer``, nodes where k candidates accept less than k - 1,
@@ -114,12 +169,7 @@ def never_lose_rows(specs: list[VerifierSpec], cases: int = 100, seed: int = 0) 
         worse = fewer = 0
         shares = []
         for i in range(cases):
-            rnd = random.Random(seed * 100_003 + i)
-            vocab, k = rnd.choice([3, 4, 5]), 2 + i % 2
-            p, q = (t((0,)) for t in random_tables(vocab, seed * 7919 + i, concentration=rnd.choice([0.3, 0.7, 1.5]),
-                                                     sparsity=rnd.choice([0.0, 0.0, 0.3])))
-            if i % 5 == 4:  # p close to q, where residual drift is worst
-                p = (0.9 * q + 0.1 * p) / (0.9 * q + 0.1 * p).sum()
+            p, q, k = random_node(i, seed)
             key = (i, k)
             if key not in cache:
                 cache[key] = node_acceptance(base, p, q, k)

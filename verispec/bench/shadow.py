@@ -31,8 +31,9 @@ def check_shadows(names: list[str], driver: VerifierSpec, children: str,
     specs, skipped = [], []
     for name in names:
         spec = get_verifier(name)
-        if spec.children is not None and spec.children != children:
-            skipped.append(f"shadow {name!r} skipped for {driver.name!r}: it needs children drawn {spec.children!r}, "
+        if children not in spec.modes:
+            skipped.append(f"shadow {name!r} skipped for {driver.name!r}: it needs children drawn "
+                           f"{' or '.join(spec.modes)}, "
                            f"the method draws {children!r} (compare it by a run of its own)")
         elif spec.new_state is not None:
             skipped.append(f"shadow {name!r} skipped: it learns as it goes (run it as a method instead)")

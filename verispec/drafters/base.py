@@ -27,7 +27,7 @@ from ..rng import Randomness
 from ..tree import DynamicTree, Tree
 from .registry import register_draft
 
-CHILD_MODES = ("iid", "swor", "topk")
+CHILD_MODES = ("iid", "swor", "topk", "hub")
 
 
 @dataclass(frozen=True)
@@ -509,12 +509,39 @@ def _draw_children(q: torch.Tensor, logits: torch.Tensor, k: int, children: str,
             probs.append(float(law[x]))
             left[x] = 0
         return xs, probs
+    if children == "hub":
+        return hub_pair(q, k, rng)
     # topk: deterministic, from the raw logits so that it does not depend on temperature
     if k == 1:  # a row that gets children has a finite entry; argmax is its first maximum
         return [int(argmax(logits))], [1.0]
     finite = int(torch.isfinite(logits).sum())
     xs = torch.topk(logits, min(k, finite)).indices.tolist()
     return xs, [1.0] * len(xs)
+
+
+def hub_pair(q: torch.Tensor, k: int, rng: Randomness):
+    """SpecHub's two children (Sun et al. 2024): the first from ``q``; the second is the *hub* ``a`` (``q``'s first
+    maximum) unless the first is ``a``, then it is drawn from ``q`` without ``a``. Every pair holds the hub, and the
+    pair ``(i, a)`` has law ``q(i)``, ``(a, i)`` law ``q(a) q(i) / sum_{j != a} q(j)``. One child is a draw from ``q``;
+    a second is left out where ``q`` has no mass off the hub. Returns (tokens, conditional probabilities)."""
+    if k > 2:
+        raise VerispecError(f"hub children come in pairs (SpecHub): at most 2 a node, got {k}")
+    x = int(rng.categorical(q))
+    xs, probs = [x], [float(q[x])]
+    if k == 2:
+        a = int(argmax(q))
+        if x != a:
+            xs.append(a)
+            probs.append(1.0)
+        else:
+            rest = q.clone()
+            rest[a] = 0
+            if float(rest.sum()) > 0:
+                law = rest / rest.sum()
+                y = int(rng.categorical(law))
+                xs.append(y)
+                probs.append(float(law[y]))
+    return xs, probs
 
 
 class NoDrafter(Drafter):

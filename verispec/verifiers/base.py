@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..drafters.base import Draft
+from ..drafters.base import CHILD_MODES, Draft
 from ..errors import VerispecError
 from ..probs import Sampling, greedy_index, logits_to_probs, point_mass
 from ..rng import Randomness
@@ -91,7 +91,7 @@ class VerifierSpec:
     note: str  # one line: what it is, or why it is not exact
     chain_only: bool = False
     greedy_only: bool = False  # only meaningful at temperature 0
-    children: str | None = None  # the child mode it needs (None: any)
+    children: str | tuple[str, ...] | None = None  # the child mode it needs, or the modes it takes (None: any)
     node_rule: "NodeRule | None" = None  # set for verifiers that are a walk of per-node rules (the audit recurses)
     # Learning verifiers (AdaSD): ``new_state()`` makes what they learn; ``fn(draft, p, rng, state)`` only
     # reads it and returns ``Verdict.feedback``; the decoding loop then calls ``state.update(feedback)``.
@@ -102,6 +102,16 @@ class VerifierSpec:
     # computes it so, from the logits
     greedy_prefix: bool = False
     with_param: Callable[[float], "VerifierSpec"] | None = None
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The child modes it is exact with, its default first."""
+        return CHILD_MODES if self.children is None else \
+            (self.children,) if isinstance(self.children, str) else self.children
+
+    @property
+    def default_children(self) -> str:
+        return self.modes[0]
 
     def __call__(self, draft: Draft, p: torch.Tensor, rng: Randomness, state=None) -> Verdict:
         check(self, draft.tree, draft.children)  # the loop checked its plan once; a direct call is checked here
@@ -118,10 +128,13 @@ def check(verifier: VerifierSpec, tree: Tree | DynamicTree | None, children: str
     if temperature is not None and verifier.greedy_only and temperature > 0:
         raise VerispecError(f"verifier {verifier.name!r} is for temperature 0 only; got temperature {temperature}")
     drafting = tree is not None and tree.size > 1
-    if drafting and verifier.children is not None and children != verifier.children:
-        raise VerispecError(f"verifier {verifier.name!r} needs --children {verifier.children}, got {children}")
+    if drafting and children not in verifier.modes:
+        raise VerispecError(f"verifier {verifier.name!r} needs --children {' or '.join(verifier.modes)}, got {children}")
     if drafting and verifier.chain_only and not tree.is_chain:
         raise VerispecError(f"verifier {verifier.name!r} only verifies chains, not {tree.describe()}")
+    if drafting and children == "hub" and (isinstance(tree, DynamicTree) or tree.branching > 2):
+        raise VerispecError(f"hub children come in pairs (SpecHub): use a tree of at most 2 children a node, "
+                            f"not {tree.describe()}")
     if isinstance(tree, DynamicTree):
         if policy is not None and policy != "fixed":
             raise VerispecError("a dynamic tree chooses its own depth; use it with the fixed draft-length policy")
@@ -142,7 +155,8 @@ def add_verifier(spec: VerifierSpec) -> VerifierSpec:
 
 
 def register(
-    name: str, *, exact: bool, note: str, chain_only: bool = False, greedy_only: bool = False, children: str | None = None,
+    name: str, *, exact: bool, note: str, chain_only: bool = False, greedy_only: bool = False,
+    children: str | tuple[str, ...] | None = None,
     **extra,
 ):
     """Decorator registering ``fn`` under ``name``; ``extra`` sets the optional ``VerifierSpec`` fields."""

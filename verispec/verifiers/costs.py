@@ -96,7 +96,7 @@ def verify_costs(spec: VerifierSpec, sampling: Sampling, vocab: int, repeats: in
     got = cache.read("costs", entry)
     if got and "first" in got:
         return VerifyCosts(got["first"], got["further"])
-    if not measure or spec.children not in (None, "iid"):
+    if not measure or "iid" not in spec.modes:
         return None
     plain, one, deep = _timed(spec, sampling, vocab, (1, 2, DEEPEST + 1), repeats)
     out = VerifyCosts(max(one - plain, 0.0), max(deep - one, 0.0) / (DEEPEST - 1))

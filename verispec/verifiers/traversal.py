@@ -82,6 +82,7 @@ def traverse(draft, p: torch.Tensor, rng, residual_update: bool = True) -> Verdi
         removed[parent].append(int(draft.tokens[node]))
 
 
-@register("traversal", exact=True, note="traversal verification (Weng et al. 2025): leaf to root, whole sequences")
+@register("traversal", exact=True, children=("iid", "swor", "topk"),  # not exact with hub pairs (the audit shows it)
+          note="traversal verification (Weng et al. 2025): leaf to root, whole sequences")
 def traversal(draft, p, rng) -> Verdict:
     return traverse(draft, p, rng)
