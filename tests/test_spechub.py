@@ -39,8 +39,11 @@ def test_hub_pairs_always_hold_the_hub_with_specHubs_pair_law():
         assert law[pair] == pytest.approx(w, abs=1e-12)
 
 
-def test_spechub_keeps_the_target_law_on_every_pair_tree():
-    spec = get_verifier("spechub")
+@pytest.mark.parametrize("name", ["spechub", "traversal", "match"])
+def test_the_rules_that_take_hub_pairs_keep_the_target_law_on_every_pair_tree(name):
+    """``traversal`` takes any child mode: its law of a hub pair's second child is the hub after any other first
+    token, ``q`` without the hub after the hub (with ``q`` there it is biased, total variation up to 0.04)."""
+    spec = get_verifier(name)
     for i, tree in enumerate(PAIR_SHAPES * 3):
         p, q = random_tables(4, 300 + i, concentration=(0.3, 0.7, 1.5)[i % 3], sparsity=(0.0, 0.3)[i % 2])
         law = verifier_law(spec, p, q, tree, 4, children="hub", context=(0,))
@@ -102,8 +105,7 @@ def test_hub_children_come_in_pairs():
     with pytest.raises(VerispecError, match="at most 2"):
         _draw_children(q, q.log(), 3, "hub", None)
     check(get_verifier("match"), Tree.complete(2, 2), "hub")  # a rule exact whatever the children takes them
-    with pytest.raises(VerispecError, match="needs --children iid or swor or topk"):
-        check(get_verifier("traversal"), Tree.complete(2, 1), "hub")  # it is biased on hub pairs (the audit showed)
+    check(get_verifier("traversal"), Tree.complete(2, 2), "hub")
     assert resolve("default", verifier="spechub", tree="2x2").children == "hub"
 
 

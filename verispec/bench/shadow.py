@@ -32,8 +32,7 @@ def check_shadows(names: list[str], driver: VerifierSpec, children: str,
     for name in names:
         spec = get_verifier(name)
         if children not in spec.modes:
-            skipped.append(f"shadow {name!r} skipped for {driver.name!r}: it needs children drawn "
-                           f"{' or '.join(spec.modes)}, "
+            skipped.append(f"shadow {name!r} skipped for {driver.name!r}: it needs children drawn {spec.children!r}, "
                            f"the method draws {children!r} (compare it by a run of its own)")
         elif spec.new_state is not None:
             skipped.append(f"shadow {name!r} skipped: it learns as it goes (run it as a method instead)")

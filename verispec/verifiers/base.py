@@ -91,7 +91,7 @@ class VerifierSpec:
     note: str  # one line: what it is, or why it is not exact
     chain_only: bool = False
     greedy_only: bool = False  # only meaningful at temperature 0
-    children: str | tuple[str, ...] | None = None  # the child mode it needs, or the modes it takes (None: any)
+    children: str | None = None  # the child mode it needs (None: any)
     node_rule: "NodeRule | None" = None  # set for verifiers that are a walk of per-node rules (the audit recurses)
     # Learning verifiers (AdaSD): ``new_state()`` makes what they learn; ``fn(draft, p, rng, state)`` only
     # reads it and returns ``Verdict.feedback``; the decoding loop then calls ``state.update(feedback)``.
@@ -105,9 +105,8 @@ class VerifierSpec:
 
     @property
     def modes(self) -> tuple[str, ...]:
-        """The child modes it is exact with, its default first."""
-        return CHILD_MODES if self.children is None else \
-            (self.children,) if isinstance(self.children, str) else self.children
+        """The child modes it takes, its default first."""
+        return CHILD_MODES if self.children is None else (self.children,)
 
     @property
     def default_children(self) -> str:
@@ -129,7 +128,7 @@ def check(verifier: VerifierSpec, tree: Tree | DynamicTree | None, children: str
         raise VerispecError(f"verifier {verifier.name!r} is for temperature 0 only; got temperature {temperature}")
     drafting = tree is not None and tree.size > 1
     if drafting and children not in verifier.modes:
-        raise VerispecError(f"verifier {verifier.name!r} needs --children {' or '.join(verifier.modes)}, got {children}")
+        raise VerispecError(f"verifier {verifier.name!r} needs --children {verifier.children}, got {children}")
     if drafting and verifier.chain_only and not tree.is_chain:
         raise VerispecError(f"verifier {verifier.name!r} only verifies chains, not {tree.describe()}")
     if drafting and children == "hub" and (isinstance(tree, DynamicTree) or tree.branching > 2):
@@ -155,8 +154,7 @@ def add_verifier(spec: VerifierSpec) -> VerifierSpec:
 
 
 def register(
-    name: str, *, exact: bool, note: str, chain_only: bool = False, greedy_only: bool = False,
-    children: str | tuple[str, ...] | None = None,
+    name: str, *, exact: bool, note: str, chain_only: bool = False, greedy_only: bool = False, children: str | None = None,
     **extra,
 ):
     """Decorator registering ``fn`` under ``name``; ``extra`` sets the optional ``VerifierSpec`` fields."""

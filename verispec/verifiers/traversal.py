@@ -4,7 +4,8 @@ exhaustive audit checks that it is exact.
 
 Each node u carries a target law ``M_b(.|u)`` (at first the target's ``p`` after u), the law ``M_s(.|u)`` of its
 next untested child (``q`` for i.i.d. children; ``q`` without the already-tested tokens, renormalised, for children
-drawn without replacement; a point mass on that child for top-k children), and a *sequence acceptance*
+drawn without replacement; a point mass on that child for top-k children; for SpecHub's hub pairs the hub after
+any other first token, ``q`` without the hub after the hub), and a *sequence acceptance*
 ``alpha(u)``: ``alpha(root) = 1`` and, for a child c of u, ``alpha(c) = min(1, alpha(u) M_b(x_c|u) / M_s(x_c|u))`` --
 the probability of keeping the whole sequence from the root to c, as block verification computes it for a chain.
 It is computed when the walk first reaches c (with u's values at that moment) and afterwards changed only by
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from ..probs import argmax, point_mass
 from .base import Verdict, register
 
 
@@ -37,7 +39,11 @@ def _next_law(draft, node: int, tested: list[int]) -> torch.Tensor:
     q = draft.q[node]
     if draft.children == "topk":
         return torch.nn.functional.one_hot(draft.tokens[kids[len(tested)]], q.shape[-1]).to(q.dtype)
-    if draft.children == "swor" and tested:
+    if draft.children == "hub" and tested:  # SpecHub's pair: the hub after any other token, else q without the hub
+        a = int(argmax(q))
+        if tested[0] != a:
+            return point_mass(torch.tensor(a), q.shape[-1], q.dtype)
+    if draft.children in ("swor", "hub") and tested:
         left = q.clone()
         left[torch.tensor(tested)] = 0
         total = left.sum()
@@ -82,7 +88,6 @@ def traverse(draft, p: torch.Tensor, rng, residual_update: bool = True) -> Verdi
         removed[parent].append(int(draft.tokens[node]))
 
 
-@register("traversal", exact=True, children=("iid", "swor", "topk"),  # not exact with hub pairs (the audit shows it)
-          note="traversal verification (Weng et al. 2025): leaf to root, whole sequences")
+@register("traversal", exact=True, note="traversal verification (Weng et al. 2025): leaf to root, whole sequences")
 def traversal(draft, p, rng) -> Verdict:
     return traverse(draft, p, rng)
