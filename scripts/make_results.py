@@ -1351,6 +1351,19 @@ def shadow_section(res: Results) -> list[str]:
             table_shadow(rows), "", "By category:", "", table_shadow(cats), "", SHARE_HEAD, "", share_table(res), ""]
 
 
+# the rules published since traversal (issue 68) beside the older exact rules, as shadows on the same steps: a chain
+# (block verification's ground, and HSD's) and a binary tree, from the int8 draft and the shipped head
+RUNS["shadow_rules"] = ["--methods", "chain@chain:4", "specinfer@2x3", "--shadow", "specinfer", "block", "hsd",
+                        "traversal", "reserve", "match", "canonical", "--shadow-seeds", "2", "--drafts", "int8", "eagle",
+                        "--datasets", "spec-bench:summarization,qa,translation", "--limit", "4", "--temperatures", "0.6",
+                        "1.0", "--max-new-tokens", "64"]
+
+
+def shadow_rules_section(res: Results) -> list[str]:
+    return ["### The rules published since traversal, on the same steps", "", *run_lines(res), "",
+            PROSE["SHADOW_RULES 0"], "", table_shadow(shadow_summary(res)), ""]
+
+
 def trees_section(figs: Path) -> list[str]:
     """ResiSpec Table 3 and Table 5 shapes from the shadow runs over trees (the 3 x 3 width point is the shadow
     run's int8 cells: the same prompts, draft and settings)."""
@@ -1738,7 +1751,7 @@ def verify_cost_section() -> list[str]:
             f"draft of that shape over {rep['vocab']:,} tokens, and in brackets its share of the default model's "
             "forward over the same rows (one sequence, float32, 256 tokens of context: "
             + ", ".join(f"{t} {forward[t]:.1f} ms" for t in trees) + "). The rules took turns within each round; "
-            "`-`: a chain-only rule on a tree.", "",
+            "`-`: a chain-only rule on a tree, or hub pairs (two children a node) on a tree of three.", "",
             markdown(["verifier", *trees], [[rule, *(cell(rule, t) for t in trees)] for rule in rules]), ""]
 
 
@@ -1774,7 +1787,97 @@ def optimum_section() -> list[str]:
             "alpha*_iid (Hu et al. 2025) is the most any exact rule can accept there. `match` (sampler-match) is the "
             "floor; `canonical` keeps the candidate with the largest p/q, and a third candidate can lower its "
             "acceptance, which the sequential rules never do.", "", format_never_lose(never_lose()), ""] \
-        + chain_optimum_section() + claims_section()
+        + pairs_section() + chain_optimum_section() + claims_section()
+
+
+# SpecHub's pairs on the real model (issue 68): tokens a step on a binary tree of depth 3, each rule with its children
+RUNS["pairs_tree"] = ["--methods", "specinfer@2x3", "swor@2x3", "spechub@2x3", "--drafts", "int8", "eagle",
+                      "--datasets", "spec-bench", "--limit", "2", "--temperatures", "0.6", "1.0", "--max-new-tokens", "64"]
+
+
+@functools.cache
+def pair_table() -> list[dict]:
+    """Two candidates a node, each rule with its own children (computed once a render)."""
+    from verispec.audit.run import pair_rows
+
+    return pair_rows(cases=100, seed=0)
+
+
+def pairs_section() -> list[str]:
+    """SpecHub's hub pairs against i.i.d. pairs and pairs without replacement: computed on random nodes, exact on the
+    real model's nodes (results/pair_acceptance.json), and measured as tokens a step on a binary tree."""
+    from verispec.audit.run import format_pairs
+    from verispec.bench.report import markdown
+    from verispec.bench.stats import fmt
+
+    out = ["### Two candidates a node: SpecHub's pairs through the hub", "", PROSE["PAIRS_LEAD 0"], "",
+           format_pairs(pair_table()), ""]
+    real = ROOT / "results" / "pair_acceptance.json"
+    if real.exists():
+        data = json.loads(real.read_text())
+        names = ("specinfer", "swor", "spechub", "alpha*_iid", "alpha*_hub")
+        body = [[r["draft"], f"{r['temperature']:g}", str(r["positions"]), *(fmt(*r[n], ".4f") for n in names),
+                 fmt(*r["spechub - specinfer"], "+.4f"), fmt(*r["spechub - swor"], "+.4f")] for r in data["rows"]]
+        out += [PROSE["PAIRS_REAL 0"].format(source=provenance(real, "python scripts/experiments/pair_acceptance.py",
+                                                               data)), "",
+                markdown(["draft", "T", "positions", *names, "spechub - specinfer", "spechub - swor"], body), ""]
+    if path("pairs_tree").exists():
+        res = Results.load(path("pairs_tree"))
+        out += [PROSE["PAIRS_TREE 0"], "", *run_lines(res), "", markdown(
+            ["T", "draft", "verifier", "children", "tokens a step", "against specinfer (paired)"],
+            pairs_tree_rows(res)), ""]
+    return out
+
+
+def spechub_claim() -> list[str]:
+    """SpecHub's claims row: exactness and its lead over RRS, beside the audit, the node tables and the tree run."""
+    rows = {r["verifier"]: r for r in pair_table()}
+    hub = rows["spechub"]
+    text = (f"exact (the audit); it reaches the optimum of its pairs at every node (mean share "
+            f"{hub['mean_share_of_optimum']:.4f}); on 100 random nodes it accepts more than `specinfer` at "
+            f"{hub['specinfer_above']} and less at {hub['specinfer_below']}, more than `swor` at {hub['swor_above']} "
+            f"and less at {hub['swor_below']}")
+    real = ROOT / "results" / "pair_acceptance.json"
+    if real.exists():
+        gains = [r["spechub - specinfer"][0] for r in json.loads(real.read_text())["rows"]]
+        over_swor = [r["spechub - swor"][0] for r in json.loads(real.read_text())["rows"]]
+        text += (f"; on the real model's nodes {min(gains):+.3f} to {max(gains):+.3f} acceptance over `specinfer` "
+                 f"and {min(over_swor):+.3f} to {max(over_swor):+.3f} over `swor`")
+    if path("pairs_tree").exists():
+        ratios = [(r[1], r[0], r[5]) for r in pairs_tree_rows(Results.load(path("pairs_tree"))) if r[2] == "`spechub`"]
+        text += "; tokens a step on a binary tree of depth 3 against `specinfer`'s: " + ", ".join(
+            f"{v} ({d}, T = {t})" for d, t, v in ratios)
+    return ["`spechub` (Sun et al. 2024)", "exact; 0.05-0.27 more tokens a step than RRS and 0.02-0.16 more than "
+            "RRS without replacement", text,
+            PROSE["SPECHUB_VERDICT 0"]]
+
+
+def pairs_tree_rows(res: Results) -> list[list[str]]:
+    """Mean tokens a step of each rule, and its ratio to ``specinfer``'s on the same prompts (paired bootstrap)."""
+    from verispec.bench.records import cell_id
+    from verispec.bench.report import usable
+    from verispec.bench.stats import fmt, ratio_of_rates
+
+    prompts, _ = usable(res)
+    sums: dict[tuple, dict[tuple, tuple[float, int]]] = {}
+    for r in prompts:
+        c = r["cell"]
+        steps = res.steps.get(cell_id(c), [])
+        sums.setdefault((c["T"], c["draft"], c["method"]), {})[(c["seed"], c["prompt"])] = (
+            sum(s["accepted_length"] for s in steps), len(steps))
+    children = {"specinfer": "iid", "swor": "swor", "spechub": "hub"}
+    rows = []
+    for (t, draft, method), mine in sorted(sums.items(), key=lambda kv: (kv[0][0], kv[0][1],
+                                                                        list(children).index(kv[0][2].split("@")[0]))):
+        base = sums.get((t, draft, "specinfer@2x3"), {})
+        keys = [k for k in mine if k in base and mine[k][1] and base[k][1]]
+        mean = sum(mine[k][0] for k in mine) / max(1, sum(mine[k][1] for k in mine))
+        ratio = ratio_of_rates([mine[k][0] for k in keys], [mine[k][1] for k in keys], [base[k][0] for k in keys],
+                               [base[k][1] for k in keys])
+        name = method.split("@")[0]
+        rows.append([f"{t:g}", draft, f"`{name}`", children[name], f"{mean:.3f}",
+                     "-" if name == "specinfer" else fmt(*ratio, ".3f", "x")])
+    return rows
 
 
 def chain_optimum_section() -> list[str]:
@@ -1835,10 +1938,12 @@ def claims_section() -> list[str]:
         ["`resispec` (ResiSpec)", "exact (the paper proves it so) while raising acceptance over residual drift",
          "not exact: `verispec audit` flags it, and a one-candidate case shows it (docs/algorithms.md); its extra "
          "acceptance on the real model's steps (\"Verifiers on the same steps\") is that bias", "does not hold"],
-        ["GBV (Thomas and Pal 2026), UniVer (2026), SpecHub (Sun et al. 2024)",
-         "exact; +15 % throughput over multi-path methods; optimal in its class; 0.05-0.27 more tokens a step than "
-         "RRS", "not implemented: their algorithms were not at hand to this project's sessions (no network)",
-         "not measured"],
+        spechub_claim(),
+        ["GBV (Thomas and Pal 2026), UniVer (Weng et al. 2026)",
+         "exact; +15 % throughput over the best multi-path methods; optimal within its class, +4.2-8.5 % accepted "
+         "length over RRS without replacement",
+         "not implemented: only their abstracts were at hand (the stored papers and code searched hold no text of "
+         "their algorithms and no code), and an abstract does not fix a rule", "not measured"],
     ]
     return ["### Published claims against the enumeration", "",
             "Each rule's headline claim beside what verispec computes of the same quantity on the seeded random "
@@ -1970,6 +2075,8 @@ def render(figs: Path = ROOT / "docs" / "figures") -> str:
     out += head_section(figs)
     if path("shadow").exists():
         out += shadow_section(Results.load(path("shadow")))
+    if path("shadow_rules").exists():
+        out += shadow_rules_section(Results.load(path("shadow_rules")))
     out += trees_section(figs)
     out += optimum_section()
     out += audit_engines_section()

@@ -38,7 +38,8 @@ from verispec.verifiers.base import step_verdict  # noqa: E402
 
 RULES = {  # rule -> its child mode
     "chain": "iid", "block": "iid", "specinfer": "iid", "swor": "swor", "topk": "topk", "reserve": "iid",
-    "ordered": "iid", "traversal": "iid", "canonical": "iid", "match": "iid", "resispec": "iid"}
+    "ordered": "iid", "traversal": "iid", "canonical": "iid", "match": "iid", "spechub": "hub", "hsd": "iid",
+    "resispec": "iid"}
 TREES = ["chain:4", "2x2", "3x2"]
 
 
@@ -69,7 +70,8 @@ def main() -> None:
     sampling = Sampling(0.6)
     gen, rng = torch.Generator().manual_seed(0), TorchRandomness(0)
     cases = [(rule, shape) for shape in TREES for rule in RULES
-             if shape.startswith("chain") or not get_verifier(rule).chain_only]
+             if (shape.startswith("chain") or not get_verifier(rule).chain_only)
+             and (RULES[rule] != "hub" or Tree.parse(shape).branching <= 2)]  # hub children come in pairs
     times: dict[tuple, list[float]] = {c: [] for c in cases}
     for k in range(args.repeats + 3):
         for rule, shape in cases:
