@@ -233,6 +233,14 @@ SPEED_ROUNDS_LEAD = (
     PROSE["SPEED_ROUNDS_LEAD 0"],
 )
 
+# speculation's own share on an Intel Xeon (AVX-512 with FP16) in three rounds (issue 66: on every CPU measured), at
+# 4f6d187: `default` against `ar`, with the hybrid draft and prompt lookup alone (no peers: the question is the share)
+RUNS["speed_xeon"] = ["--methods", "ar", "default", "--drafts", "auto", "ngram", *spec_bench(), "--seeds", "0", "1", "2"]
+SPEED_XEON_HEADING = "## Speculation's own share on an Intel Xeon, in three rounds (2026-12-07)"
+SPEED_XEON_LEAD = (
+    PROSE["SPEED_XEON_LEAD 0"],
+)
+
 # every speed run, oldest first: (run, figure tag, heading, lead); "" and () give speed_section's own. The last
 # LATEST_SPEED are the page's first sections after "Where it stands"; the others open Earlier runs, in this order.
 SPEED_RUNS = (("speed", "", "", ()), ("speed_bf16", "", "", ()),
@@ -246,8 +254,9 @@ SPEED_RUNS = (("speed", "", "", ()), ("speed_bf16", "", "", ()),
                   ("speed_lookup", SPEED_LOOKUP_HEADING, SPEED_LOOKUP_LEAD),
                   ("speed_seeds", SPEED_SEEDS_HEADING, SPEED_SEEDS_LEAD),
                   ("speed_prompt", SPEED_PROMPT_HEADING, SPEED_PROMPT_LEAD),
+                  ("speed_xeon", SPEED_XEON_HEADING, SPEED_XEON_LEAD),
                   ("speed_rounds", SPEED_ROUNDS_HEADING, SPEED_ROUNDS_LEAD))))
-LATEST_SPEED = 1
+LATEST_SPEED = 2  # the Xeon's share run, then the rounds beside every peer ("Where it stands" reads the last)
 
 
 # free draft sources (issue 66): each alone under `default`, on Spec-Bench and on the repetitive workload
@@ -1661,6 +1670,12 @@ def standing_section() -> list[str]:
                 "From " + ("; ".join(f"T = {t:g}: {link(title)} ({_short(res)})" for t, (res, title) in runs.items())
                            if len({title for _, title in runs.values()}) > 1 else
                            f"{link(runs[0.0][1])} ({_short(runs[0.0][0])})") + ".", ""]
+        if path("speed_xeon").exists():
+            xeon = Results.load(path("speed_xeon"))
+            out += ["On another CPU, " + ", ".join(
+                f"at T = {t:g} `default` {default(xeon, t).show('speedup_ar', '.2f', 'x')} `ar` and the head's share "
+                f"{lookup_share(xeon, t)}" for t in (0.0, 0.6)) + f" (three seeds as rounds; from "
+                f"{link(speed_title(xeon, SPEED_XEON_HEADING))}, {_short(xeon)}).", ""]
     out += repeats_standing()
     plain = _latest_loops(None)
     if plain:
@@ -1844,9 +1859,10 @@ def spechub_claim() -> list[str]:
         text += (f"; on the real model's nodes {min(gains):+.3f} to {max(gains):+.3f} acceptance over `specinfer` "
                  f"and {min(over_swor):+.3f} to {max(over_swor):+.3f} over `swor`")
     if path("pairs_tree").exists():
-        ratios = [(r[1], r[0], r[5]) for r in pairs_tree_rows(Results.load(path("pairs_tree"))) if r[2] == "`spechub`"]
-        text += "; tokens a step on a binary tree of depth 3 against `specinfer`'s: " + ", ".join(
-            f"{v} ({d}, T = {t})" for d, t, v in ratios)
+        rows = pairs_tree_rows(Results.load(path("pairs_tree")))
+        base = {(r[0], r[1]): float(r[4]) for r in rows if r[2] == "`specinfer`"}
+        text += "; tokens a step on a binary tree of depth 3 over `specinfer`'s: " + ", ".join(
+            f"{float(r[4]) - base[(r[0], r[1])]:+.2f}, {r[5]} ({r[1]}, T = {r[0]})" for r in rows if r[2] == "`spechub`")
     return ["`spechub` (Sun et al. 2024)", "exact; 0.05-0.27 more tokens a step than RRS and 0.02-0.16 more than "
             "RRS without replacement", text,
             PROSE["SPECHUB_VERDICT 0"]]

@@ -82,7 +82,7 @@ def main() -> None:
                   f"{r['spechub - swor'][0]:+.4f} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": ["python", *sys.argv], "git": git_revision(), "machine": machine(),
+            json.dump({"command": " ".join(["python", *sys.argv]), "git": git_revision(), "machine": machine(),
                        "seconds": round(time.time() - start, 1), "rows": rows}, f, indent=1)
 
 
