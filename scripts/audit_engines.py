@@ -2,7 +2,8 @@
 the target's law"): ``verispec audit-engine`` on every engine it ships and the negative controls, then on a
 ``verispec serve`` started here on 127.0.0.1 (stopped by its pid at the end), then with top-k and top-p filtering,
 then llama-cpp-python's prompt lookup (the llama extra: ``bash scripts/install_llama.sh``) on both of
-``audit-engine``'s default prompts and a plain text that repeats (through the chat template it rarely drafts). Rows go to results/audit_engines/*.jsonl.gz
+``audit-engine``'s default prompts and a plain text that repeats (through the chat template it rarely drafts), then
+verispec at one request on both chat prompts (``prompts``: the committed rows at ``--samples 5000``). Rows go to results/audit_engines/*.jsonl.gz
 (written as .jsonl, then gzipped). About an hour on 2 cores.
 
     python scripts/audit_engines.py [--samples 3000] [--only engines filtered serve llama] [--dtype float32]
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Name an animal."
 REPEATS = "Continue the pattern: red, blue, red, blue, red,"
 TEXT = "red, blue, green, red, blue, green, red, blue, green, red,"  # plain text, no chat template: lookup drafts here
-PARTS = ("engines", "filtered", "serve", "llama")
+PARTS = ("engines", "filtered", "serve", "llama", "prompts")
 
 
 def cli(*args: str) -> list[str]:
@@ -43,6 +44,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=3000)
     ap.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS), help="which parts to run")
     ap.add_argument("--dtype", default="float32", help="the served target's dtype (the law is computed in the same)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of the prompts part")
     args = ap.parse_args()
     (ROOT / "results" / "audit_engines").mkdir(parents=True, exist_ok=True)
     n = str(args.samples)
@@ -59,6 +61,10 @@ def main() -> None:
                        check=False)
     if "serve" in args.only:
         serve(n, args.dtype)
+    if "prompts" in args.only:  # verispec at one request on both chat prompts, at the N asked (5,000 in the table)
+        subprocess.run(cli("audit-engine", "verispec", "--samples", n, "--prompt", PROMPT, "--prompt", REPEATS,
+                           "--threads", str(args.threads), "--out", "results/audit_engines/prompts.jsonl"), cwd=ROOT,
+                       check=False)
 
 
 def serve(n: str, dtype: str) -> None:

@@ -1968,7 +1968,7 @@ def claims_section() -> list[str]:
             markdown(["rule", "claim", "verispec's computation", "verdict"], rows), ""]
 
 
-AUDIT_ENGINES = ("engines", "filtered", "serve", "llama")  # results/audit_engines/NAME.jsonl.gz, in order
+AUDIT_ENGINES = ("engines", "filtered", "serve", "llama", "prompts")  # results/audit_engines/NAME.jsonl.gz, in order
 
 
 def audit_rows(name: str) -> list[dict]:
