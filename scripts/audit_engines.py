@@ -3,10 +3,12 @@ the target's law"): ``verispec audit-engine`` on every engine it ships and the n
 ``verispec serve`` started here on 127.0.0.1 (stopped by its pid at the end), then with top-k and top-p filtering,
 then llama-cpp-python's prompt lookup (the llama extra: ``bash scripts/install_llama.sh``) on both of
 ``audit-engine``'s default prompts and a plain text that repeats (through the chat template it rarely drafts), then
-verispec at one request on both chat prompts (``prompts``: the committed rows at ``--samples 5000``). Rows go to results/audit_engines/*.jsonl.gz
+verispec at one request on both chat prompts (``prompts``: the committed rows at ``--samples 5000``). Rows go to
+results/audit_engines/*.jsonl.gz
 (written as .jsonl, then gzipped). About an hour on 2 cores.
 
-    python scripts/audit_engines.py [--samples 3000] [--only engines filtered serve llama] [--dtype float32]
+    python scripts/audit_engines.py [--samples 3000] [--only engines filtered serve llama prompts] [--dtype float32]
+        [--threads 2]
 """
 
 from __future__ import annotations

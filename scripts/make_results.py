@@ -235,7 +235,8 @@ SPEED_ROUNDS_LEAD = (
 
 # speculation's own share on an Intel Xeon (AVX-512 with FP16) in three rounds (issue 66: on every CPU measured), at
 # 4f6d187: `default` against `ar`, with the hybrid draft and prompt lookup alone (no peers: the question is the share)
-RUNS["speed_xeon"] = ["--methods", "ar", "default", "--drafts", "auto", "ngram", *spec_bench(), "--seeds", "0", "1", "2"]
+RUNS["speed_xeon"] = ["--methods", "ar", "default", "--drafts", "auto", "ngram", *spec_bench(),
+                      "--seeds", "0", "1", "2"]
 SPEED_XEON_HEADING = "## Speculation's own share on an Intel Xeon, in three rounds (2026-12-07)"
 SPEED_XEON_LEAD = (
     PROSE["SPEED_XEON_LEAD 0"],
@@ -1362,10 +1363,11 @@ def shadow_section(res: Results) -> list[str]:
 
 # the rules published since traversal (issue 68) beside the older exact rules, as shadows on the same steps: a chain
 # (block verification's ground, and HSD's) and a binary tree, from the int8 draft and the shipped head
-RUNS["shadow_rules"] = ["--methods", "chain@chain:4", "specinfer@2x3", "--shadow", "specinfer", "block", "hsd",
-                        "traversal", "reserve", "match", "canonical", "--shadow-seeds", "2", "--drafts", "int8", "eagle",
-                        "--datasets", "spec-bench:summarization,qa,translation", "--limit", "4", "--temperatures", "0.6",
-                        "1.0", "--max-new-tokens", "64"]
+RUNS["shadow_rules"] = ["--methods", "chain@chain:4", "specinfer@2x3",
+                        "--shadow", "specinfer", "block", "hsd", "traversal", "reserve", "match", "canonical",
+                        "--shadow-seeds", "2", "--drafts", "int8", "eagle", "--datasets",
+                        "spec-bench:summarization,qa,translation", "--limit", "4", "--temperatures", "0.6", "1.0",
+                        "--max-new-tokens", "64"]
 
 
 def shadow_rules_section(res: Results) -> list[str]:
@@ -1807,7 +1809,8 @@ def optimum_section() -> list[str]:
 
 # SpecHub's pairs on the real model (issue 68): tokens a step on a binary tree of depth 3, each rule with its children
 RUNS["pairs_tree"] = ["--methods", "specinfer@2x3", "swor@2x3", "spechub@2x3", "--drafts", "int8", "eagle",
-                      "--datasets", "spec-bench", "--limit", "2", "--temperatures", "0.6", "1.0", "--max-new-tokens", "64"]
+                      "--datasets", "spec-bench", "--limit", "2", "--temperatures", "0.6", "1.0",
+                      "--max-new-tokens", "64"]
 
 
 @functools.cache
@@ -1862,7 +1865,8 @@ def spechub_claim() -> list[str]:
         rows = pairs_tree_rows(Results.load(path("pairs_tree")))
         base = {(r[0], r[1]): float(r[4]) for r in rows if r[2] == "`specinfer`"}
         text += "; tokens a step on a binary tree of depth 3 over `specinfer`'s: " + ", ".join(
-            f"{float(r[4]) - base[(r[0], r[1])]:+.2f}, {r[5]} ({r[1]}, T = {r[0]})" for r in rows if r[2] == "`spechub`")
+            f"{float(r[4]) - base[(r[0], r[1])]:+.2f}, {r[5]} ({r[1]}, T = {r[0]})"
+            for r in rows if r[2] == "`spechub`")
     return ["`spechub` (Sun et al. 2024)", "exact; 0.05-0.27 more tokens a step than RRS and 0.02-0.16 more than "
             "RRS without replacement", text,
             PROSE["SPECHUB_VERDICT 0"]]

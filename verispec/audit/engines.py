@@ -118,12 +118,12 @@ def tv_interval(counts: Counter, law: dict, n: int, reps: int = 400, seed: int =
     """The total variation between the engine's law and ``law`` over the test's cells: ``(estimate, low, high)``.
 
     The plug-in ``tv_estimate`` is biased upward, since the sample's own noise adds to it (with the very same law it
-    is up to about ``0.4 sqrt(cells / n)`` rather than 0). The estimate is corrected by the bootstrap: ``2 tv - mean(tv*)``,
-    ``tv*`` the plug-in of the sample's frequencies resampled, clamped at 0. The 95 % interval comes from the triangle
-    inequality: with ``e`` the 95 % quantile of a resample's distance from the sample itself (the law of the
-    sampling error), the engine's total variation lies within ``tv +- e`` whenever the sample lies within ``e`` of the
-    engine's law, which happens 95 % of the time. So an engine with the target's law gets an interval from 0 (a
-    percentile interval of the plug-in lies above the plug-in itself and never reaches 0)."""
+    is up to about ``0.4 sqrt(cells / n)`` rather than 0). The estimate is corrected by the bootstrap:
+    ``2 tv - mean(tv*)``, ``tv*`` the plug-in of the sample's frequencies resampled, clamped at 0. The 95 % interval
+    comes from the triangle inequality: with ``e`` the 95 % quantile of a resample's distance from the sample itself
+    (the law of the sampling error), the engine's total variation lies within ``tv +- e`` whenever the sample lies
+    within ``e`` of the engine's law, which happens 95 % of the time. So an engine with the target's law gets an
+    interval from 0 (a percentile interval of the plug-in lies above the plug-in itself and never reaches 0)."""
     cells, _ = _cells(law, n)
     observed = torch.tensor([counts.get(c, 0) for c in cells] + [n - sum(counts.get(c, 0) for c in cells)],
                             dtype=torch.float64)

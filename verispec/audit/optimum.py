@@ -23,8 +23,8 @@ def alpha_star_iid(p: torch.Tensor, q: torch.Tensor, k: int) -> float:
 
 def alpha_star_hub(p: torch.Tensor, q: torch.Tensor) -> float:
     """The best acceptance any exact rule has with SpecHub's pairs (``drafters.base.hub_pair``): every pair holds the
-    hub ``a``, and ``{i, a}`` has mass ``m(i) = q(i) (1 + q(a) / sum_{j != a} q(j))``. A max-flow min-cut over sets H of
-    tokens (cost ``p(H)`` plus the pairs not inside H) gives ``min(1, 1 + p(a) - sum_{i != a} (m(i) - p(i))_+)``:
+    hub ``a``, and ``{i, a}`` has mass ``m(i) = q(i) (1 + q(a) / sum_{j != a} q(j))``. A max-flow min-cut over sets H
+    of tokens (cost ``p(H)`` plus the pairs not inside H) gives ``min(1, 1 + p(a) - sum_{i != a} (m(i) - p(i))_+)``:
     each ``i`` only by its own pair, the hub by what the pairs have left."""
     p, q = p.double(), q.double()
     a = int(torch.argmax(q))

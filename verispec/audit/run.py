@@ -139,8 +139,8 @@ def pair_rows(cases: int = 100, seed: int = 0) -> list[dict]:
                      "mean_share_of_optimum": sum(shares) / len(shares) if shares else None,
                      "worst_share_of_optimum": min(shares) if shares else None,
                      **{f"{other}_{word}": sum(test(a, b) for a, b in zip(acc[name], acc[other]))
-                        for other in ("specinfer", "swor")
-                        for word, test in (("above", lambda a, b: a > b + 1e-9), ("below", lambda a, b: a < b - 1e-9))},
+                        for other in ("specinfer", "swor") for word, test in (
+                            ("above", lambda a, b: a > b + 1e-9), ("below", lambda a, b: a < b - 1e-9))},
                      "mean_gain_over_specinfer": sum(a - b for a, b in zip(acc[name], acc["specinfer"])) / cases})
     return rows
 
