@@ -1826,6 +1826,13 @@ def pair_table() -> list[dict]:
     return pair_rows(cases=100, seed=0)
 
 
+@functools.cache
+def pair_real() -> dict | None:
+    """results/pair_acceptance.json: two candidates a node on the real model's nodes (None if missing)."""
+    real = ROOT / "results" / "pair_acceptance.json"
+    return json.loads(real.read_text()) if real.exists() else None
+
+
 def pairs_section() -> list[str]:
     """SpecHub's hub pairs against i.i.d. pairs and pairs without replacement: computed on random nodes, exact on the
     real model's nodes (results/pair_acceptance.json), and measured as tokens a step on a binary tree."""
@@ -1835,54 +1842,58 @@ def pairs_section() -> list[str]:
 
     out = ["### Two candidates a node: SpecHub's pairs through the hub", "", PROSE["PAIRS_LEAD 0"], "",
            format_pairs(pair_table()), ""]
-    real = ROOT / "results" / "pair_acceptance.json"
-    if real.exists():
-        data = json.loads(real.read_text())
+    data = pair_real()
+    if data:
         names = ("specinfer", "swor", "spechub", "alpha*_iid", "alpha*_hub")
         body = [[r["draft"], f"{r['temperature']:g}", str(r["positions"]), *(fmt(*r[n], ".4f") for n in names),
                  fmt(*r["spechub - specinfer"], "+.4f"), fmt(*r["spechub - swor"], "+.4f")] for r in data["rows"]]
-        out += [PROSE["PAIRS_REAL 0"].format(source=provenance(real, "python scripts/experiments/pair_acceptance.py",
-                                                               data)), "",
+        source = provenance(ROOT / "results" / "pair_acceptance.json", "python scripts/experiments/pair_acceptance.py",
+                            data)
+        out += [PROSE["PAIRS_REAL 0"].format(source=source), "",
                 markdown(["draft", "T", "positions", *names, "spechub - specinfer", "spechub - swor"], body), ""]
     if path("pairs_tree").exists():
-        res = Results.load(path("pairs_tree"))
-        out += [PROSE["PAIRS_TREE 0"], "", *run_lines(res), "", markdown(
+        out += [PROSE["PAIRS_TREE 0"], "", *run_lines(Results.load(path("pairs_tree"))), "", markdown(
             ["T", "draft", "verifier", "children", "tokens a step", "against specinfer (paired)"],
-            pairs_tree_rows(res)), ""]
+            [[f"{r['T']:g}", r["draft"], f"`{r['verifier']}`", r["children"], f"{r['mean']:.3f}",
+              "-" if r["verifier"] == "specinfer" else fmt(*r["ratio"], ".3f", "x")] for r in pairs_tree_rows()]), ""]
     return out
 
 
 def spechub_claim() -> list[str]:
     """SpecHub's claims row: exactness and its lead over RRS, beside the audit, the node tables and the tree run."""
-    rows = {r["verifier"]: r for r in pair_table()}
-    hub = rows["spechub"]
+    from verispec.bench.stats import fmt
+
+    hub = {r["verifier"]: r for r in pair_table()}["spechub"]
     text = (f"exact (the audit); it reaches the optimum of its pairs at every node (mean share "
             f"{hub['mean_share_of_optimum']:.4f}); on 100 random nodes it accepts more than `specinfer` at "
             f"{hub['specinfer_above']} and less at {hub['specinfer_below']}, more than `swor` at {hub['swor_above']} "
             f"and less at {hub['swor_below']}")
-    real = ROOT / "results" / "pair_acceptance.json"
-    if real.exists():
-        gains = [r["spechub - specinfer"][0] for r in json.loads(real.read_text())["rows"]]
-        over_swor = [r["spechub - swor"][0] for r in json.loads(real.read_text())["rows"]]
+    data = pair_real()
+    if data:
+        gains = [r["spechub - specinfer"][0] for r in data["rows"]]
+        over_swor = [r["spechub - swor"][0] for r in data["rows"]]
         text += (f"; on the real model's nodes {min(gains):+.3f} to {max(gains):+.3f} acceptance over `specinfer` "
                  f"and {min(over_swor):+.3f} to {max(over_swor):+.3f} over `swor`")
     if path("pairs_tree").exists():
-        rows = pairs_tree_rows(Results.load(path("pairs_tree")))
-        base = {(r[0], r[1]): float(r[4]) for r in rows if r[2] == "`specinfer`"}
+        rows = pairs_tree_rows()
+        base = {(r["T"], r["draft"]): r["mean"] for r in rows if r["verifier"] == "specinfer"}
         text += "; tokens a step on a binary tree of depth 3 over `specinfer`'s: " + ", ".join(
-            f"{float(r[4]) - base[(r[0], r[1])]:+.2f}, {r[5]} ({r[1]}, T = {r[0]})"
-            for r in rows if r[2] == "`spechub`")
+            f"{r['mean'] - base[(r['T'], r['draft'])]:+.2f}, {fmt(*r['ratio'], '.3f', 'x')} ({r['draft']}, "
+            f"T = {r['T']:g})" for r in rows if r["verifier"] == "spechub")
     return ["`spechub` (Sun et al. 2024)", "exact; 0.05-0.27 more tokens a step than RRS and 0.02-0.16 more than "
             "RRS without replacement", text,
             PROSE["SPECHUB_VERDICT 0"]]
 
 
-def pairs_tree_rows(res: Results) -> list[list[str]]:
-    """Mean tokens a step of each rule, and its ratio to ``specinfer``'s on the same prompts (paired bootstrap)."""
+@functools.cache
+def pairs_tree_rows() -> list[dict]:
+    """Per (T, draft, rule) of the pairs_tree run: its mean tokens a step and their ratio to ``specinfer``'s on the same
+    prompts (paired bootstrap: estimate, low, high)."""
     from verispec.bench.records import cell_id
     from verispec.bench.report import usable
-    from verispec.bench.stats import fmt, ratio_of_rates
+    from verispec.bench.stats import ratio_of_rates
 
+    res = Results.load(path("pairs_tree"))
     prompts, _ = usable(res)
     sums: dict[tuple, dict[tuple, tuple[float, int]]] = {}
     for r in prompts:
@@ -1896,12 +1907,11 @@ def pairs_tree_rows(res: Results) -> list[list[str]]:
                                                                         list(children).index(kv[0][2].split("@")[0]))):
         base = sums.get((t, draft, "specinfer@2x3"), {})
         keys = [k for k in mine if k in base and mine[k][1] and base[k][1]]
-        mean = sum(mine[k][0] for k in mine) / max(1, sum(mine[k][1] for k in mine))
-        ratio = ratio_of_rates([mine[k][0] for k in keys], [mine[k][1] for k in keys], [base[k][0] for k in keys],
-                               [base[k][1] for k in keys])
         name = method.split("@")[0]
-        rows.append([f"{t:g}", draft, f"`{name}`", children[name], f"{mean:.3f}",
-                     "-" if name == "specinfer" else fmt(*ratio, ".3f", "x")])
+        rows.append({"T": t, "draft": draft, "verifier": name, "children": children[name],
+                     "mean": sum(mine[k][0] for k in mine) / max(1, sum(mine[k][1] for k in mine)),
+                     "ratio": ratio_of_rates([mine[k][0] for k in keys], [mine[k][1] for k in keys],
+                                             [base[k][0] for k in keys], [base[k][1] for k in keys])})
     return rows
 
 

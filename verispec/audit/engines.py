@@ -130,7 +130,7 @@ def tv_interval(counts: Counter, law: dict, n: int, reps: int = 400, seed: int =
     freq = observed / n
     gen = torch.Generator().manual_seed(seed)
     probs = torch.tensor([law[c] for c in cells] + [max(1.0 - sum(law[c] for c in cells), 0.0)], dtype=torch.float64)
-    tv = 0.5 * float((freq - probs).abs().sum())
+    tv = tv_estimate(counts, law, n)
     again = torch.stack([_resample(freq, n, gen) / n for _ in range(reps)])
     plugins = 0.5 * (again - probs).abs().sum(1)
     errors = torch.sort(0.5 * (again - freq).abs().sum(1)).values

@@ -11,6 +11,7 @@ import torch
 
 from ..verifiers.ordered import priority_order, stage_law
 from ..verifiers.reserve import best_plan, plan_masses
+from ..verifiers.spechub import hub_laws
 
 
 def alpha_star_iid(p: torch.Tensor, q: torch.Tensor, k: int) -> float:
@@ -27,13 +28,10 @@ def alpha_star_hub(p: torch.Tensor, q: torch.Tensor) -> float:
     of tokens (cost ``p(H)`` plus the pairs not inside H) gives ``min(1, 1 + p(a) - sum_{i != a} (m(i) - p(i))_+)``:
     each ``i`` only by its own pair, the hub by what the pairs have left."""
     p, q = p.double(), q.double()
-    a = int(torch.argmax(q))
-    off = q.clone()
-    off[a] = 0
-    if float(off.sum()) <= 0:  # q all on the hub: one candidate
+    a, q1, q2 = hub_laws(q)
+    if float(q1.sum()) <= 0:  # q all on the hub: one candidate
         return min(float(p[a]), 1.0)
-    m = off * (1 + q[a] / off.sum())
-    spare = (m - p).clamp_min(0)
+    spare = (q1 + q2 - p).clamp_min(0)  # m(i) = Q_1(i) + Q_2(i), zero at the hub
     spare[a] = 0
     return min(1.0, 1.0 + float(p[a]) - float(spare.sum()))
 
