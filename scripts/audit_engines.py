@@ -3,12 +3,12 @@ the target's law"): ``verispec audit-engine`` on every engine it ships and the n
 ``verispec serve`` started here on 127.0.0.1 (stopped by its pid at the end), then with top-k and top-p filtering,
 then llama-cpp-python's prompt lookup (the llama extra: ``bash scripts/install_llama.sh``) on both of
 ``audit-engine``'s default prompts and a plain text that repeats (through the chat template it rarely drafts), then
-verispec at one request on both chat prompts (``prompts``: the committed rows at ``--samples 5000``). Rows go to
-results/audit_engines/*.jsonl.gz
-(written as .jsonl, then gzipped). About an hour on 2 cores.
+verispec at one request on both chat prompts (``prompts``: the committed rows at ``--samples 5000``), then llama.cpp's
+``llama-server`` with a draft model on both chat prompts (``llama-server``: it needs ``scripts/llama_build.py
+server``). Rows go to results/audit_engines/*.jsonl.gz (written as .jsonl, then gzipped). About an hour on 2 cores.
 
-    python scripts/audit_engines.py [--samples 3000] [--only engines filtered serve llama prompts] [--dtype float32]
-        [--threads 2]
+    python scripts/audit_engines.py [--samples 3000] [--only engines filtered serve llama prompts llama-server]
+        [--dtype float32] [--threads 2]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Name an animal."
 REPEATS = "Continue the pattern: red, blue, red, blue, red,"
 TEXT = "red, blue, green, red, blue, green, red, blue, green, red,"  # plain text, no chat template: lookup drafts here
-PARTS = ("engines", "filtered", "serve", "llama", "prompts")
+PARTS = ("engines", "filtered", "serve", "llama", "prompts", "llama-server")
 
 
 def cli(*args: str) -> list[str]:
@@ -67,6 +67,10 @@ def main() -> None:
         subprocess.run(cli("audit-engine", "verispec", "--samples", n, "--prompt", PROMPT, "--prompt", REPEATS,
                            "--threads", str(args.threads), "--out", "results/audit_engines/prompts.jsonl"), cwd=ROOT,
                        check=False)
+    if "llama-server" in args.only:  # llama.cpp's own server drafting with -md, started and stopped by the audit
+        subprocess.run(cli("audit-engine", "llama-server-draft", "--samples", n, "--prompt", PROMPT, "--prompt",
+                           REPEATS, "--threads", str(args.threads), "--out",
+                           "results/audit_engines/llama_server.jsonl"), cwd=ROOT, check=False)
 
 
 def serve(n: str, dtype: str) -> None:

@@ -1777,6 +1777,40 @@ def verify_cost_section() -> list[str]:
             markdown(["verifier", *trees], [[rule, *(cell(rule, t) for t in trees)] for rule in rules]), ""]
 
 
+def head_depth_cost_section() -> list[str]:
+    """What a depth of the shipped head costs, part by part, warm and right after a target forward, its layers from
+    float16 panels and from Q8_0 blocks (results/head_depth_cost.json, made by
+    scripts/experiments/head_depth_cost.py)."""
+    from verispec.bench.report import markdown
+
+    path = ROOT / "results" / "head_depth_cost.json"
+    if not path.exists():
+        return []
+    rep = json.loads(path.read_text())
+    kinds = list(dict.fromkeys(r["weights"] for r in rep["rows"]))
+    parts = list(dict.fromkeys(r["part"] for r in rep["rows"]))
+    by = {(r["weights"], r["part"]): r for r in rep["rows"]}
+    body = [[part, *(f"{by[k, part]['bytes'] / 1e6:.1f} MB: {by[k, part]['warm']:.2f} / "
+                     f"{by[k, part]['after a target forward']:.2f} ms" for k in kinds)] for part in parts]
+    whole = {k: by[k, parts[-1]] for k in kinds}
+    slow, fast = (whole[k]["after a target forward"] for k in kinds)
+    return ["### What a depth of the draft head costs", "",
+            f"Made by {provenance(path, 'python scripts/experiments/head_depth_cost.py', rep)}. Each cell: the bytes of "
+            "the packed weights the part reads, then its time at one sequence with those weights in the caches "
+            "(`warm`: the same call just before) / right after one decoding row of the target "
+            f"({rep['target_row_ms']:.1f} ms, a {rep['context']}-token context), as in a decoding step; medians of "
+            f"{rep['repeats']}, the two heads taking turns. The head's own layers (`fuse` and `fc`, its decoder layer) "
+            "read from " + " and from ".join(kinds) + " (`EagleHead.draft_from_blocks`, what `build_drafter` drafts "
+            "with); its output layer is the target's own Q8_0 rows of the 16,384 tokens it drafts, in both.", "",
+            markdown(["part", *kinds], body), "",
+            f"The loop meets the head after a target forward: a first depth costs {slow:.2f} ms from "
+            f"{kinds[0]} and {fast:.2f} ms from {kinds[1]}, "
+            f"{whole[kinds[1]]['bytes'] / 1e6:.1f} MB read in that time; deeper depths of the same step find "
+            "the weights nearer (the warm column). The 0.6 ms a depth that issue 66 aims at would need the weights "
+            "to come from memory at " + f"{whole[kinds[1]]['bytes'] / 0.6e-3 / 1e9:.0f} GB/s, with nothing else to do.",
+            ""]
+
+
 @functools.cache
 def never_lose() -> list[dict]:
     """Every exact rule over i.i.d. children at one node against the optimum (computed once a render)."""
@@ -1987,7 +2021,8 @@ def claims_section() -> list[str]:
             markdown(["rule", "claim", "verispec's computation", "verdict"], rows), ""]
 
 
-AUDIT_ENGINES = ("engines", "filtered", "serve", "llama", "prompts")  # results/audit_engines/NAME.jsonl.gz, in order
+# results/audit_engines/NAME.jsonl.gz, in order
+AUDIT_ENGINES = ("engines", "filtered", "serve", "llama", "prompts", "llama_server")
 
 
 def audit_rows(name: str) -> list[dict]:
@@ -2024,8 +2059,9 @@ def audit_engines_section() -> list[str]:
             f"Made by `python scripts/audit_engines.py`, which ran {made}.", "",
             "`verispec audit-engine` (docs/audit-engine.md): the first 2 tokens after the prompt, drawn N times with "
             "seeds 0 .. N-1 from each engine with its speculation on, against the exact law of those tokens from the "
-            "same target's logits by teacher forcing (SmolLM2-135M-Instruct, float32; for llama-cpp-lookup the Q4_1 "
-            "GGUF file llama.cpp runs, a target of its own, its logits from llama.cpp itself; prompt 0 is 'Name an "
+            "same target's logits by teacher forcing (SmolLM2-135M-Instruct, float32; for llama-cpp-lookup and "
+            "llama-server-draft the Q4_1 GGUF file llama.cpp runs, a target of its own, its logits from llama.cpp "
+            "itself through llama-cpp-python; prompt 0 is 'Name an "
             "animal.', prompt 1 'Continue the pattern: red, blue, red, blue, red,', each through the chat template, and "
             "for llama-cpp-lookup prompt 2 the plain text 'red, blue, green, red, blue, green, red, blue, green, red,' "
             "without it: through the chat template its prompt lookup rarely drafts). Chi-square over the outcomes expected 5 times or more, the rest merged; a "
@@ -2109,6 +2145,7 @@ def render(figs: Path = ROOT / "docs" / "figures") -> str:
     if path("gate").exists():
         out += gate_section(Results.load(path("gate")))
     out += head_section(figs)
+    out += head_depth_cost_section()
     if path("shadow").exists():
         out += shadow_section(Results.load(path("shadow")))
     if path("shadow_rules").exists():

@@ -150,3 +150,44 @@ def test_llama_cpp_prompt_lookup_keeps_its_own_models_law():
 
     spread = target.encode_prompt("Name an animal.")  # many first tokens: a sharper law is far from the runs'
     assert check_engine(HalfTemperatureLaw(target), spread, 2, 600, Sampling(1.0), control=True).differs
+
+
+def _no_llama_server() -> str | None:
+    if importlib.util.find_spec("llama_cpp") is None:
+        return "llama-cpp-python is not installed"
+    from verispec.bench.peers import llama_server_binary
+
+    return None if llama_server_binary() else "no llama-server binary"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_no_llama_server() is not None, reason=f"{_no_llama_server()} (the optional extra and its server: "
+                    "bash scripts/install_llama.sh; .venv/bin/python scripts/llama_build.py server; then "
+                    ".venv/bin/python -m pytest -q tests/test_audit_engine.py -k llama)")
+def test_llama_server_with_a_draft_model_keeps_its_own_models_law():
+    """llama.cpp's llama-server speculating with a draft model (-md) keeps the law of its GGUF file's own logits while
+    it drafts, the server it started is gone after ``close``, and runs checked against a law at half the temperature
+    are flagged."""
+    from verispec import load
+    from verispec.audit.adapters import LlamaServerAdapter
+
+    target = load("smollm2-135m", dtype="float32")
+    adapter = LlamaServerAdapter(target)
+    prompt = target.encode_prompt("Name an animal.")
+    try:
+        row = check_engine(adapter, prompt, 2, 600, Sampling(1.0))
+        assert not row.differs and row.drafted >= 1 and row.cells >= 3, row  # every second token was drafted
+
+        class HalfTemperatureLaw(LlamaServerAdapter):
+            def next_logits(self, prompt, prefixes):
+                return super().next_logits(prompt, prefixes) * 2  # the law at T / 2: the runs' law is not this one
+
+        wrong = HalfTemperatureLaw(target)
+        try:
+            assert check_engine(wrong, prompt, 2, 600, Sampling(1.0), control=True).differs
+        finally:
+            wrong.close()
+    finally:
+        server = adapter.process
+        adapter.close()
+    assert server is not None and server.poll() is not None  # started for the audit, stopped by close

@@ -378,6 +378,36 @@ def test_the_native_linear_kernel_is_a_linear_layer_whose_rows_never_depend_on_t
         assert torch.allclose(native_rows(x, layer), 2 * y, atol=1e-4, rtol=1e-4)
 
 
+def test_q8_0_values_are_blocks_the_native_kernel_packs_back_within_half_a_step():
+    """``q8_0_values``: every block of 32 weights of a row becomes integers times one float16 scale, each weight within
+    half that block's step of where it was; rounding again changes nothing; ``pack_exact`` finds the blocks (Q8_0's
+    1.125 bytes a weight) and computes with them what float32 panels of the rounded weight compute, bit for bit. A
+    weight whose rows do not come in blocks of 32 is refused."""
+    from verispec.backends import native
+    from verispec.backends.kernels import q8_0_values
+
+    torch.manual_seed(0)
+    w = torch.randn(40, 96) * torch.rand(40, 1)
+    w[3, :32] = 0.0  # a block of zeros: scale 0
+    v = q8_0_values(w)
+    blocks, got = w.reshape(-1, 32), v.reshape(-1, 32)
+    d = (blocks.abs().amax(1, keepdim=True) / 127).half().float()
+    q = got / torch.where(d > 0, d, torch.ones_like(d))
+    assert torch.equal(q, q.round()) and q.abs().max() <= 128 and torch.equal(got, q * d)
+    assert ((got - blocks).abs() <= d * 0.5 + d * 1e-3).all() and torch.equal(q8_0_values(v), v)
+    assert not torch.signbit(v[3, :32]).any()  # +0.0: what a block gives, not -0.0
+    with pytest.raises(ValueError, match="multiple of 32"):
+        q8_0_values(torch.randn(4, 40))
+    kernel = native.linear()
+    if kernel is None:
+        pytest.skip("the native linear kernel cannot be built here (a C++ compiler, ninja, AVX2, FMA and F16C)")
+    packed = kernel.pack_exact(v)
+    assert packed.dtype == torch.uint8 and packed.numel() == 3 * 3 * 576  # 3 panels of 16 columns, 3 blocks, Q8_0
+    for rows in (1, 5, 9, 50):
+        x = torch.randn(rows, 96)
+        assert torch.equal(kernel.linear(x, packed, 40, None), kernel.linear(x, kernel.pack(v), 40, None)), rows
+
+
 def test_float16_panels_give_the_float32_kernels_results_for_float16_weights_and_round_others_once():
     """``use_fast_linear(half=True)`` (a draft head's layers): the native kernel reads float16 panels; for weights
     that are float16 values the results are bit for bit those of float32 panels, any other weight is rounded to

@@ -242,6 +242,47 @@ def test_a_shipped_heads_step_costs_apply_to_the_float32_target_only(tmp_path, m
     assert half.dtype == torch.bfloat16 and build_drafter("eagle", half).step_costs is None
 
 
+def test_the_shipped_way_a_head_drafts_from_q8_0_blocks_and_stays_exact(tmp_path, monkeypatch):
+    """The head ``build_drafter`` loads drafts from Q8_0 blocks (``draft_from_blocks``): its own layers' weights are
+    rounded to block values, each within half a block's step, that the native kernel reads as blocks (uint8 panels);
+    its layers then compute what torch's products compute on those weights, to float rounding; the draft's cached
+    costs are named apart from the float16 head's; greedy decoding with it is plain decoding's text."""
+    import verispec.eagle.head as eagle
+    from verispec.backends import native
+    from verispec.drafters import build_drafter
+
+    target = tiny_model("llama")
+    monkeypatch.setattr(eagle, "HEADS_DIR", tmp_path)
+    trained = EagleHead(target, feature_layers=(1, 3, -1))
+    trained.save(tmp_path / f"{target.name}.pt", {"target": target.name}, half=False)
+    drafter = build_drafter("eagle", target)
+    head = drafter.head
+    if native.linear() is None:
+        assert head.blocks is None and "q8_0" not in drafter.cost_id
+        pytest.skip("the native linear kernel cannot be built here (a C++ compiler, ninja, AVX2, FMA and F16C)")
+    assert head.blocks == "q8_0" and drafter.cost_id.endswith("|q8_0")
+    layers = {n: m for n, m in head.named_modules() if type(m) is torch.nn.Linear and not n.startswith("lm")}
+    assert {"fuse", "fc", "body.layers.0.self_attn.q_proj", "body.layers.0.mlp.down_proj"} <= set(layers)
+    before = dict(trained.named_modules())
+    x = torch.randn(3, 96)
+    with torch.inference_mode():
+        for name, m in layers.items():
+            w, w0 = m.weight, before[name].weight
+            step = w0.reshape(-1, 32).abs().amax(1, keepdim=True) / 127
+            assert ((w - w0).reshape(-1, 32).abs() <= step * 0.51 + 1e-12).all(), name
+            assert not torch.equal(w, w0), name  # rounded, not float32 as saved
+            rows = x[:, :w.shape[1]] if w.shape[1] <= 96 else torch.randn(3, w.shape[1])
+            got = m(rows)
+            assert m._verispec_packed.dtype == torch.uint8, name  # Q8_0 blocks, not float16 panels
+            assert torch.allclose(got, torch.nn.functional.linear(rows, w, m.bias), atol=1e-5, rtol=1e-5), name
+    prompt = [5, 17, 33, 8, 61, 42]
+    ar = generate(target, NoDrafter(), get_verifier("chain"), prompt, tree=Tree.root_only(), max_new_tokens=24,
+                  temperature=0.0)
+    out = generate(target, drafter, get_verifier("chain"), prompt, tree=Tree.chain(3), policy="fixed",
+                   max_new_tokens=24, temperature=0.0)
+    assert out.token_ids == ar.token_ids
+
+
 def test_a_head_drafts_only_in_its_targets_dtype():
     """The head's body shares the target's embedding table: casting it to another dtype would change the target."""
     target = tiny_model("llama")

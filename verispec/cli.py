@@ -699,25 +699,28 @@ def cmd_audit_engine(args) -> int:
     for name in wanted:
         entry = ENGINES.get(name)
         adapter = ServeAdapter(args.url, target) if entry is None else entry.make(target)
-        for s in sampling:
-            reason = entry.skip(s.temperature) if entry is not None else None
-            if reason:
-                info(f"{name} at T = {s.temperature:g} left out: {reason}")
-                continue
-            for i, ids in enumerate(prompts):
-                bar = None if args.json else _progress(args.samples, f"{name} T={s.temperature:g} prompt {i}")
-                row = check_engine(adapter, ids, args.k, args.samples, s, prompt_index=i, floor=args.floor,
-                                   control=entry is not None and entry.control,
-                                   progress=None if bar is None else bar.update)
-                if bar is not None:
-                    bar.close()
-                rows.append(row)
-                if out is not None:
-                    with open(out, "a") as f:
-                        f.write(json.dumps({**row.as_dict(), "command": args.command_line, "git": git_revision(),
-                                            "machine": machine()}) + "\n")
-                if args.json:
-                    print(json.dumps(row.as_dict()), flush=True)
+        try:
+            for s in sampling:
+                reason = entry.skip(s.temperature) if entry is not None else None
+                if reason:
+                    info(f"{name} at T = {s.temperature:g} left out: {reason}")
+                    continue
+                for i, ids in enumerate(prompts):
+                    bar = None if args.json else _progress(args.samples, f"{name} T={s.temperature:g} prompt {i}")
+                    row = check_engine(adapter, ids, args.k, args.samples, s, prompt_index=i, floor=args.floor,
+                                       control=entry is not None and entry.control,
+                                       progress=None if bar is None else bar.update)
+                    if bar is not None:
+                        bar.close()
+                    rows.append(row)
+                    if out is not None:
+                        with open(out, "a") as f:
+                            f.write(json.dumps({**row.as_dict(), "command": args.command_line, "git": git_revision(),
+                                                "machine": machine()}) + "\n")
+                    if args.json:
+                        print(json.dumps(row.as_dict()), flush=True)
+        finally:
+            adapter.close()  # a server it started stops here
     if not args.json:
         print(format_checks(rows))
     wrong = [r for r in rows if r.differs != r.control]

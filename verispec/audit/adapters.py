@@ -1,8 +1,8 @@
 """The engines ``verispec audit-engine`` can sample here, and the negative controls (samplers wrong on purpose).
 
 Each is an ``engines.EngineAdapter``; ``ENGINES`` names them for the command line (``verispec-serve``, which needs a
-running server's URL, is built by the command itself). ``llama-server`` with a draft model (``-md``) has no adapter
-yet.
+running server's URL, is built by the command itself). An adapter that starts a process (``llama-server``) stops it
+in ``close``.
 """
 
 from __future__ import annotations
@@ -181,6 +181,81 @@ class LlamaCppAdapter(EngineAdapter):
         return torch.stack(rows)
 
 
+class LlamaServerAdapter(LlamaCppAdapter):
+    """llama.cpp's own ``llama-server`` speculating with a draft model (``-md``, ``--spec-type draft-simple``), started
+    here on 127.0.0.1 with one slot and stopped by its pid in ``close``. Its draft proposes greedily, up to
+    ``draft_max`` tokens a step whatever its confidence (``--draft-p-min 0``); the server samples the target at each
+    drafted position and keeps a draft token while the draw equals it. The draft model is the target's own GGUF file
+    unless ``draft`` names another: the law under test is the verification's, and a draft the target agrees with
+    drafts most. The first token after a prompt is sampled plainly and the server drafts at most the tokens a request
+    still owes less one, so each request asks for ``k + 1`` tokens and keeps the first ``k``: tokens 2 .. k come from a
+    speculative step that drafted ``k - 1`` of them. The law is the same GGUF file's own logits, by teacher forcing
+    through llama-cpp-python (the same llama.cpp sources, ``scripts/llama_build.py``)."""
+
+    def __init__(self, target, draft: str | None = None, draft_max: int = 4, name: str = "llama-server-draft"):
+        from ..bench.peers import llama_server_binary  # noqa: PLC0415
+        from ..errors import VerispecError  # noqa: PLC0415
+
+        super().__init__(target, name=name)
+        self.binary = llama_server_binary()
+        if self.binary is None:
+            raise VerispecError("llama-server-draft needs llama.cpp's llama-server: bash scripts/install_llama.sh, "
+                                "then .venv/bin/python scripts/llama_build.py server")
+        self.draft, self.draft_max = draft or self.path, draft_max
+        self.note = f"-md {self.draft.rsplit('/', 1)[-1]} (greedy drafts) on {self.path.rsplit('/', 1)[-1]}"
+        self._server, self._port, self.process = None, None, None
+
+    def _start(self) -> int:
+        import contextlib  # noqa: PLC0415
+
+        from ..bench.serving import free_port, server_process  # noqa: PLC0415
+
+        if self._server is None:
+            port = free_port()
+            threads = str(torch.get_num_threads())
+            command = [self.binary, "-m", self.path, "-md", self.draft, "--spec-type", "draft-simple",
+                       "--spec-draft-n-max", str(self.draft_max), "--spec-draft-n-min", "0", "--draft-p-min", "0",
+                       "--host", "127.0.0.1", "--port", str(port), "-np", "1", "-c", "1024", "-t", threads, "-tb",
+                       threads, "-fa", "on", "--no-webui"]
+            self._server = contextlib.ExitStack()
+            self.process = self._server.enter_context(server_process("llama-server-draft", command, port))
+            self._port = port
+        return self._port
+
+    def sample(self, prompt, k, seed, sampling):
+        import http.client  # noqa: PLC0415
+
+        from ..errors import VerispecError  # noqa: PLC0415
+
+        body = {"prompt": list(prompt), "n_predict": k + 1, "temperature": float(sampling.temperature),
+                "top_k": sampling.top_k, "top_p": sampling.top_p, "min_p": 0.0, "typical_p": 1.0,
+                "repeat_penalty": 1.0, "seed": seed, "return_tokens": True, "cache_prompt": True}
+        conn = http.client.HTTPConnection("127.0.0.1", self._start(), timeout=120)
+        try:
+            conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            raw = resp.read()
+            if resp.status != 200:
+                raise VerispecError(f"llama-server answered {resp.status}: {raw[:200].decode(errors='replace')}")
+        except OSError as e:
+            raise VerispecError(f"llama-server did not answer: {e}") from None
+        finally:
+            conn.close()
+        got = json.loads(raw)
+        out = []
+        for tok in got.get("tokens") or []:
+            out.append(int(tok))
+            if out[-1] in self.eos or len(out) >= k:
+                break
+        return out, int((got.get("timings") or {}).get("draft_n", 0))  # the request's drafted tokens
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        super().close()
+
+
 @dataclass(frozen=True)
 class EngineEntry:
     name: str
@@ -206,6 +281,10 @@ def _entries() -> dict[str, EngineEntry]:
         EngineEntry("llama-cpp-lookup", "llama-cpp-python's prompt-lookup speculative decoding of the target's GGUF "
                     "file (10 tokens a step), the law from that quantised model's own logits (the llama extra: bash "
                     "scripts/install_llama.sh)", lambda t: LlamaCppAdapter(t)),
+        EngineEntry("llama-server-draft", "llama.cpp's llama-server with a draft model (-md: the target's own GGUF "
+                    "file, greedy drafts of up to 4 tokens), started here on 127.0.0.1 and stopped after; the law from "
+                    "that GGUF file's own logits (the llama extra and its server: bash scripts/install_llama.sh, then "
+                    ".venv/bin/python scripts/llama_build.py server)", lambda t: LlamaServerAdapter(t)),
         EngineEntry("ctl-resispec", "negative control: verispec's loop verifying with resispec (ResiSpec as "
                     "published: its residual depends on the rejected candidate) on 2 i.i.d. candidates a node from "
                     "the shipped head", lambda t: VerispecAdapter(t, draft="eagle", verifier="resispec", tree="2x2",

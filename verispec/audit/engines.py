@@ -59,6 +59,9 @@ class EngineAdapter:
         """The same engine sampling plainly, the reference of the two-sample test where ``next_logits`` is None."""
         return None
 
+    def close(self) -> None:
+        """Let go of what the adapter started (a server process it runs); called once the audit is done with it."""
+
 
 def engine_law(adapter: EngineAdapter, prompt: list[int], k: int, sampling: Sampling, floor: float = 1e-5,
                max_prefixes: int = 4096) -> dict[tuple[int, ...], float] | None:

@@ -136,6 +136,20 @@ def _pack_exact(weight: torch.Tensor, half: bool = False) -> torch.Tensor:
     return kernel.pack_half(weight) if half else kernel.pack(weight)
 
 
+def q8_0_values(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` (float32, K a multiple of 32) rounded to GGUF's Q8_0 blocks, as float32: each block of 32
+    weights of a row becomes ``q * d``, d the float16 nearest its largest magnitude / 127 and q the integer nearest
+    each weight / d (in [-128, 127]), products exact in float32. What ``pack_exact`` packs back into those blocks:
+    1.125 bytes a weight where float16 panels take 2 (``native_rows``)."""
+    if weight.dim() != 2 or weight.shape[1] % 32 or weight.dtype != torch.float32:
+        raise ValueError(f"Q8_0 blocks round a float32 [N, K] weight with K a multiple of 32, not {tuple(weight.shape)} "
+                         f"{weight.dtype}")
+    blocks = weight.reshape(-1, 32)
+    d = (blocks.abs().amax(1, keepdim=True) / 127).half().float()
+    q = torch.round(blocks / torch.where(d > 0, d, torch.ones_like(d))).clamp_(-128, 127)
+    return (q.to(torch.int32).float() * d).reshape(weight.shape)  # through int: no -0.0, which no block gives
+
+
 def native_rows(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """``x [n, K] @ weight^T + bias`` in the native kernel, on a copy of the weight packed into its panels (made on
     first use and again whenever the weight is replaced or changed in place): the GGUF blocks it was de-quantised from

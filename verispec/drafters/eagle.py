@@ -46,7 +46,8 @@ class EagleDrafter(Drafter):
     @property
     def cost_id(self) -> str:
         shape = self.head.shape()
-        return f"eagle|{sorted(shape.items())}|{self.lm.forward_id}"
+        blocks = f"|{self.head.blocks}" if self.head.blocks else ""
+        return f"eagle|{sorted(shape.items())}|{self.lm.forward_id}{blocks}"
 
     def reset(self, prompt: list[int]) -> None:
         self.state = self.lm.new_state()
@@ -187,7 +188,10 @@ def _head_file(arg: str, spec: str) -> None:
                 "'verispec train-draft')", check=_head_file, runs_model=True, needs_hf=True)
 def _eagle(target, arg, spec="eagle", **_) -> EagleDrafter:
     path = Path(arg) if arg else heads.shipped_head(target.name)
-    drafter = EagleDrafter(heads.EagleHead.load(path, target), name=spec)
+    head = heads.EagleHead.load(path, target)
+    if target.dtype == torch.float32:
+        head.draft_from_blocks()  # its layers from Q8_0 blocks where the native kernel reads them
+    drafter = EagleDrafter(head, name=spec)
     info = sidecar(path)
     drafter.default_tree = info.get("default_tree")
     # tune-tree measured these on the float32 target; in another dtype rows cost otherwise (a bfloat16 forward of
