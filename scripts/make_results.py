@@ -242,6 +242,14 @@ SPEED_XEON_LEAD = (
     PROSE["SPEED_XEON_LEAD 0"],
 )
 
+# the same on the same Intel Xeon after the head's own layers began to draft from Q8_0 blocks (3a1f88e)
+RUNS["speed_q8"] = RUNS["speed_xeon"]
+SPEED_Q8_HEADING = "## Speculation's own share on an Intel Xeon, the head from Q8_0 blocks, in three rounds (2026-12-07)"
+SPEED_Q8_LEAD = (
+    PROSE["SPEED_Q8_LEAD 0"],
+)
+XEON_SHARE = ("speed_q8", SPEED_Q8_HEADING)  # the share on the Intel Xeon that "Where it stands" reads
+
 # every speed run, oldest first: (run, figure tag, heading, lead); "" and () give speed_section's own. The last
 # LATEST_SPEED are the page's first sections after "Where it stands"; the others open Earlier runs, in this order.
 SPEED_RUNS = (("speed", "", "", ()), ("speed_bf16", "", "", ()),
@@ -256,8 +264,9 @@ SPEED_RUNS = (("speed", "", "", ()), ("speed_bf16", "", "", ()),
                   ("speed_seeds", SPEED_SEEDS_HEADING, SPEED_SEEDS_LEAD),
                   ("speed_prompt", SPEED_PROMPT_HEADING, SPEED_PROMPT_LEAD),
                   ("speed_xeon", SPEED_XEON_HEADING, SPEED_XEON_LEAD),
+                  ("speed_q8", SPEED_Q8_HEADING, SPEED_Q8_LEAD),
                   ("speed_rounds", SPEED_ROUNDS_HEADING, SPEED_ROUNDS_LEAD))))
-LATEST_SPEED = 2  # the Xeon's share run, then the rounds beside every peer ("Where it stands" reads the last)
+LATEST_SPEED = 2  # the Xeon's latest share run, then the rounds beside every peer ("Where it stands" reads the last)
 
 
 # free draft sources (issue 66): each alone under `default`, on Spec-Bench and on the repetitive workload
@@ -1677,12 +1686,12 @@ def standing_section() -> list[str]:
                 "From " + ("; ".join(f"T = {t:g}: {link(title)} ({_short(res)})" for t, (res, title) in runs.items())
                            if len({title for _, title in runs.values()}) > 1 else
                            f"{link(runs[0.0][1])} ({_short(runs[0.0][0])})") + ".", ""]
-        if path("speed_xeon").exists():
-            xeon = Results.load(path("speed_xeon"))
+        if path(XEON_SHARE[0]).exists():
+            xeon = Results.load(path(XEON_SHARE[0]))
             out += ["On another CPU, " + ", ".join(
                 f"at T = {t:g} `default` {default(xeon, t).show('speedup_ar', '.2f', 'x')} `ar` and the head's share "
                 f"{lookup_share(xeon, t)}" for t in (0.0, 0.6)) + f" (three seeds as rounds; from "
-                f"{link(speed_title(xeon, SPEED_XEON_HEADING))}, {_short(xeon)}).", ""]
+                f"{link(speed_title(xeon, XEON_SHARE[1]))}, {_short(xeon)}).", ""]
     out += repeats_standing()
     plain = _latest_loops(None)
     if plain:

@@ -144,14 +144,17 @@ class LlamaCppAdapter(EngineAdapter):
         self.note = note or f"prompt lookup of {self.lookup} tokens on {self.path.rsplit('/', 1)[-1]}"
         self._llm = None
         self.eos = frozenset(target.eos_token_ids)  # the same vocabulary: the run stops on the ids the law ends on
+        # flash attention off, as the committed llama-cpp-lookup rows ran: runs and law compute alike either way.
+        # It moves this model's next-token law by a total variation of 0.05-0.08
+        # (scripts/experiments/llama_flash_attention_law.py): a law must come from the engine's own setting
+        self.flash_attn = False
 
     def _model(self):
         if self._llm is None:
             from ..bench.peers import llama_model, lookup_draft  # noqa: PLC0415
 
-            # flash attention off, as the committed audit rows ran
             self._llm = llama_model(self.path, 1024, torch.get_num_threads(), _CountedDraft(lookup_draft(self.lookup)),
-                                    flash_attn=False)
+                                    flash_attn=self.flash_attn)
         return self._llm
 
     def sample(self, prompt, k, seed, sampling):
@@ -190,7 +193,9 @@ class LlamaServerAdapter(LlamaCppAdapter):
     drafts most. The first token after a prompt is sampled plainly and the server drafts at most the tokens a request
     still owes less one, so each request asks for ``k + 1`` tokens and keeps the first ``k``: tokens 2 .. k come from a
     speculative step that drafted ``k - 1`` of them. The law is the same GGUF file's own logits, by teacher forcing
-    through llama-cpp-python (the same llama.cpp sources, ``scripts/llama_build.py``)."""
+    through llama-cpp-python (the same llama.cpp sources, ``scripts/llama_build.py``), with flash attention on as
+    the server runs: on this model llama.cpp's flash attention moves the next-token law by a total variation of
+    0.05-0.08, and a law read without it made the server's rows differ, a draft model or not."""
 
     def __init__(self, target, draft: str | None = None, draft_max: int = 4, name: str = "llama-server-draft"):
         from ..bench.peers import llama_server_binary  # noqa: PLC0415
@@ -204,6 +209,8 @@ class LlamaServerAdapter(LlamaCppAdapter):
         self.draft, self.draft_max = draft or self.path, draft_max
         self.note = f"-md {self.draft.rsplit('/', 1)[-1]} (greedy drafts) on {self.path.rsplit('/', 1)[-1]}"
         self._server, self._port, self.process = None, None, None
+        self.flash_attn = True  # the server runs with -fa on, so its law is read with flash attention on too
+        self.cache_prompt = True  # each request reuses the slot's cache of the prompt (False: evaluates it anew)
 
     def _start(self) -> int:
         import contextlib  # noqa: PLC0415
@@ -216,7 +223,7 @@ class LlamaServerAdapter(LlamaCppAdapter):
             command = [self.binary, "-m", self.path, "-md", self.draft, "--spec-type", "draft-simple",
                        "--spec-draft-n-max", str(self.draft_max), "--spec-draft-n-min", "0", "--draft-p-min", "0",
                        "--host", "127.0.0.1", "--port", str(port), "-np", "1", "-c", "1024", "-t", threads, "-tb",
-                       threads, "-fa", "on", "--no-webui"]
+                       threads, "-fa", "on" if self.flash_attn else "off", "--no-webui"]
             self._server = contextlib.ExitStack()
             self.process = self._server.enter_context(server_process("llama-server-draft", command, port))
             self._port = port
@@ -229,7 +236,7 @@ class LlamaServerAdapter(LlamaCppAdapter):
 
         body = {"prompt": list(prompt), "n_predict": k + 1, "temperature": float(sampling.temperature),
                 "top_k": sampling.top_k, "top_p": sampling.top_p, "min_p": 0.0, "typical_p": 1.0,
-                "repeat_penalty": 1.0, "seed": seed, "return_tokens": True, "cache_prompt": True}
+                "repeat_penalty": 1.0, "seed": seed, "return_tokens": True, "cache_prompt": self.cache_prompt}
         conn = http.client.HTTPConnection("127.0.0.1", self._start(), timeout=120)
         try:
             conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
