@@ -2092,7 +2092,8 @@ def audit_engines_section() -> list[str]:
             + f", and {len(controls) - len(missed)} of {len(controls)} control rows are flagged"
             + (f" (missed: {', '.join(c.engine for c in missed)}: the report is invalid)" if missed else "")
             + (f". At this N the test detects total variations of {min(detect):.3f}-{max(detect):.3f} shaped "
-               "like a temperature fault; smaller faults can pass." if detect else "."), ""] + _served_bf16()
+               "like a temperature fault; smaller faults can pass." if detect else "."), ""] + _served_bf16() \
+        + _llama_server_flash()
 
 
 def _served_bf16() -> list[str]:
@@ -2114,6 +2115,36 @@ def _served_bf16() -> list[str]:
             "tokens a sample (results/audit_engines/serve_default_plan.jsonl.gz, at git 465366a: same law at both "
             "temperatures), too few to test its speculation.", "",
             format_checks(checks), ""]
+
+
+def _llama_server_flash() -> list[str]:
+    """llama-server's first rows, its law read without the flash attention the server runs with: a law that differs,
+    found, and where the difference comes from (results/llama_flash_attention_law.json)."""
+    from verispec.audit.engines import EngineCheck, format_checks
+
+    rows = audit_rows("llama_server_fa_off_law")
+    path = ROOT / "results" / "llama_flash_attention_law.json"
+    if not rows or not path.exists():
+        return []
+    rep = json.loads(path.read_text())
+    fields = set(EngineCheck.__dataclass_fields__)
+    checks = [EngineCheck(**{k: v for k, v in r.items() if k in fields}) for r in rows]
+    tvs = [r[f"tv_T{t}"] for r in rep["rows"] for t in ("1", "0.6")]
+    first = rep["rows"][0]
+    top = first["top_T1"][0]
+    served = dict(first.get("server_top_T1", {}))
+    on = next((pr for tok, pr in served.get("fa on", []) if tok == top[0]), None)
+    return ["llama-server-draft's rows were first made against a law read by llama-cpp-python with flash attention "
+            "off, while the server ran with it on (`-fa on`, as verispec runs llama.cpp: design.md, \"llama.cpp with "
+            "flash attention on\"), at git " + rows[0]["git"] + ". Three of four rows differed. So did the same "
+            "server with no draft model at all, on the first token alone, which no draft touches (T = 0.6 and 1, "
+            "N = 3,000). The difference is the flash attention: on this GGUF file llama.cpp's next-token law with "
+            f"it and without it are {min(tvs):.3f}-{max(tvs):.3f} apart in total variation on the two prompts at T = 1 "
+            f"and 0.6 (made by {provenance(path, 'python scripts/experiments/llama_flash_attention_law.py', rep)}); "
+            f"after 'Name an animal.' the likeliest token has probability {top[1]:.3f} without it and {top[2]:.3f} with "
+            "it" + (f", and the server itself reports {on:.3f} with `-fa on`" if on is not None else "")
+            + ". The rows in the table above read the law with flash attention on, as the server computes it. The "
+            "first rows:", "", format_checks(checks), ""]
 
 
 def render(figs: Path = ROOT / "docs" / "figures") -> str:

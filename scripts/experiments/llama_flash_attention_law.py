@@ -31,7 +31,9 @@ from verispec import load  # noqa: E402
 from verispec.bench.peers import gguf_path, llama_model, llama_server_binary, lookup_draft  # noqa: E402
 from verispec.bench.records import git_revision, machine  # noqa: E402
 from verispec.bench.serving import free_port, server_process  # noqa: E402
-from verispec.cli import AUDIT_PROMPTS  # noqa: E402
+
+
+PROMPTS = ("Name an animal.", "Continue the pattern: red, blue, red, blue, red,")  # ``audit-engine``'s defaults
 
 
 def logits(path: str, prompt: list[int], flash: bool) -> torch.Tensor:
@@ -64,7 +66,7 @@ def main() -> None:
     target = load("smollm2-135m", dtype="float32")
     path, binary = gguf_path(target.name), llama_server_binary()
     rows = []
-    for i, text in enumerate(AUDIT_PROMPTS):
+    for i, text in enumerate(PROMPTS):
         prompt = target.encode_prompt(text)
         x = {flash: logits(path, prompt, flash) for flash in (True, False)}
         row = {"prompt": i, "text": text}
