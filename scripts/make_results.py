@@ -244,7 +244,8 @@ SPEED_XEON_LEAD = (
 
 # the same on the same Intel Xeon after the head's own layers began to draft from Q8_0 blocks (3a1f88e)
 RUNS["speed_q8"] = RUNS["speed_xeon"]
-SPEED_Q8_HEADING = "## Speculation's own share on an Intel Xeon, the head from Q8_0 blocks, in three rounds (2026-12-07)"
+SPEED_Q8_HEADING = ("## Speculation's own share on an Intel Xeon, the head from Q8_0 blocks, in three rounds "
+                    "(2026-12-07)")
 SPEED_Q8_LEAD = (
     PROSE["SPEED_Q8_LEAD 0"],
 )

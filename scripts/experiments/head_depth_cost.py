@@ -120,8 +120,8 @@ def main() -> None:
               "target_row_ms": 1000 * statistics.median(target_ms), "rows": rows}
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     for r in rows:
-        print(f"{r['weights']:15s} {r['part']:45s} {r['bytes'] / 1e6:6.1f} MB  warm {r['warm']:.3f} ms  after a target forward "
-              f"{r['after a target forward']:.3f} ms")
+        print(f"{r['weights']:15s} {r['part']:45s} {r['bytes'] / 1e6:6.1f} MB  warm {r['warm']:.3f} ms  "
+              f"after a target forward {r['after a target forward']:.3f} ms")
     print(f"target row: {report['target_row_ms']:.2f} ms")
 
 

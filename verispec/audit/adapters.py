@@ -210,7 +210,6 @@ class LlamaServerAdapter(LlamaCppAdapter):
         self.note = f"-md {self.draft.rsplit('/', 1)[-1]} (greedy drafts) on {self.path.rsplit('/', 1)[-1]}"
         self._server, self._port, self.process = None, None, None
         self.flash_attn = True  # the server runs with -fa on, so its law is read with flash attention on too
-        self.cache_prompt = True  # each request reuses the slot's cache of the prompt (False: evaluates it anew)
 
     def _start(self) -> int:
         import contextlib  # noqa: PLC0415
@@ -236,7 +235,7 @@ class LlamaServerAdapter(LlamaCppAdapter):
 
         body = {"prompt": list(prompt), "n_predict": k + 1, "temperature": float(sampling.temperature),
                 "top_k": sampling.top_k, "top_p": sampling.top_p, "min_p": 0.0, "typical_p": 1.0,
-                "repeat_penalty": 1.0, "seed": seed, "return_tokens": True, "cache_prompt": self.cache_prompt}
+                "repeat_penalty": 1.0, "seed": seed, "return_tokens": True, "cache_prompt": True}
         conn = http.client.HTTPConnection("127.0.0.1", self._start(), timeout=120)
         try:
             conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})

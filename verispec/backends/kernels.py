@@ -142,8 +142,8 @@ def q8_0_values(weight: torch.Tensor) -> torch.Tensor:
     each weight / d (in [-128, 127]), products exact in float32. What ``pack_exact`` packs back into those blocks:
     1.125 bytes a weight where float16 panels take 2 (``native_rows``)."""
     if weight.dim() != 2 or weight.shape[1] % 32 or weight.dtype != torch.float32:
-        raise ValueError(f"Q8_0 blocks round a float32 [N, K] weight with K a multiple of 32, not {tuple(weight.shape)} "
-                         f"{weight.dtype}")
+        raise ValueError("Q8_0 blocks round a float32 [N, K] weight with K a multiple of 32, not "
+                         f"{tuple(weight.shape)} {weight.dtype}")
     blocks = weight.reshape(-1, 32)
     d = (blocks.abs().amax(1, keepdim=True) / 127).half().float()
     q = torch.round(blocks / torch.where(d > 0, d, torch.ones_like(d))).clamp_(-128, 127)
