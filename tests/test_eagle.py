@@ -283,6 +283,61 @@ def test_the_shipped_way_a_head_drafts_from_q8_0_blocks_and_stays_exact(tmp_path
     assert out.token_ids == ar.token_ids
 
 
+def test_a_depth_in_one_native_call_computes_what_the_forward_does(tmp_path, monkeypatch):
+    """``EagleHead.depth`` (the fused input, decoder layer, norm and output layer of ``native.layer``'s ``draft_depth``)
+    gives the logits and hidden states of ``lm.forward`` on the head's input, for a prefill of committed pairs (the
+    target's three fused features) and for a level of drafted nodes (the head's own outputs), and leaves the head's
+    cache as that does; it declines rows beyond the float32 attention kernel's (the caller runs the forward), and
+    greedy decoding through it is plain decoding's text."""
+    import verispec.eagle.head as eagle
+    from verispec.backends import native
+    from verispec.drafters import build_drafter
+
+    target = tiny_model("llama", head_dim=64)
+    monkeypatch.setattr(eagle, "HEADS_DIR", tmp_path)
+    EagleHead(target, feature_layers=(1, 3, -1)).save(tmp_path / f"{target.name}.pt", {"target": target.name},
+                                                      half=False)
+    drafter = build_drafter("eagle", target)
+    head = drafter.head
+    prompt = [5, 17, 33, 8, 61, 42, 9, 70, 11, 3, 25, 44, 19, 27, 50, 6, 81, 30, 2, 14, 7]
+    feats = target.prefill_output(target.new_state(), prompt, features=head.feature_layers).hidden
+    if native.layer() is None:
+        assert head.depth(head.lm.new_state(), torch.tensor(prompt[1:3]), torch.arange(2),
+                          torch.ones(2, 2, dtype=torch.bool).tril(), feats[:2], True, 1) is None
+        pytest.skip("the native decoder layer kernel cannot be built here (a C++ compiler, ninja, AVX2, FMA, F16C)")
+    with torch.inference_mode():
+        for n in (1, 4):
+            ref, fused = head.lm.new_state(), head.lm.new_state()
+            tokens = torch.tensor(prompt[1:n + 1])
+            want = head.lm.prefill_output(ref, tokens, head.target_inputs(feats[:n], tokens))
+            got = head.depth(fused, tokens, torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(), feats[:n],
+                             True, n - 1)
+            assert got is not None and fused.pending == n
+            head.lm.commit(fused, list(range(n)))
+            assert got.logits.shape == want.logits.shape == (1, 97)
+            assert torch.allclose(got.logits, want.logits, atol=1e-5)
+            assert torch.allclose(got.hidden, want.hidden, atol=1e-5)
+            parent = want.hidden[-1:].expand(3, -1)
+            nodes = torch.tensor([5, 9, 12])
+            positions = torch.tensor([n, n, n + 1])
+            attend = torch.tensor([[1, 0, 0], [0, 1, 0], [1, 0, 1]], dtype=torch.bool)
+            want = head.lm.forward(ref, nodes, positions, attend, head.draft_inputs(parent, nodes))
+            got = head.depth(fused, nodes, positions, attend, parent, False, 0)
+            assert got.logits.shape == want.logits.shape == (3, got.logits.shape[1])
+            assert torch.allclose(got.logits, want.logits, atol=1e-5) and torch.allclose(got.hidden, want.hidden,
+                                                                                          atol=1e-5)
+            assert fused.pending == ref.pending == 3
+            assert [layer._len for layer in fused.cache.layers] == [layer._len for layer in ref.cache.layers]
+        long = torch.tensor(prompt[1:20])
+        assert head.depth(head.lm.new_state(), long, torch.arange(19), torch.ones(19, 19, dtype=torch.bool).tril(),
+                          feats[:19], True, 18) is None
+    ar = generate(target, NoDrafter(), get_verifier("chain"), prompt, tree=Tree.root_only(), max_new_tokens=24,
+                  temperature=0.0)
+    out = generate(target, drafter, get_verifier("chain"), prompt, tree=Tree.chain(3), policy="fixed",
+                   max_new_tokens=24, temperature=0.0)
+    assert out.token_ids == ar.token_ids
+
+
 def test_a_head_drafts_only_in_its_targets_dtype():
     """The head's body shares the target's embedding table: casting it to another dtype would change the target."""
     target = tiny_model("llama")

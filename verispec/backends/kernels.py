@@ -156,10 +156,17 @@ def native_rows(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     where it was (``_pack_exact``), else float32 -- or, where the module is marked ``_verispec_half``
     (``use_fast_linear(half=True)``, a draft's rounding allowed), float16 panels instead of float32 ones (half the
     bytes to read, the same results for a weight of float16 values)."""
-    kernel = native.linear()
+    panels, n, _ = native_args(module)
+    return native.linear().linear(x.contiguous(), panels, n, module.bias)
+
+
+def native_args(module: nn.Module) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """What ``native_rows`` passes the native kernel for ``module``: its panels, output width and bias (an empty
+    tensor where it has none), for a native call that runs the layer itself (``native.layer``'s ``draft_depth``)."""
     half = bool(module.__dict__.get("_verispec_half"))
     panels = _prepacked(module, functools.partial(_pack_exact, half=half), "native-half" if half else "native")
-    return kernel.linear(x.contiguous(), panels, module.weight.shape[0], module.bias)
+    bias = module.bias
+    return panels, module.weight.shape[0], torch.empty(0) if bias is None else bias.detach()
 
 
 def native_calls(groups: list[tuple[nn.Module, ...]]) -> list[list[tuple]] | None:

@@ -422,12 +422,7 @@ class LeanLlama:
             attend = (*pooled["fill"], pooled["visible"], pooled["limits"], pooled["span"])
             after = None
         elif pooled is None and len(caches) == 1 and fill[0] is not None:
-            layers = caches[0].layers
-            probe = x.new_empty(self.kv_heads, x.shape[0], self.head_dim)  # the new keys' shape, for the room
-            need = [layer.room(probe, self.head_dim) for layer in layers][0]
-            bufs = ([layer._kbuf for layer in layers], [layer._vbuf for layer in layers])
-            attend = (*fill[0], masks[0][None], limits[0], need)
-            after = need
+            bufs, attend, after = self._own_attend(caches[0], x.shape[0], fill[0], masks[0], limits[0])
         else:
             return None
         norms = [p[k]._parameters["weight"] for p in parts for k in (0, 5)]
@@ -437,6 +432,52 @@ class LeanLlama:
             for layer in caches[0].layers:
                 layer._set_length(after)
         return outs
+
+    def _own_attend(self, cache: LeanCache, rows: int, fill: tuple, mask: torch.Tensor, limits: torch.Tensor
+                    ) -> tuple[tuple, tuple, int]:
+        """``layers_kernel``'s key and value buffers and attention arguments for one sequence's ``rows`` new rows on
+        its own cache (``fill``, ``mask`` and ``limits`` as ``_fill``, ``_invariant_mask`` and ``_limits`` make them),
+        with room made for the new entries, and the cache's length after them (set once the call has written them)."""
+        layers = cache.layers
+        probe = torch.empty(self.kv_heads, rows, self.head_dim, dtype=self.cache_dtype)  # the new keys' shape
+        need = [layer.room(probe, self.head_dim) for layer in layers][0]
+        bufs = ([layer._kbuf for layer in layers], [layer._vbuf for layer in layers])
+        return bufs, (*fill, mask[None], limits, need), need
+
+    def draft_depth(self, cache: LeanCache, positions: torch.Tensor, visible: torch.Tensor, inputs: tuple,
+                    first: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A draft head's depth in one native call (``native.layer``'s ``draft_depth``): ``inputs`` its input's
+        arguments (``EagleHead.depth``: the features or parent outputs, the fuse's slices and call, the embedding
+        table, the tokens and the fc's call), then this model's decoder layers on ``cache`` (the new rows at
+        ``positions``, each seeing ``visible [n, cached + n]``), its final norm and its output layer on rows
+        ``first``... Returns (those rows' logits, every row's final-normed hidden state), as ``forward`` with the
+        head's input as ``inputs_embeds`` gives them to float rounding; None where that call does not run here (no
+        native kernels, a bfloat16 model, more rows than the float32 attention kernel takes, layers or an output head
+        whose linear layers are not all on the native kernel): the caller then runs ``forward``."""
+        n = int(positions.shape[0])
+        head = self.hf.get_output_embeddings()
+        weight = getattr(head, "weight", None)
+        if self.layers_kernel is None or self.fused is None or n > self.POOLED_ROWS or self.dtype != torch.float32 \
+                or not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 \
+                or getattr(head, "bias", None) is not None:
+            return None
+        parts = self._parts()
+        if self._native_calls(parts, n) is None or self._layer_args is None:
+            return None
+        if int(positions.max()) < self.cos.shape[0]:
+            cos, sin = self.cos[positions], self.sin[positions]
+        else:
+            cos, sin = self._rotary(positions)
+        mask = visible.contiguous()
+        bufs, attend, after = self._own_attend(cache, n, self._fill(cache, n), mask, self._limits(mask[None, None]))
+        norms = [p[k]._parameters["weight"] for p in parts for k in (0, 5)]
+        panels, width, _ = kernels.native_args(head)
+        logits, hidden = self.layers_kernel.draft_depth(
+            *inputs, norms, self.eps, *self._layer_args, self.heads, self.kv_heads, cos.contiguous(), sin.contiguous(),
+            *bufs, *attend, self.head_dim ** -0.5, self.base.norm._parameters["weight"], panels, width, first)
+        for layer in cache.layers:
+            layer._set_length(after)
+        return logits, hidden
 
     @staticmethod
     def _plain_causal(visible: torch.Tensor) -> bool:

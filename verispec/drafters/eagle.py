@@ -110,13 +110,21 @@ class EagleDrafter(Drafter):
         if inp is None:
             return None
         tokens, feats = inp
-        return self._root_output(self.lm.prefill_output(self.state, tokens, self.head.target_inputs(feats, tokens)))
+        n, st = len(tokens), self.state  # a prefill of the pairs, in one native call where it runs
+        out = self.head.depth(st, tokens, torch.arange(st.committed, st.committed + n),
+                              torch.ones(n, n, dtype=torch.bool).tril(), feats, True, n - 1)
+        if out is None:
+            return self._root_output(self.lm.prefill_output(st, tokens, self.head.target_inputs(feats, tokens)))
+        self.lm.commit(st, list(range(n)))
+        return self._root_output(out)
 
     @torch.inference_mode()
     def _node_logits(self, g: _Growing, nodes: list[int]) -> torch.Tensor:
         tokens, positions, attend, hidden = self._node_input(g, nodes)
-        embeds = self.head.draft_inputs(hidden, tokens)
-        return self._node_output(nodes, self.lm.forward(self.state, tokens, positions, attend, embeds))
+        out = self.head.depth(self.state, tokens, positions, attend, hidden, False, 0)
+        if out is None:
+            out = self.lm.forward(self.state, tokens, positions, attend, self.head.draft_inputs(hidden, tokens))
+        return self._node_output(nodes, out)
 
     @classmethod
     @torch.inference_mode()

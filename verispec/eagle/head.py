@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..backends import CausalLM, kernels, native
+from ..backends.base import ForwardOutput
 from ..errors import VerispecError
 
 FORMAT = 2  # format 1 (last-layer features only) still loads
@@ -189,6 +190,34 @@ class EagleHead(nn.Module):
     def draft_inputs(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Inputs for drafted pairs (the head's own output at the parent ``[..., H]``, the drafted token)."""
         return self.fc(torch.cat([hidden, self._embed(tokens, hidden.dtype)], dim=-1))
+
+    def depth(self, state, tokens: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor, given: torch.Tensor,
+              features: bool, first: int) -> ForwardOutput | None:
+        """A depth of drafting in one native call where it runs (``LeanLlama.draft_depth``): the head's input from
+        ``given`` -- the target's features at committed pairs (``features``: ``target_inputs``) or the head's own
+        outputs at drafted nodes' parents (``draft_inputs``) -- and ``tokens``, then ``lm.forward``'s work on those
+        rows: appended to ``state`` as pending entries at ``positions``, each seeing ``attend [n, pending + n]``, logits
+        from row ``first`` on. The same output as ``lm.forward`` on ``target_inputs`` / ``draft_inputs`` to float
+        rounding (bit for bit where the kernel plan runs the native kernel for these rows, as it does for a few:
+        ``tests/test_eagle.py``), with one call where that path makes some 15 and their Python (results.md, "What a
+        depth of the draft head costs"). None where it does not run (a bfloat16 target, no native kernels, a head not
+        on the kernel plan, more rows than the float32 attention kernel takes): the caller then runs ``lm.forward``."""
+        lean = self.lm._lean
+        if lean is None or self.fc.weight.dtype != torch.float32 or "_verispec_plan" not in self.fc.__dict__:
+            return None
+        chunks = len(self.feature_layers) if features and self.fuse is not None else 1
+        none = torch.empty(0)
+        fuse = kernels.native_args(self.fuse)[:2] if chunks > 1 else (none, 0)
+        fc = kernels.native_args(self.fc)
+        n = int(tokens.shape[0])
+        visible = torch.cat([torch.ones(n, state.committed, dtype=torch.bool), attend], dim=1)
+        table = self.target.hf.get_input_embeddings().weight
+        inputs = (given.float(), chunks, *fuse, table, tokens, *fc)
+        out = lean.draft_depth(state.cache, positions, visible, inputs, first)
+        if out is None:
+            return None
+        state.pending_positions.extend(positions.tolist())
+        return ForwardOutput(logits=out[0], hidden=out[1])
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The head's logits over the target's whole vocabulary (-inf outside a restricted vocabulary)."""

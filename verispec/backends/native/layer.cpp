@@ -203,9 +203,48 @@ std::vector<Tensor> layers(Tensor x, const std::vector<Tensor>& norms, double ep
   return out;
 }
 
+// A draft head's depth in one call (``EagleHead.depth``): its input, its decoder layers (``layers`` above), its final
+// norm and its output layer, with the Python between them gone. The input of each new row is ``fc([g; e])``: ``g`` the
+// rows of ``g_in`` -- the target's features, each of ``chunks`` equal slices scaled to unit RMS and mapped by
+// ``fuse`` (``unit_rms`` and ``fuse`` of head.py, in torch's arithmetic), where ``chunks`` > 1; else as given (the
+// target's last features, or the head's own output at a drafted node's parent) -- and ``e`` the rows of ``table`` at
+// ``tokens``. ``fuse``, ``fc`` and ``out`` are the native kernel's calls (panels, output width, bias: an empty tensor,
+// none), as ``kernels.native_args`` makes them, so each product is the one the module's own call gives. The output
+// layer runs on rows ``from``.. only. Returns the logits of those rows and every row's final-normed hidden state.
+std::vector<Tensor> draft_depth(const Tensor& g_in, int64_t chunks, const Tensor& fuse_panels, int64_t fuse_n,
+                                const Tensor& table, const Tensor& tokens, const Tensor& fc_panels, int64_t fc_n,
+                                const Tensor& fc_bias, const std::vector<Tensor>& norms, double eps,
+                                const std::vector<Tensor>& panels, const std::vector<Tensor>& biases,
+                                const std::vector<int64_t>& widths, int64_t heads, int64_t kv_heads, const Tensor& cos,
+                                const Tensor& sin, const std::vector<Tensor>& kbufs, const std::vector<Tensor>& vbufs,
+                                const Tensor& slot, const Tensor& pos, const Tensor& row, const Tensor& visible,
+                                const Tensor& limits, int64_t span, double scale, const Tensor& norm,
+                                const Tensor& out_panels, int64_t out_n, int64_t from) {
+  TORCH_CHECK(g_in.dim() == 2 && g_in.scalar_type() == torch::kFloat, "g_in: float32 [R, F]");
+  TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) == g_in.size(0), "one token per row");
+  TORCH_CHECK(0 <= from && from < g_in.size(0), "logits from a row of the depth");
+  Tensor g = g_in.contiguous();
+  if (chunks > 1) {
+    TORCH_CHECK(g.size(1) % chunks == 0, "g_in: chunks equal slices");
+    Tensor parts = g.view({g.size(0), chunks, g.size(1) / chunks});
+    parts = parts * torch::rsqrt(parts.pow(2).mean(-1, true) + 1e-6);
+    g = linear(parts.reshape({g.size(0), g.size(1)}).contiguous(), fuse_panels, fuse_n, torch::empty({0}));
+  }
+  const Tensor e = table.index_select(0, tokens);
+  const Tensor x = linear(torch::cat({g, e}, 1).contiguous(), fc_panels, fc_n, fc_bias);
+  const std::vector<int64_t> none;
+  const Tensor last = layers(x, norms, eps, panels, biases, widths, heads, kv_heads, cos, sin, kbufs, vbufs, slot, pos,
+                             row, visible, limits, span, scale, none).back();
+  const Tensor h = rms_norm(last, norm, eps);
+  const Tensor logits = linear(h.narrow(0, from, h.size(0) - from).contiguous(), out_panels, out_n, torch::empty({0}));
+  return {logits, h};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "the lean forward's float32 RMS norm of each row, in a fixed order");
   m.def("silu_mul", &silu_mul, "the lean forward's float32 SiLU(gate) * up, in a fixed arithmetic");
   m.def("layers", &layers, "float32 decoder layers: norms, linear calls, rotary positions, attention, residuals",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("draft_depth", &draft_depth, "a float32 draft head's depth: input, decoder layers, final norm, output layer",
         py::call_guard<py::gil_scoped_release>());
 }
