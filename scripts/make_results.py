@@ -1329,9 +1329,12 @@ def head_section(figs: Path) -> list[str]:
                 + f" | {1000 * tune['draft_s_per_depth']:.1f} |", "",
                 f"Per-candidate acceptance of the head's top-k tree on held-out Spec-Bench questions: "
                 f"{', '.join(f'{x:.3f}' for x in tune['conditional_acceptance'])} (the head's 1st, 2nd, ... choice among "
-                f"a node's children, each given the ones before it were rejected); tuned tree "
+                f"a node's children, each given the ones before it were rejected); best tree "
                 f"`{tune['best']['tree']}` (predicted {tune['best']['accepted']:.2f} tokens per step, "
-                f"{tune['best']['predicted_speedup']:.2f}x over plain decoding).", ""]
+                f"{tune['best']['predicted_speedup']:.2f}x over plain decoding)"
+                + (f"; best chain `{tune['best_chain']['tree']}` ({tune['best_chain']['accepted']:.2f} tokens, "
+                   f"{tune['best_chain']['predicted_speedup']:.2f}x), the shipped tree (the methods that draft the "
+                   "tuned tree verify a chain)" if "best_chain" in tune else "") + ".", ""]
         if tune.get("step_costs_from") == "loop":
             costs, parts = tune["step_costs"][1:], tune["step_costs_by_parts"][1:]
             out += [f"A step drafting a chain of 1..{len(costs)} tokens costs {', '.join(f'{c:.2f}' for c in costs)} "

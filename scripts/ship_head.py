@@ -40,7 +40,7 @@ def main() -> None:
         sidecar = HEADS_DIR / f"{args.target}.json"
         info = json.loads(sidecar.read_text())
         tune = json.loads(Path(args.retune).read_text())
-        info.update(default_tree=tune["best"]["tree"], step_costs=tune["step_costs"], default_tree_from=args.retune)
+        info.update(default_tree=default_tree(tune), step_costs=tune["step_costs"], default_tree_from=args.retune)
         sidecar.write_text(json.dumps(info, indent=1) + "\n")
         print(f"{sidecar}: default tree {info['default_tree']}, step costs {info['step_costs']}")
         return
@@ -85,11 +85,17 @@ def main() -> None:
         info["agreement_from"] = args.agreement
     if args.tune:
         tune = json.loads(Path(args.tune).read_text())
-        info["default_tree"] = tune["best"]["tree"]
+        info["default_tree"] = default_tree(tune)
         info["step_costs"] = tune["step_costs"]
         info["default_tree_from"] = args.tune
     (HEADS_DIR / f"{args.target}.json").write_text(json.dumps(info, indent=1) + "\n")
     print(json.dumps({k: v for k, v in info.items() if k != "agreement"}, indent=1))
+
+
+def default_tree(tune: dict) -> str:
+    """The tree ``--tree auto`` drafts: the best chain of a ``tune-tree`` report (the methods that draft the tuned tree,
+    ``default`` and ``auto-gate``, verify a chain), or its best tree where the report predates ``best_chain``."""
+    return tune.get("best_chain", tune["best"])["tree"]
 
 
 if __name__ == "__main__":

@@ -818,7 +818,7 @@ def cmd_tune_tree(args) -> int:
     report = tune_tree(target, drafter, temperature=args.temperature, children=args.children, prompts=args.prompts,
                        max_new_tokens=args.max_new_tokens, width=args.width, max_nodes=args.max_nodes,
                        max_depth=args.max_depth, log=lambda m: print(m, file=sys.stderr))
-    report.update(command=args.command_line, git=git_revision())  # where the figures came from
+    report.update(command=args.command_line, git=git_revision(), machine=machine())  # where the figures came from
     if out is not None:
         out.write_text(json.dumps(report, indent=1))
     print(report["best"]["tree"])
