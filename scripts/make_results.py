@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from verispec import cli
 from verispec.bench.plots import categories, latency, per_candidate, width
-from verispec.bench.records import Results
+from verispec.bench.records import NO_DRAFT, Results
 from verispec.bench.report import (
     shadow_summary,
     share_of_bias_gain,
@@ -249,7 +249,17 @@ SPEED_Q8_HEADING = ("## Speculation's own share on an Intel Xeon, the head from 
 SPEED_Q8_LEAD = (
     PROSE["SPEED_Q8_LEAD 0"],
 )
-XEON_SHARE = ("speed_q8", SPEED_Q8_HEADING)  # the share on the Intel Xeon that "Where it stands" reads
+
+# the same on an AVX-512 AMD EPYC after a head depth went into one native call and the head's step costs and tree were
+# measured again (ee59eb8)
+RUNS["speed_fused"] = RUNS["speed_xeon"]
+SPEED_FUSED_HEADING = ("## Speculation's own share on an AVX-512 AMD EPYC, a head depth in one native call, in three "
+                       "rounds (2026-12-08)")
+SPEED_FUSED_LEAD = (
+    PROSE["SPEED_FUSED_LEAD 0"],
+)
+# the latest share run on each CPU, newest first, that "Where it stands" reads
+SHARE_RUNS = (("speed_fused", SPEED_FUSED_HEADING), ("speed_q8", SPEED_Q8_HEADING))
 
 # every speed run, oldest first: (run, figure tag, heading, lead); "" and () give speed_section's own. The last
 # LATEST_SPEED are the page's first sections after "Where it stands"; the others open Earlier runs, in this order.
@@ -265,9 +275,10 @@ SPEED_RUNS = (("speed", "", "", ()), ("speed_bf16", "", "", ()),
                   ("speed_seeds", SPEED_SEEDS_HEADING, SPEED_SEEDS_LEAD),
                   ("speed_prompt", SPEED_PROMPT_HEADING, SPEED_PROMPT_LEAD),
                   ("speed_xeon", SPEED_XEON_HEADING, SPEED_XEON_LEAD),
+                  ("speed_fused", SPEED_FUSED_HEADING, SPEED_FUSED_LEAD),
                   ("speed_q8", SPEED_Q8_HEADING, SPEED_Q8_LEAD),
                   ("speed_rounds", SPEED_ROUNDS_HEADING, SPEED_ROUNDS_LEAD))))
-LATEST_SPEED = 2  # the Xeon's latest share run, then the rounds beside every peer ("Where it stands" reads the last)
+LATEST_SPEED = 3  # the latest share run of each CPU, then the rounds beside every peer ("Where it stands": the last)
 
 
 # free draft sources (issue 66): each alone under `default`, on Spec-Bench and on the repetitive workload
@@ -1662,6 +1673,12 @@ def standing_section() -> list[str]:
                            and r["cell"]["draft"] == d] for d in ("auto", "ngram"))
             return fmt(*paired_ratio(mine, base), suffix="x")
 
+        def share(res: Results, t: float, decoding: bool = False) -> str:
+            kept, _ = usable(res)
+            mine, base = ([r for r in kept if r["cell"]["T"] == t and r["cell"]["method"] == m
+                           and r["cell"]["draft"] == d] for m, d in (("default", "auto"), ("ar", NO_DRAFT)))
+            return fmt(*paired_ratio(mine, base, decoding), suffix="x")
+
         def lowest(res: Results, t: float) -> str:
             cats = [r for r in summarize(res, by_category=True) if r.T == t and r.method == "default"
                     and r.draft == "auto" and r.category != "all"]
@@ -1675,6 +1692,8 @@ def standing_section() -> list[str]:
         body = [[what, *[default(res, t).show(metric, ".2f", "x") for t, (res, _) in runs.items()]]
                 for what, metric in against]
         body = [row for row in body if any(cell != "-" for cell in row[1:])]  # a peer the runs left out
+        body.insert(1, ["the same, decoding alone: each prompt's prefill (no draft shortens it) left out of both",
+                        *[share(res, t, decoding=True) for t, (res, _) in runs.items()]])
         body.append(["verispec's loop with prompt lookup alone: the head's share",
                      *[lookup_share(res, t) for t, (res, _) in runs.items()]])
         body.append(["the lowest Spec-Bench category against `generate`",
@@ -1690,12 +1709,17 @@ def standing_section() -> list[str]:
                 "From " + ("; ".join(f"T = {t:g}: {link(title)} ({_short(res)})" for t, (res, title) in runs.items())
                            if len({title for _, title in runs.values()}) > 1 else
                            f"{link(runs[0.0][1])} ({_short(runs[0.0][0])})") + ".", ""]
-        if path(XEON_SHARE[0]).exists():
-            xeon = Results.load(path(XEON_SHARE[0]))
-            out += ["On another CPU, " + ", ".join(
-                f"at T = {t:g} `default` {default(xeon, t).show('speedup_ar', '.2f', 'x')} `ar` and the head's share "
-                f"{lookup_share(xeon, t)}" for t in (0.0, 0.6)) + f" (three seeds as rounds; from "
-                f"{link(speed_title(xeon, XEON_SHARE[1]))}, {_short(xeon)}).", ""]
+        shares = [(Results.load(path(name)), heading) for name, heading in SHARE_RUNS if path(name).exists()]
+        if shares:
+            rows = [[f"{res.header.get('machine', {}).get('cpu', '?')}, git {res.header.get('git', '?')[:7]}",
+                     *[cell for t in (0.0, 0.6) for cell in (share(res, t), share(res, t, decoding=True),
+                                                             lookup_share(res, t))]] for res, _ in shares]
+            out += ["Speculation's own share, the latest run on each CPU (`default` against `ar` on the same prompts, "
+                    "three seeds as rounds; decoding alone leaves each prompt's prefill out of both; the head's share "
+                    "is `default` against `default` with prompt lookup alone):", "",
+                    markdown(["CPU", *[f"T = {t:g}: {what}" for t in (0.0, 0.6) for what in
+                                       ("tokens/s", "decoding alone", "the head's share")]], rows), "",
+                    "From " + "; ".join(f"{link(speed_title(res, heading))}" for res, heading in shares) + ".", ""]
     out += repeats_standing()
     plain = _latest_loops(None)
     if plain:
@@ -1790,38 +1814,42 @@ def verify_cost_section() -> list[str]:
             markdown(["verifier", *trees], [[rule, *(cell(rule, t) for t in trees)] for rule in rules]), ""]
 
 
+HEAD_DEPTH_COSTS = ("head_depth_cost_fused.json", "head_depth_cost.json")  # newest first: one table each
+
+
 def head_depth_cost_section() -> list[str]:
     """What a depth of the shipped head costs, part by part, warm and right after a target forward, its layers from
-    float16 panels and from Q8_0 blocks (results/head_depth_cost.json, made by
-    scripts/experiments/head_depth_cost.py)."""
+    float16 panels and from Q8_0 blocks (``HEAD_DEPTH_COSTS`` in results/, made by
+    scripts/experiments/head_depth_cost.py on each machine)."""
     from verispec.bench.report import markdown
 
-    path = ROOT / "results" / "head_depth_cost.json"
-    if not path.exists():
+    reports = [(p, json.loads(p.read_text())) for p in (ROOT / "results" / name for name in HEAD_DEPTH_COSTS)
+               if p.exists()]
+    if not reports:
         return []
-    rep = json.loads(path.read_text())
-    kinds = list(dict.fromkeys(r["weights"] for r in rep["rows"]))
-    parts = list(dict.fromkeys(r["part"] for r in rep["rows"]))
-    by = {(r["weights"], r["part"]): r for r in rep["rows"]}
-    body = [[part, *(f"{by[k, part]['bytes'] / 1e6:.1f} MB: {by[k, part]['warm']:.2f} / "
-                     f"{by[k, part]['after a target forward']:.2f} ms" for k in kinds)] for part in parts]
-    whole = {k: by[k, parts[-1]] for k in kinds}
-    slow, fast = (whole[k]["after a target forward"] for k in kinds)
-    return ["### What a depth of the draft head costs", "",
-            f"Made by {provenance(path, 'python scripts/experiments/head_depth_cost.py', rep)}. Each cell: the bytes of "
-            "the packed weights the part reads, then its time at one sequence with those weights in the caches "
-            "(`warm`: the same call just before) / right after one decoding row of the target "
-            f"({rep['target_row_ms']:.1f} ms, a {rep['context']}-token context), as in a decoding step; medians of "
-            f"{rep['repeats']}, the two heads taking turns. The head's own layers (`fuse` and `fc`, its decoder layer) "
-            "read from " + " and from ".join(kinds) + " (`EagleHead.draft_from_blocks`, what `build_drafter` drafts "
-            "with); its output layer is the target's own Q8_0 rows of the 16,384 tokens it drafts, in both.", "",
-            markdown(["part", *kinds], body), "",
-            f"The loop meets the head after a target forward: a first depth costs {slow:.2f} ms from "
-            f"{kinds[0]} and {fast:.2f} ms from {kinds[1]}, "
-            f"{whole[kinds[1]]['bytes'] / 1e6:.1f} MB read in that time; deeper depths of the same step find "
-            "the weights nearer (the warm column). The 0.6 ms a depth that issue 66 aims at would need the weights "
-            "to come from memory at " + f"{whole[kinds[1]]['bytes'] / 0.6e-3 / 1e9:.0f} GB/s, with nothing else to do.",
-            ""]
+    out = ["### What a depth of the draft head costs", "",
+           "Each cell: the bytes of the packed weights the part reads, then its time at one sequence with those "
+           "weights in the caches (`warm`: the same call just before) / right after one decoding row of the target, "
+           "as in a decoding step; medians, the two heads taking turns. The head's own layers (`fuse` and `fc`, its "
+           "decoder layer) read from float16 panels or from Q8_0 blocks (`EagleHead.draft_from_blocks`, what "
+           "`build_drafter` drafts with); its output layer is the target's own Q8_0 rows of the 16,384 tokens it "
+           "drafts, in both.", ""]
+    for path, rep in reports:
+        kinds = list(dict.fromkeys(r["weights"] for r in rep["rows"]))
+        parts = list(dict.fromkeys(r["part"] for r in rep["rows"]))
+        by = {(r["weights"], r["part"]): r for r in rep["rows"]}
+        body = [[part, *(f"{by[k, part]['bytes'] / 1e6:.1f} MB: {by[k, part]['warm']:.2f} / "
+                         f"{by[k, part]['after a target forward']:.2f} ms" for k in kinds)] for part in parts]
+        whole = {k: by[k, parts[-1]] for k in kinds}
+        out += [f"Made by {provenance(path, 'python scripts/experiments/head_depth_cost.py', rep)}: a target row "
+                f"{rep['target_row_ms']:.1f} ms on a {rep['context']}-token context, medians of {rep['repeats']}.", "",
+                markdown(["part", *kinds], body), "",
+                f"A first depth after a target forward: {whole[kinds[0]]['after a target forward']:.2f} ms from "
+                f"{kinds[0]}, {whole[kinds[1]]['after a target forward']:.2f} ms from {kinds[1]}, "
+                f"{whole[kinds[1]]['bytes'] / 1e6:.1f} MB read in that time. The 0.6 ms a depth that issue 66 aims at "
+                f"would need them from memory at {whole[kinds[1]]['bytes'] / 0.6e-3 / 1e9:.0f} GB/s, with nothing "
+                "else to do.", ""]
+    return out
 
 
 @functools.cache

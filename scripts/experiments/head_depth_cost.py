@@ -7,7 +7,8 @@ Q8_0 blocks (as ``build_drafter`` drafts with it, ``EagleHead.draft_from_blocks`
 
 Parts, each timed alone at one sequence (the median of ``--repeats``): the head's input (``fuse`` of the target's
 three feature layers and ``fc`` with the token's embedding), its output layer (16,384 rows), the head's model forward
-over one pair (its decoder layer, final norm and output layer), and a whole first depth as the loop asks for it
+over one pair (its decoder layer, final norm and output layer, as separate calls), all of those in one native call
+(``EagleHead.depth``, what the drafter runs), and a whole first depth as the loop asks for it
 (``propose_batch`` of a chain of 1: the input, the forward, the draft's law and draw). Each part runs ``warm`` (the
 same call just before, so its weights are cached) and ``after a target forward`` (one untimed decoding row of the
 target on a 256-token context just before each timed call, as in a decoding step). The bytes are those of the
@@ -77,7 +78,15 @@ def main() -> None:
         out_layer = head.lm.hf.get_output_embeddings()
         parts[kind, "input (fuse and fc)"] = lambda h=head: h.target_inputs(feats, token)
         parts[kind, "output layer"] = lambda o=out_layer: o(x)
-        parts[kind, "model forward (layer, norm, output layer)"] = lambda f=fork: f[0]._root_logits(context)
+        embeds = head.target_inputs(feats, token)
+
+        def forward(d=fork[0], e=embeds):  # the forward on the head's input, as separate calls
+            tokens, _ = d._root_input(context)
+            return d.lm.prefill_output(d.state, tokens, e)
+
+        parts[kind, "model forward (layer, norm, output layer)"] = forward
+        parts[kind, "the depth in one native call (input, layer, norm, output layer)"] = \
+            lambda f=fork: f[0]._root_logits(context)
         parts[kind, "first depth, whole (propose_batch)"] = lambda f=fork: _timed(f, context, 1, 1)
     times = {key: {"warm": [], "after a target forward": []} for key in parts}
     with torch.inference_mode():
@@ -91,7 +100,7 @@ def main() -> None:
                 t = time.perf_counter()
                 fn()
                 times[kind, name]["after a target forward"].append(time.perf_counter() - t)
-                if name.startswith("model forward"):
+                if name.startswith(("model forward", "the depth")):
                     forks[kind][0].commit(None, [])
         target_ms = []
         for _ in range(args.repeats):
@@ -109,6 +118,8 @@ def main() -> None:
         else:
             layer_bytes = packed_bytes([m for m in head.body.modules() if isinstance(m, torch.nn.Linear)])
         bytes_of["model forward (layer, norm, output layer)"] = layer_bytes + bytes_of["output layer"]
+        bytes_of["the depth in one native call (input, layer, norm, output layer)"] = \
+            layer_bytes + bytes_of["output layer"] + bytes_of["input (fuse and fc)"]
         bytes_of["first depth, whole (propose_batch)"] = layer_bytes + bytes_of["output layer"] + \
             bytes_of["input (fuse and fc)"]
         rows += [{"weights": kind, "part": name, "bytes": bytes_of[name],

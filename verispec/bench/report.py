@@ -97,12 +97,13 @@ def _key(r: dict) -> tuple:
     return r["cell"]["seed"], r["cell"]["prompt"]
 
 
-def paired_ratio(mine: list[dict], base: list[dict]) -> tuple[float, float, float]:
+def paired_ratio(mine: list[dict], base: list[dict], decoding: bool = False) -> tuple[float, float, float]:
     """tokens/s of ``mine`` over ``base`` (prompt records) on the (seed, prompt) cells both have, with a paired
     bootstrap interval: (estimate, low, high). At T = 0 every seed decodes the same text, so a prompt's seeds are one
     sample timed several times, not several samples: they are pooled into one pair per prompt (sums of tokens and of
     seconds) before resampling, which leaves the estimate as it is and keeps the interval from narrowing with
-    copies."""
+    copies. ``decoding``: each cell's time without its prompt's prefill (``prefill_s``, the target's forward over the
+    prompt, which no draft can shorten), for two methods of verispec's loop; NaN where a record lacks it."""
     theirs = {_key(r): r for r in base}
     pairs = [(r, theirs[_key(r)]) for r in mine if _key(r) in theirs]
     if not pairs:
@@ -111,10 +112,12 @@ def paired_ratio(mine: list[dict], base: list[dict]) -> tuple[float, float, floa
     for a, b in pairs:
         unit = (a["cell"]["prompt"],) if a["cell"].get("T") == 0 else _key(a)
         u = units.setdefault(unit, [0.0, 0.0, 0.0, 0.0])
+        if decoding and (a.get("prefill_s") is None or b.get("prefill_s") is None):
+            return NAN, NAN, NAN
         u[0] += a["tokens"]
-        u[1] += a["wall_s"]
+        u[1] += a["wall_s"] - (a["prefill_s"] if decoding else 0.0)
         u[2] += b["tokens"]
-        u[3] += b["wall_s"]
+        u[3] += b["wall_s"] - (b["prefill_s"] if decoding else 0.0)
     return ratio_of_rates(*(list(col) for col in zip(*units.values())))
 
 
