@@ -286,12 +286,16 @@ def test_the_shipped_way_a_head_drafts_from_q8_0_blocks_and_stays_exact(tmp_path
 def test_a_depth_in_one_native_call_computes_what_the_forward_does(tmp_path, monkeypatch):
     """``EagleHead.depth`` (the fused input, decoder layer, norm and output layer of ``native.layer``'s ``draft_depth``)
     gives the logits and hidden states of ``lm.forward`` on the head's input, for a prefill of committed pairs (the
-    target's three fused features) and for a level of drafted nodes (the head's own outputs), and leaves the head's
-    cache as that does; it declines rows beyond the float32 attention kernel's (the caller runs the forward), and
-    greedy decoding through it is plain decoding's text."""
+    target's three fused features) and for a level of drafted nodes (the head's own outputs), for one sequence and for
+    two in one call, and leaves the head's caches as the forward does; it declines rows beyond the float32 attention
+    kernel's (the caller runs the forward), and greedy decoding through it, alone and in a batch, is plain
+    decoding's text."""
     import verispec.eagle.head as eagle
     from verispec.backends import native
     from verispec.drafters import build_drafter
+    from verispec.engine import Engine, run_all
+    from verispec.methods import Recipe
+    from verispec.probs import Sampling
 
     target = tiny_model("llama", head_dim=64)
     monkeypatch.setattr(eagle, "HEADS_DIR", tmp_path)
@@ -301,41 +305,60 @@ def test_a_depth_in_one_native_call_computes_what_the_forward_does(tmp_path, mon
     head = drafter.head
     prompt = [5, 17, 33, 8, 61, 42, 9, 70, 11, 3, 25, 44, 19, 27, 50, 6, 81, 30, 2, 14, 7]
     feats = target.prefill_output(target.new_state(), prompt, features=head.feature_layers).hidden
+
+    def causal(n):
+        return torch.ones(n, n, dtype=torch.bool).tril()
+
     if native.layer() is None:
-        assert head.depth(head.lm.new_state(), torch.tensor(prompt[1:3]), torch.arange(2),
-                          torch.ones(2, 2, dtype=torch.bool).tril(), feats[:2], True, 1) is None
+        assert head.depth([head.lm.new_state()], [torch.tensor(prompt[1:3])], [torch.arange(2)], [causal(2)],
+                          feats[:2], True, True) is None
         pytest.skip("the native decoder layer kernel cannot be built here (a C++ compiler, ninja, AVX2, FMA, F16C)")
     with torch.inference_mode():
-        for n in (1, 4):
-            ref, fused = head.lm.new_state(), head.lm.new_state()
-            tokens = torch.tensor(prompt[1:n + 1])
-            want = head.lm.prefill_output(ref, tokens, head.target_inputs(feats[:n], tokens))
-            got = head.depth(fused, tokens, torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(), feats[:n],
-                             True, n - 1)
-            assert got is not None and fused.pending == n
-            head.lm.commit(fused, list(range(n)))
-            assert got.logits.shape == want.logits.shape == (1, 97)
-            assert torch.allclose(got.logits, want.logits, atol=1e-5)
-            assert torch.allclose(got.hidden, want.hidden, atol=1e-5)
-            parent = want.hidden[-1:].expand(3, -1)
-            nodes = torch.tensor([5, 9, 12])
-            positions = torch.tensor([n, n, n + 1])
-            attend = torch.tensor([[1, 0, 0], [0, 1, 0], [1, 0, 1]], dtype=torch.bool)
-            want = head.lm.forward(ref, nodes, positions, attend, head.draft_inputs(parent, nodes))
-            got = head.depth(fused, nodes, positions, attend, parent, False, 0)
-            assert got.logits.shape == want.logits.shape == (3, got.logits.shape[1])
-            assert torch.allclose(got.logits, want.logits, atol=1e-5) and torch.allclose(got.hidden, want.hidden,
-                                                                                          atol=1e-5)
-            assert fused.pending == ref.pending == 3
-            assert [layer._len for layer in fused.cache.layers] == [layer._len for layer in ref.cache.layers]
+        for sizes in ((1,), (4,), (3, 2)):  # one sequence, then two in one call (the second from further on)
+            starts = [0, 6][:len(sizes)]
+            refs = [head.lm.new_state() for _ in sizes]
+            fused = [head.lm.new_state() for _ in sizes]
+            tokens = [torch.tensor(prompt[s + 1:s + n + 1]) for s, n in zip(starts, sizes)]
+            given = torch.cat([feats[s:s + n] for s, n in zip(starts, sizes)])
+            want = [head.lm.prefill_output(st, t, head.target_inputs(feats[s:s + n], t))
+                    for st, t, s, n in zip(refs, tokens, starts, sizes)]
+            got = head.depth(fused, tokens, [torch.arange(n) for n in sizes], [causal(n) for n in sizes], given, True,
+                             True)
+            assert got is not None and [st.pending for st in fused] == list(sizes)
+            for st, n in zip(fused, sizes):
+                head.lm.commit(st, list(range(n)))
+            for w, g in zip(want, got):
+                assert g.logits.shape == w.logits.shape == (1, 97)
+                assert torch.allclose(g.logits, w.logits, atol=1e-5) and torch.allclose(g.hidden, w.hidden, atol=1e-5)
+            # a level of drafted nodes below each sequence's last pair: two siblings and a grandchild
+            parents = torch.cat([w.hidden[-1:].expand(3, -1) for w in want])
+            nodes = [torch.tensor([5, 9, 12]) for _ in sizes]
+            positions = [torch.tensor([n, n, n + 1]) for n in sizes]
+            attend = [torch.tensor([[1, 0, 0], [0, 1, 0], [1, 0, 1]], dtype=torch.bool) for _ in sizes]
+            want = [head.lm.forward(st, t, p, a, head.draft_inputs(parents[3 * i:3 * i + 3], t))
+                    for i, (st, t, p, a) in enumerate(zip(refs, nodes, positions, attend))]
+            got = head.depth(fused, nodes, positions, attend, parents, False, False)
+            for w, g in zip(want, got):
+                assert g.logits.shape == w.logits.shape == (3, 97)
+                assert torch.allclose(g.logits, w.logits, atol=1e-5) and torch.allclose(g.hidden, w.hidden, atol=1e-5)
+            for ref, st in zip(refs, fused):
+                assert st.pending == ref.pending == 3
+                assert [layer._len for layer in st.cache.layers] == [layer._len for layer in ref.cache.layers]
         long = torch.tensor(prompt[1:20])
-        assert head.depth(head.lm.new_state(), long, torch.arange(19), torch.ones(19, 19, dtype=torch.bool).tril(),
-                          feats[:19], True, 18) is None
+        assert head.depth([head.lm.new_state()], [long], [torch.arange(19)], [causal(19)], feats[:19], True,
+                          True) is None
     ar = generate(target, NoDrafter(), get_verifier("chain"), prompt, tree=Tree.root_only(), max_new_tokens=24,
                   temperature=0.0)
     out = generate(target, drafter, get_verifier("chain"), prompt, tree=Tree.chain(3), policy="fixed",
                    max_new_tokens=24, temperature=0.0)
     assert out.token_ids == ar.token_ids
+    engine = Engine(target, max_batch=2)  # the two sequences' depths in one call each
+    seqs = [engine.submit(p, Recipe(get_verifier("chain"), Tree.chain(3), drafter.fork()), sampling=Sampling(0.0),
+                          max_new_tokens=24) for p in (prompt, prompt[:12])]
+    run_all(engine)
+    assert seqs[0].token_ids == ar.token_ids
+    assert seqs[1].token_ids == generate(target, NoDrafter(), get_verifier("chain"), prompt[:12],
+                                         tree=Tree.root_only(), max_new_tokens=24, temperature=0.0).token_ids
 
 
 def test_a_head_drafts_only_in_its_targets_dtype():

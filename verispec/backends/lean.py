@@ -131,6 +131,16 @@ def _linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     return kernels.rows_forward(x, module, plan) if plan is not None else module.forward(x)
 
 
+def _grouped(groups, bounds: list[int]) -> tuple:
+    """``layers_kernel``'s per-group arguments from groups ``(key buffers by layer, value buffers by layer, slot, pos,
+    row, visible, limits, span)``: the buffers layer by layer, group by group within a layer, then the row ``bounds``
+    and each attention argument as a list over the groups."""
+    layers = len(groups[0][0])
+    kbufs = [g[0][i] for i in range(layers) for g in groups]
+    vbufs = [g[1][i] for i in range(layers) for g in groups]
+    return (kbufs, vbufs, bounds, *([g[j] for g in groups] for j in range(2, 8)))
+
+
 def _consecutive_causal(positions: torch.Tensor, visible: torch.Tensor) -> bool:
     """Whether a sequence's new rows sit at consecutive positions and each sees the rows before it and itself only
     (``visible [n, cached + n]`` or ``[n, n]``, every cached entry visible): a prompt, or a chunk of one."""
@@ -418,65 +428,76 @@ class LeanLlama:
         if self.layers_kernel is None or self.norm_kernel is None or self._layer_args is None:
             return None
         if pooled is not None and not alone:
-            bufs = (pooled["pool"].keys, pooled["pool"].values)
-            attend = (*pooled["fill"], pooled["visible"], pooled["limits"], pooled["span"])
+            groups = ((pooled["pool"].keys, pooled["pool"].values, *pooled["fill"], pooled["visible"],
+                       pooled["limits"], pooled["span"]),)
             after = None
         elif pooled is None and len(caches) == 1 and fill[0] is not None:
-            bufs, attend, after = self._own_attend(caches[0], x.shape[0], fill[0], masks[0], limits[0])
+            group, after = self._own_attend(caches[0], x.shape[0], fill[0], masks[0], limits[0])
+            groups = (group,)
         else:
             return None
         norms = [p[k]._parameters["weight"] for p in parts for k in (0, 5)]
         outs = self.layers_kernel.layers(x, norms, self.eps, *self._layer_args, self.heads, self.kv_heads, cos, sin,
-                                         *bufs, *attend, self.head_dim ** -0.5, keep)
+                                         *_grouped(groups, [0, x.shape[0]]), self.head_dim ** -0.5, keep)
         if after is not None:
             for layer in caches[0].layers:
                 layer._set_length(after)
         return outs
 
     def _own_attend(self, cache: LeanCache, rows: int, fill: tuple, mask: torch.Tensor, limits: torch.Tensor
-                    ) -> tuple[tuple, tuple, int]:
-        """``layers_kernel``'s key and value buffers and attention arguments for one sequence's ``rows`` new rows on
-        its own cache (``fill``, ``mask`` and ``limits`` as ``_fill``, ``_invariant_mask`` and ``_limits`` make them),
-        with room made for the new entries, and the cache's length after them (set once the call has written them)."""
+                    ) -> tuple[tuple, int]:
+        """``layers_kernel``'s attention group for one sequence's ``rows`` new rows on its own cache (``fill``, ``mask``
+        and ``limits`` as ``_fill``, ``_invariant_mask`` and ``_limits`` make them): its layers' key and value buffers,
+        with room made for the new entries, and ``append_attend``'s arguments; and the cache's length after them (set
+        once the call has written them)."""
         layers = cache.layers
         probe = torch.empty(self.kv_heads, rows, self.head_dim, dtype=self.cache_dtype)  # the new keys' shape
         need = [layer.room(probe, self.head_dim) for layer in layers][0]
-        bufs = ([layer._kbuf for layer in layers], [layer._vbuf for layer in layers])
-        return bufs, (*fill, mask[None], limits, need), need
+        return ([layer._kbuf for layer in layers], [layer._vbuf for layer in layers], *fill, mask[None], limits,
+                need), need
 
-    def draft_depth(self, cache: LeanCache, positions: torch.Tensor, visible: torch.Tensor, inputs: tuple,
-                    first: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A draft head's depth in one native call (``native.layer``'s ``draft_depth``): ``inputs`` its input's
-        arguments (``EagleHead.depth``: the features or parent outputs, the fuse's slices and call, the embedding
-        table, the tokens and the fc's call), then this model's decoder layers on ``cache`` (the new rows at
-        ``positions``, each seeing ``visible [n, cached + n]``), its final norm and its output layer on rows
-        ``first``... Returns (those rows' logits, every row's final-normed hidden state), as ``forward`` with the
-        head's input as ``inputs_embeds`` gives them to float rounding; None where that call does not run here (no
-        native kernels, a bfloat16 model, more rows than the float32 attention kernel takes, layers or an output head
-        whose linear layers are not all on the native kernel): the caller then runs ``forward``."""
-        n = int(positions.shape[0])
+    def draft_depth(self, caches: list[LeanCache], positions: list[torch.Tensor], visible: list[torch.Tensor],
+                    inputs: tuple, picked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A draft head's depth in one native call (``native.layer``'s ``draft_depth``) for one sequence or several,
+        each on its own cache: ``inputs`` the head's input's arguments for all their rows, in order (``EagleHead.depth``:
+        the features or parent outputs, the fuse's slices and call, the embedding table, the tokens and the fc's call),
+        then this model's decoder layers (sequence i's new rows at ``positions[i]`` on ``caches[i]``, each seeing
+        ``visible[i] [n, cached + n]``; the linear layers read their weights once for every row), its final norm and
+        its output layer on the rows ``picked``. Returns (those rows' logits, every row's final-normed hidden state),
+        as ``forward`` / ``forward_batch`` with the head's input as ``inputs_embeds`` give them to float rounding; None
+        where that call does not run here (no native kernels, a bfloat16 model, a sequence with more rows than the
+        float32 attention kernel takes, layers or an output head whose linear layers are not all on the native
+        kernel): the caller then runs the forward."""
+        sizes = [int(p.shape[0]) for p in positions]
         head = self.hf.get_output_embeddings()
         weight = getattr(head, "weight", None)
-        if self.layers_kernel is None or self.fused is None or n > self.POOLED_ROWS or self.dtype != torch.float32 \
-                or not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 \
-                or getattr(head, "bias", None) is not None:
+        if self.layers_kernel is None or self.fused is None or max(sizes) > self.POOLED_ROWS \
+                or self.dtype != torch.float32 or not isinstance(weight, torch.Tensor) \
+                or weight.dtype != torch.float32 or getattr(head, "bias", None) is not None:
             return None
         parts = self._parts()
-        if self._native_calls(parts, n) is None or self._layer_args is None:
+        if self._native_calls(parts, sum(sizes)) is None or self._layer_args is None:
             return None
-        if int(positions.max()) < self.cos.shape[0]:
-            cos, sin = self.cos[positions], self.sin[positions]
+        pos = positions[0] if len(positions) == 1 else torch.cat(positions)
+        if int(pos.max()) < self.cos.shape[0]:
+            cos, sin = self.cos[pos], self.sin[pos]
         else:
-            cos, sin = self._rotary(positions)
-        mask = visible.contiguous()
-        bufs, attend, after = self._own_attend(cache, n, self._fill(cache, n), mask, self._limits(mask[None, None]))
+            cos, sin = self._rotary(pos)
+        groups, after = [], []
+        for cache, n, seen in zip(caches, sizes, visible):
+            mask = seen.contiguous()
+            group, length = self._own_attend(cache, n, self._fill(cache, n), mask, self._limits(mask[None, None]))
+            groups.append(group)
+            after.append(length)
         norms = [p[k]._parameters["weight"] for p in parts for k in (0, 5)]
         panels, width, _ = kernels.native_args(head)
         logits, hidden = self.layers_kernel.draft_depth(
             *inputs, norms, self.eps, *self._layer_args, self.heads, self.kv_heads, cos.contiguous(), sin.contiguous(),
-            *bufs, *attend, self.head_dim ** -0.5, self.base.norm._parameters["weight"], panels, width, first)
-        for layer in cache.layers:
-            layer._set_length(after)
+            *_grouped(groups, [0, *itertools.accumulate(sizes)]), self.head_dim ** -0.5,
+            self.base.norm._parameters["weight"], panels, width, picked)
+        for cache, length in zip(caches, after):
+            for layer in cache.layers:
+                layer._set_length(length)
         return logits, hidden
 
     @staticmethod

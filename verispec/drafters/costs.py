@@ -27,8 +27,8 @@ from ..tree import Tree
 from .base import Drafter, propose_batch
 
 DRAFT_BATCHES = (1, 2, 4, 8, 16)  # sequences drafting together, measured
-REVISION = 5  # of the drafting code the cached costs were measured with (2: the head's inputs batched; 3: per_row;
-# 4: the head's layers on float16 panels; 5: a head's depth in one native call)
+REVISION = 6  # of the drafting code the cached costs were measured with (2: the head's inputs batched; 3: per_row;
+# 4: the head's layers on float16 panels; 5: a head's depth in one native call; 6: a batch's too)
 DEEPEST = 3  # depths timed: 1 and this; each further depth costs a share of the difference
 CAUGHT_UP = 16  # rows of context each of 8 sequences' drafts lack, timed for ``per_row``
 

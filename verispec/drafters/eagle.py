@@ -110,21 +110,19 @@ class EagleDrafter(Drafter):
         if inp is None:
             return None
         tokens, feats = inp
-        n, st = len(tokens), self.state  # a prefill of the pairs, in one native call where it runs
-        out = self.head.depth(st, tokens, torch.arange(st.committed, st.committed + n),
-                              torch.ones(n, n, dtype=torch.bool).tril(), feats, True, n - 1)
+        out = _root_depth([self], [tokens], feats)
         if out is None:
-            return self._root_output(self.lm.prefill_output(st, tokens, self.head.target_inputs(feats, tokens)))
-        self.lm.commit(st, list(range(n)))
-        return self._root_output(out)
+            return self._root_output(self.lm.prefill_output(self.state, tokens, self.head.target_inputs(feats, tokens)))
+        return self._root_output(out[0])
 
     @torch.inference_mode()
     def _node_logits(self, g: _Growing, nodes: list[int]) -> torch.Tensor:
         tokens, positions, attend, hidden = self._node_input(g, nodes)
-        out = self.head.depth(self.state, tokens, positions, attend, hidden, False, 0)
+        out = self.head.depth([self.state], [tokens], [positions], [attend], hidden, False, False)
         if out is None:
-            out = self.lm.forward(self.state, tokens, positions, attend, self.head.draft_inputs(hidden, tokens))
-        return self._node_output(nodes, out)
+            return self._node_output(nodes, self.lm.forward(self.state, tokens, positions, attend,
+                                                            self.head.draft_inputs(hidden, tokens)))
+        return self._node_output(nodes, out[0])
 
     @classmethod
     @torch.inference_mode()
@@ -140,17 +138,22 @@ class EagleDrafter(Drafter):
                 live = [i for i in idx if inputs[i] is not None]
                 if live:
                     tokens = [inputs[i][0] for i in live]
-                    embeds = _split(drafters[live[0]].head.target_inputs(torch.cat([inputs[i][1] for i in live]),
-                                                                         torch.cat(tokens)), tokens)
-                    got = prefill_batch(drafters[live[0]].lm, [drafters[i].state for i in live], tokens, embeds)
+                    feats = torch.cat([inputs[i][1] for i in live])
+                    got = _root_depth([drafters[i] for i in live], tokens, feats)
+                    if got is None:
+                        embeds = _split(drafters[live[0]].head.target_inputs(feats, torch.cat(tokens)), tokens)
+                        got = prefill_batch(drafters[live[0]].lm, [drafters[i].state for i in live], tokens, embeds)
                     for i, o in zip(live, got):
                         out[i] = drafters[i]._root_output(o)
             else:
                 inputs = [drafters[i]._node_input(requests[i][1], requests[i][2]) for i in idx]
                 tokens, positions, attends, hidden = map(list, zip(*inputs))
-                embeds = _split(drafters[idx[0]].head.draft_inputs(torch.cat(hidden), torch.cat(tokens)), tokens)
-                got = drafters[idx[0]].lm.forward_batch([drafters[i].state for i in idx], tokens, positions, attends,
-                                                        inputs_embeds=embeds)
+                states = [drafters[i].state for i in idx]
+                head = drafters[idx[0]].head
+                got = head.depth(states, tokens, positions, attends, torch.cat(hidden), False, False)
+                if got is None:
+                    embeds = _split(head.draft_inputs(torch.cat(hidden), torch.cat(tokens)), tokens)
+                    got = drafters[idx[0]].lm.forward_batch(states, tokens, positions, attends, inputs_embeds=embeds)
                 for i, o in zip(idx, got):
                     out[i] = drafters[i]._node_output(requests[i][2], o)
         return out
@@ -158,6 +161,20 @@ class EagleDrafter(Drafter):
     def commit(self, draft: Draft, path: list[int]) -> None:
         self.lm.commit(self.state, [])  # drafted pairs used predicted features: drop them all
         self._slot, self._pred = {}, {}
+
+
+def _root_depth(drafters: list[EagleDrafter], tokens: list[torch.Tensor], feats: torch.Tensor):
+    """The drafters' prefills of the pairs their caches lack (``tokens``, the target's features ``feats``, every
+    sequence's in order) in one native call where it runs (``EagleHead.depth``), committed; None where it does not
+    (nothing done: the caller runs the forward)."""
+    states = [d.state for d in drafters]
+    positions = [torch.arange(st.committed, st.committed + len(t)) for st, t in zip(states, tokens)]
+    causal = [torch.ones(len(t), len(t), dtype=torch.bool).tril() for t in tokens]
+    out = drafters[0].head.depth(states, tokens, positions, causal, feats, True, True)
+    if out is not None:
+        for d, t in zip(drafters, tokens):
+            d.lm.commit(d.state, list(range(len(t))))
+    return out
 
 
 def _split(rows: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -19,6 +19,7 @@ layer i, and -1 (or the layer count) the final normed state.
 from __future__ import annotations
 
 import copy
+import itertools
 from pathlib import Path
 
 import torch
@@ -191,17 +192,19 @@ class EagleHead(nn.Module):
         """Inputs for drafted pairs (the head's own output at the parent ``[..., H]``, the drafted token)."""
         return self.fc(torch.cat([hidden, self._embed(tokens, hidden.dtype)], dim=-1))
 
-    def depth(self, state, tokens: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor, given: torch.Tensor,
-              features: bool, first: int) -> ForwardOutput | None:
-        """A depth of drafting in one native call where it runs (``LeanLlama.draft_depth``): the head's input from
-        ``given`` -- the target's features at committed pairs (``features``: ``target_inputs``) or the head's own
-        outputs at drafted nodes' parents (``draft_inputs``) -- and ``tokens``, then ``lm.forward``'s work on those
-        rows: appended to ``state`` as pending entries at ``positions``, each seeing ``attend [n, pending + n]``, logits
-        from row ``first`` on. The same output as ``lm.forward`` on ``target_inputs`` / ``draft_inputs`` to float
-        rounding (bit for bit where the kernel plan runs the native kernel for these rows, as it does for a few:
-        ``tests/test_eagle.py``), with one call where that path makes some 15 and their Python (results.md, "What a
-        depth of the draft head costs"). None where it does not run (a bfloat16 target, no native kernels, a head not
-        on the kernel plan, more rows than the float32 attention kernel takes): the caller then runs ``lm.forward``."""
+    def depth(self, states: list, tokens: list[torch.Tensor], positions: list[torch.Tensor], attend: list[torch.Tensor],
+              given: torch.Tensor, features: bool, last_only: bool) -> list[ForwardOutput] | None:
+        """A depth of drafting in one native call where it runs (``LeanLlama.draft_depth``), for one sequence or a
+        batch: the head's input from ``given`` (every sequence's rows, in order) -- the target's features at committed
+        pairs (``features``: ``target_inputs``) or the head's own outputs at drafted nodes' parents (``draft_inputs``)
+        -- and ``tokens``, then ``lm.forward``'s work on each sequence's rows: appended to ``states[i]`` as pending
+        entries at ``positions[i]``, each seeing ``attend[i] [n, pending + n]``; logits of each sequence's last row
+        (``last_only``: a prefill's) or of all its rows. The same outputs as ``lm.forward`` / ``lm.forward_batch`` on
+        ``target_inputs`` / ``draft_inputs`` to float rounding (bit for bit for one sequence where the kernel plan runs
+        the native kernel for its rows: ``tests/test_eagle.py``), with one call where that path makes some 15 and
+        their Python, the weights read once for the batch (results.md, "What a depth of the draft head costs"). None
+        where it does not run (a bfloat16 target, no native kernels, a head not on the kernel plan, a sequence with
+        more rows than the float32 attention kernel takes): the caller then runs the forward."""
         lean = self.lm._lean
         if lean is None or self.fc.weight.dtype != torch.float32 or "_verispec_plan" not in self.fc.__dict__:
             return None
@@ -209,15 +212,22 @@ class EagleHead(nn.Module):
         none = torch.empty(0)
         fuse = kernels.native_args(self.fuse)[:2] if chunks > 1 else (none, 0)
         fc = kernels.native_args(self.fc)
-        n = int(tokens.shape[0])
-        visible = torch.cat([torch.ones(n, state.committed, dtype=torch.bool), attend], dim=1)
+        sizes = [int(t.shape[0]) for t in tokens]
+        ends = list(itertools.accumulate(sizes))
+        visible = [torch.cat([torch.ones(n, st.committed, dtype=torch.bool), a], dim=1)
+                   for st, n, a in zip(states, sizes, attend)]
+        picked = torch.tensor([e - 1 for e in ends] if last_only else range(ends[-1]))
         table = self.target.hf.get_input_embeddings().weight
-        inputs = (given.float(), chunks, *fuse, table, tokens, *fc)
-        out = lean.draft_depth(state.cache, positions, visible, inputs, first)
+        inputs = (given.float(), chunks, *fuse, table, tokens[0] if len(tokens) == 1 else torch.cat(tokens), *fc)
+        out = lean.draft_depth([st.cache for st in states], positions, visible, inputs, picked)
         if out is None:
             return None
-        state.pending_positions.extend(positions.tolist())
-        return ForwardOutput(logits=out[0], hidden=out[1])
+        logits, hidden = out
+        for st, p in zip(states, positions):
+            st.pending_positions.extend(p.tolist())
+        rows = [1] * len(sizes) if last_only else sizes
+        return [ForwardOutput(logits=lg, hidden=h)
+                for lg, h in zip(logits.split(rows), hidden.split(sizes))]
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The head's logits over the target's whole vocabulary (-inf outside a restricted vocabulary)."""

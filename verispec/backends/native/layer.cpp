@@ -153,19 +153,31 @@ Tensor rms_norm(const Tensor& x, const Tensor& w, double eps) {
 // ``x`` [R, D] float32 (contiguous) through L decoder layers. Per layer l: ``norms`` [2l], [2l + 1] the input and
 // post-attention norms' weights; ``panels`` [4l .. 4l + 3] the native kernel's panels of q, k and v stacked, o, gate
 // and up stacked, down, with ``biases`` beside them (an empty tensor: none) and ``widths`` [7l .. 7l + 6] the output
-// widths of q, k, v, o, gate, up and down; ``kbufs``, ``vbufs`` [l] its key and value buffers ([slots, kv heads,
-// capacity, 64], or [kv heads, capacity, 64] for one sequence's own). ``cos``, ``sin`` [R, 64] the rows' rotary
-// tables; ``slot``, ``pos``, ``row``, ``visible``, ``limits``, ``span`` and ``scale`` as ``append_attend`` takes them
-// (the same every layer). Returns x after each layer l + 1 in ``keep`` (in order), then after the last.
+// widths of q, k, v, o, gate, up and down. The rows are S groups, group s rows ``bounds[s]`` .. ``bounds[s + 1]``, each
+// attending on buffers of its own: ``kbufs``, ``vbufs`` [l * S + s] layer l's key and value buffers of group s
+// ([slots, kv heads, capacity, 64], or [kv heads, capacity, 64] for one sequence's own), with ``slot``, ``pos``,
+// ``row``, ``visible``, ``limits`` and ``span`` [s] as ``append_attend`` takes them for its rows (the same every
+// layer): one group for a pooled batch or one sequence, a group a sequence for sequences on caches of their own (the
+// linear layers read the weights once for all rows). ``cos``, ``sin`` [R, 64] the rows' rotary tables. Returns x after
+// each layer l + 1 in ``keep`` (in order), then after the last.
 std::vector<Tensor> layers(Tensor x, const std::vector<Tensor>& norms, double eps, const std::vector<Tensor>& panels,
                            const std::vector<Tensor>& biases, const std::vector<int64_t>& widths, int64_t heads,
                            int64_t kv_heads, const Tensor& cos, const Tensor& sin, const std::vector<Tensor>& kbufs,
-                           const std::vector<Tensor>& vbufs, const Tensor& slot, const Tensor& pos, const Tensor& row,
-                           const Tensor& visible, const Tensor& limits, int64_t span, double scale,
+                           const std::vector<Tensor>& vbufs, const std::vector<int64_t>& bounds,
+                           const std::vector<Tensor>& slot, const std::vector<Tensor>& pos,
+                           const std::vector<Tensor>& row, const std::vector<Tensor>& visible,
+                           const std::vector<Tensor>& limits, const std::vector<int64_t>& span, double scale,
                            const std::vector<int64_t>& keep) {
-  const int64_t L = static_cast<int64_t>(kbufs.size()), R = x.size(0);
+  const int64_t S = static_cast<int64_t>(bounds.size()) - 1, R = x.size(0);
+  TORCH_CHECK(S >= 1 && bounds[0] == 0 && bounds[S] == R, "bounds: 0 .. rows, one group or more");
+  for (int64_t g = 0; g < S; ++g) TORCH_CHECK(bounds[g] < bounds[g + 1], "a group has rows");
+  TORCH_CHECK(static_cast<int64_t>(slot.size()) == S && static_cast<int64_t>(pos.size()) == S &&
+              static_cast<int64_t>(row.size()) == S && static_cast<int64_t>(visible.size()) == S &&
+              static_cast<int64_t>(limits.size()) == S && static_cast<int64_t>(span.size()) == S &&
+              static_cast<int64_t>(kbufs.size()) % S == 0, "per group: buffers of every layer and its attention");
+  const int64_t L = static_cast<int64_t>(kbufs.size()) / S;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous float32 [R, D]");
-  TORCH_CHECK(static_cast<int64_t>(vbufs.size()) == L && static_cast<int64_t>(norms.size()) == 2 * L &&
+  TORCH_CHECK(static_cast<int64_t>(vbufs.size()) == L * S && static_cast<int64_t>(norms.size()) == 2 * L &&
               static_cast<int64_t>(panels.size()) == 4 * L && static_cast<int64_t>(biases.size()) == 4 * L &&
               static_cast<int64_t>(widths.size()) == 7 * L, "per layer: 2 norms, 4 panels and biases, 7 widths");
   for (int64_t l = 0; l < L; ++l)
@@ -185,9 +197,17 @@ std::vector<Tensor> layers(Tensor x, const std::vector<Tensor>& norms, double ep
     Tensor v = qkv[2].view({R, kv_heads, vs_attention::HD});
     vs_rope::rope_(q, cos, sin);
     vs_rope::rope_(k, cos, sin);
-    Tensor kb = kbufs[l].dim() == 3 ? kbufs[l].unsqueeze(0) : kbufs[l];
-    Tensor vb = vbufs[l].dim() == 3 ? vbufs[l].unsqueeze(0) : vbufs[l];
-    Tensor o = vs_attention::append_attend(q, k, v, kb, vb, slot, pos, row, visible, limits, span, scale);
+    std::vector<Tensor> parts;
+    for (int64_t g = 0; g < S; ++g) {
+      const Tensor& kg = kbufs[l * S + g];
+      const Tensor& vg = vbufs[l * S + g];
+      const int64_t r0 = bounds[g], n = bounds[g + 1] - bounds[g];
+      parts.push_back(vs_attention::append_attend(
+          S == 1 ? q : q.narrow(0, r0, n), S == 1 ? k : k.narrow(0, r0, n), S == 1 ? v : v.narrow(0, r0, n),
+          kg.dim() == 3 ? kg.unsqueeze(0) : kg, vg.dim() == 3 ? vg.unsqueeze(0) : vg, slot[g], pos[g], row[g],
+          visible[g], limits[g], span[g], scale));
+    }
+    Tensor o = S == 1 ? parts[0] : torch::cat(parts);
     add_into(x, linear(o.view({R, heads * vs_attention::HD}), panels[4 * l + 1], w[3], biases[4 * l + 1]));
     h = rms_norm(x, norms[2 * l + 1], eps);
     const Tensor gu = linear(h, panels[4 * l + 2], w[4] + w[5], biases[4 * l + 2]);
@@ -210,19 +230,23 @@ std::vector<Tensor> layers(Tensor x, const std::vector<Tensor>& norms, double ep
 // target's last features, or the head's own output at a drafted node's parent) -- and ``e`` the rows of ``table`` at
 // ``tokens``. ``fuse``, ``fc`` and ``out`` are the native kernel's calls (panels, output width, bias: an empty tensor,
 // none), as ``kernels.native_args`` makes them, so each product is the one the module's own call gives. The output
-// layer runs on rows ``from``.. only. Returns the logits of those rows and every row's final-normed hidden state.
+// layer runs on the rows ``picked`` only. The rows may be several sequences' (``bounds``, as ``layers`` takes them).
+// Returns the logits of the picked rows and every row's final-normed hidden state.
 std::vector<Tensor> draft_depth(const Tensor& g_in, int64_t chunks, const Tensor& fuse_panels, int64_t fuse_n,
                                 const Tensor& table, const Tensor& tokens, const Tensor& fc_panels, int64_t fc_n,
                                 const Tensor& fc_bias, const std::vector<Tensor>& norms, double eps,
                                 const std::vector<Tensor>& panels, const std::vector<Tensor>& biases,
                                 const std::vector<int64_t>& widths, int64_t heads, int64_t kv_heads, const Tensor& cos,
                                 const Tensor& sin, const std::vector<Tensor>& kbufs, const std::vector<Tensor>& vbufs,
-                                const Tensor& slot, const Tensor& pos, const Tensor& row, const Tensor& visible,
-                                const Tensor& limits, int64_t span, double scale, const Tensor& norm,
-                                const Tensor& out_panels, int64_t out_n, int64_t from) {
+                                const std::vector<int64_t>& bounds, const std::vector<Tensor>& slot,
+                                const std::vector<Tensor>& pos, const std::vector<Tensor>& row,
+                                const std::vector<Tensor>& visible, const std::vector<Tensor>& limits,
+                                const std::vector<int64_t>& span, double scale, const Tensor& norm,
+                                const Tensor& out_panels, int64_t out_n, const Tensor& picked) {
   TORCH_CHECK(g_in.dim() == 2 && g_in.scalar_type() == torch::kFloat, "g_in: float32 [R, F]");
   TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) == g_in.size(0), "one token per row");
-  TORCH_CHECK(0 <= from && from < g_in.size(0), "logits from a row of the depth");
+  TORCH_CHECK(picked.dim() == 1 && picked.scalar_type() == torch::kLong && picked.size(0) > 0,
+              "picked: the rows of the logits, int64");
   Tensor g = g_in.contiguous();
   if (chunks > 1) {
     TORCH_CHECK(g.size(1) % chunks == 0, "g_in: chunks equal slices");
@@ -233,10 +257,10 @@ std::vector<Tensor> draft_depth(const Tensor& g_in, int64_t chunks, const Tensor
   const Tensor e = table.index_select(0, tokens);
   const Tensor x = linear(torch::cat({g, e}, 1).contiguous(), fc_panels, fc_n, fc_bias);
   const std::vector<int64_t> none;
-  const Tensor last = layers(x, norms, eps, panels, biases, widths, heads, kv_heads, cos, sin, kbufs, vbufs, slot, pos,
-                             row, visible, limits, span, scale, none).back();
+  const Tensor last = layers(x, norms, eps, panels, biases, widths, heads, kv_heads, cos, sin, kbufs, vbufs, bounds,
+                             slot, pos, row, visible, limits, span, scale, none).back();
   const Tensor h = rms_norm(last, norm, eps);
-  const Tensor logits = linear(h.narrow(0, from, h.size(0) - from).contiguous(), out_panels, out_n, torch::empty({0}));
+  const Tensor logits = linear(h.index_select(0, picked), out_panels, out_n, torch::empty({0}));
   return {logits, h};
 }
 
