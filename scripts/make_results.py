@@ -592,6 +592,8 @@ RUNS["concurrency_prompt"] = RUNS["concurrency_rounds"]
 RUNS["concurrency_sparse"] = RUNS["concurrency_rounds"]
 # the same three rounds on an Intel Xeon (AVX-512 with FP16) at 4849a48 (issue 66: under load on every CPU measured)
 RUNS["concurrency_xeon"] = RUNS["concurrency_rounds"]
+# the same three rounds on an AMD EPYC with AVX-512 after a batch's head depth went into one native call (fd956aa)
+RUNS["concurrency_fused"] = RUNS["concurrency_rounds"]
 # the peers at N = 1 and 8 on the machine of concurrency_prompt (an Intel Xeon), one round to fit a session
 RUNS["concurrency_peers_xeon"] = ["--methods", "ar", "default", "hf-generate", "llama-cpp", "llama-server", "--drafts",
                                   "auto", *spec_bench(), "--concurrency", "1", "8"]
@@ -1602,7 +1604,11 @@ LATEST_LOOPS = ((
     (PROSE["LATEST_LOOPS 4 3 0"],)), (
     "concurrency_xeon", "_xeon",
     "Many requests at once on an Intel Xeon (float32): `default` against `ar` in three rounds",
-    (PROSE["LATEST_LOOPS 5 3 0"],)))
+    (PROSE["LATEST_LOOPS 5 3 0"],)), (
+    "concurrency_fused", "_fused",
+    "Many requests at once on an AVX-512 EPYC (float32), a batch's head depth in one native call: `default` against "
+    "`ar` in three rounds",
+    (PROSE["LATEST_LOOPS 6 3 0"],)))
 
 
 def earlier_loops(figs: Path) -> list[str]:
