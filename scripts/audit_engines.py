@@ -5,9 +5,12 @@ then llama-cpp-python's prompt lookup (the llama extra: ``bash scripts/install_l
 ``audit-engine``'s default prompts and a plain text that repeats (through the chat template it rarely drafts), then
 verispec at one request on both chat prompts (``prompts``: the committed rows at ``--samples 5000``), then llama.cpp's
 ``llama-server`` with a draft model on both chat prompts (``llama-server``: it needs ``scripts/llama_build.py
-server``). Rows go to results/audit_engines/*.jsonl.gz (written as .jsonl, then gzipped). About an hour on 2 cores.
+server``), then Hugging Face assisted generation with the int8 assistant on both chat prompts (``hf-prompts``: the
+committed rows at ``--samples 5000``). Rows go to results/audit_engines/*.jsonl.gz (written as .jsonl, then gzipped).
+About an hour on 2 cores, and some 40 minutes for each part at 5,000 samples.
 
-    python scripts/audit_engines.py [--samples 3000] [--only engines filtered serve llama prompts llama-server]
+    python scripts/audit_engines.py [--samples 3000]
+        [--only engines filtered serve llama prompts llama-server hf-prompts]
         [--dtype float32] [--threads 2]
 """
 
@@ -28,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Name an animal."
 REPEATS = "Continue the pattern: red, blue, red, blue, red,"
 TEXT = "red, blue, green, red, blue, green, red, blue, green, red,"  # plain text, no chat template: lookup drafts here
-PARTS = ("engines", "filtered", "serve", "llama", "prompts", "llama-server")
+PARTS = ("engines", "filtered", "serve", "llama", "prompts", "llama-server", "hf-prompts")
 
 
 def cli(*args: str) -> list[str]:
@@ -66,6 +69,10 @@ def main() -> None:
     if "prompts" in args.only:  # verispec at one request on both chat prompts, at the N asked (5,000 in the table)
         subprocess.run(cli("audit-engine", "verispec", "--samples", n, "--prompt", PROMPT, "--prompt", REPEATS,
                            "--threads", str(args.threads), "--out", "results/audit_engines/prompts.jsonl"), cwd=ROOT,
+                       check=False)
+    if "hf-prompts" in args.only:  # Hugging Face assisted generation (the int8 assistant) on both chat prompts
+        subprocess.run(cli("audit-engine", "hf-assisted", "--samples", n, "--prompt", PROMPT, "--prompt", REPEATS,
+                           "--threads", str(args.threads), "--out", "results/audit_engines/hf_prompts.jsonl"), cwd=ROOT,
                        check=False)
     if "llama-server" in args.only:  # llama.cpp's own server drafting with -md, started and stopped by the audit
         subprocess.run(cli("audit-engine", "llama-server-draft", "--samples", n, "--prompt", PROMPT, "--prompt",

@@ -2069,7 +2069,7 @@ def claims_section() -> list[str]:
 
 
 # results/audit_engines/NAME.jsonl.gz, in order
-AUDIT_ENGINES = ("engines", "filtered", "serve", "llama", "prompts", "llama_server")
+AUDIT_ENGINES = ("engines", "filtered", "serve", "llama", "prompts", "llama_server", "hf_prompts")
 
 
 def audit_rows(name: str) -> list[dict]:

@@ -459,8 +459,9 @@ class LeanLlama:
     def draft_depth(self, caches: list[LeanCache], positions: list[torch.Tensor], visible: list[torch.Tensor],
                     inputs: tuple, picked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A draft head's depth in one native call (``native.layer``'s ``draft_depth``) for one sequence or several,
-        each on its own cache: ``inputs`` the head's input's arguments for all their rows, in order (``EagleHead.depth``:
-        the features or parent outputs, the fuse's slices and call, the embedding table, the tokens and the fc's call),
+        each on its own cache: ``inputs`` the head's input's arguments for all their rows, in order
+        (``EagleHead.depth``: the features or parent outputs, the fuse's slices and call, the embedding table, the
+        tokens and the fc's call),
         then this model's decoder layers (sequence i's new rows at ``positions[i]`` on ``caches[i]``, each seeing
         ``visible[i] [n, cached + n]``; the linear layers read their weights once for every row), its final norm and
         its output layer on the rows ``picked``. Returns (those rows' logits, every row's final-normed hidden state),
