@@ -461,10 +461,9 @@ class LeanLlama:
         """A draft head's depth in one native call (``native.layer``'s ``draft_depth``) for one sequence or several,
         each on its own cache: ``inputs`` the head's input's arguments for all their rows, in order
         (``EagleHead.depth``: the features or parent outputs, the fuse's slices and call, the embedding table, the
-        tokens and the fc's call),
-        then this model's decoder layers (sequence i's new rows at ``positions[i]`` on ``caches[i]``, each seeing
-        ``visible[i] [n, cached + n]``; the linear layers read their weights once for every row), its final norm and
-        its output layer on the rows ``picked``. Returns (those rows' logits, every row's final-normed hidden state),
+        tokens and the fc's call), then this model's decoder layers (sequence i's new rows at ``positions[i]`` on
+        ``caches[i]``, each seeing ``visible[i] [n, cached + n]``; the linear layers read their weights once for every
+        row), its final norm and its output layer on the rows ``picked``. Returns (those rows' logits, every row's final-normed hidden state),
         as ``forward`` / ``forward_batch`` with the head's input as ``inputs_embeds`` give them to float rounding; None
         where that call does not run here (no native kernels, a bfloat16 model, a sequence with more rows than the
         float32 attention kernel takes, layers or an output head whose linear layers are not all on the native
