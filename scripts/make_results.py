@@ -1673,17 +1673,15 @@ def standing_section() -> list[str]:
             return next(r for r in summarize(res, **kw) if r.T == t and r.method == "default" and r.draft == "auto"
                         and (kw or r.category == "all"))
 
-        def lookup_share(res: Results, t: float) -> str:
+        def share(res: Results, t: float, decoding: bool = False, base: tuple = ("ar", NO_DRAFT)) -> str:
+            """`default`'s tokens/s over ``base``'s (method, draft) at ``t``, paired per prompt."""
             kept, _ = usable(res)
-            mine, base = ([r for r in kept if r["cell"]["T"] == t and r["cell"]["method"] == "default"
-                           and r["cell"]["draft"] == d] for d in ("auto", "ngram"))
-            return fmt(*paired_ratio(mine, base), suffix="x")
+            cells = ([r for r in kept if r["cell"]["T"] == t and (r["cell"]["method"], r["cell"]["draft"]) == md]
+                     for md in (("default", "auto"), base))
+            return fmt(*paired_ratio(*cells, decoding), suffix="x")
 
-        def share(res: Results, t: float, decoding: bool = False) -> str:
-            kept, _ = usable(res)
-            mine, base = ([r for r in kept if r["cell"]["T"] == t and r["cell"]["method"] == m
-                           and r["cell"]["draft"] == d] for m, d in (("default", "auto"), ("ar", NO_DRAFT)))
-            return fmt(*paired_ratio(mine, base, decoding), suffix="x")
+        def lookup_share(res: Results, t: float) -> str:  # the head's share: against prompt lookup alone
+            return share(res, t, base=("default", "ngram"))
 
         def lowest(res: Results, t: float) -> str:
             cats = [r for r in summarize(res, by_category=True) if r.T == t and r.method == "default"

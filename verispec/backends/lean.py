@@ -141,6 +141,12 @@ def _grouped(groups, bounds: list[int]) -> tuple:
     return (kbufs, vbufs, bounds, *([g[j] for g in groups] for j in range(2, 8)))
 
 
+def _norms(parts: list[tuple[nn.Module, ...]]) -> list[torch.Tensor]:
+    """Per decoder layer (``LeanLlama._parts``), its input and post-attention norms' weights, as ``layers_kernel``
+    takes them."""
+    return [p[k]._parameters["weight"] for p in parts for k in (0, 5)]
+
+
 def _consecutive_causal(positions: torch.Tensor, visible: torch.Tensor) -> bool:
     """Whether a sequence's new rows sit at consecutive positions and each sees the rows before it and itself only
     (``visible [n, cached + n]`` or ``[n, n]``, every cached entry visible): a prompt, or a chunk of one."""
@@ -190,6 +196,14 @@ class LeanLlama:
         freqs = (r.inv_freq[:, None].float() @ positions[None, :].float()).T
         emb = torch.cat([freqs, freqs], dim=-1)
         return (emb.cos() * r.attention_scaling).to(self.dtype), (emb.sin() * r.attention_scaling).to(self.dtype)
+
+    def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[R, head dim]`` of the rows at ``positions`` (contiguous: one row per token, the same for every
+        head), from the table computed up front where it reaches."""
+        if int(positions.max()) < self.cos.shape[0]:
+            return self.cos[positions].contiguous(), self.sin[positions].contiguous()
+        cos, sin = self._rotary(positions)
+        return cos.contiguous(), sin.contiguous()
 
     def new_cache(self) -> LeanCache:
         return LeanCache(self.n_layers)
@@ -436,9 +450,8 @@ class LeanLlama:
             groups = (group,)
         else:
             return None
-        norms = [p[k]._parameters["weight"] for p in parts for k in (0, 5)]
-        outs = self.layers_kernel.layers(x, norms, self.eps, *self._layer_args, self.heads, self.kv_heads, cos, sin,
-                                         *_grouped(groups, [0, x.shape[0]]), self.head_dim ** -0.5, keep)
+        outs = self.layers_kernel.layers(x, _norms(parts), self.eps, *self._layer_args, self.heads, self.kv_heads, cos,
+                                         sin, *_grouped(groups, [0, x.shape[0]]), self.head_dim ** -0.5, keep)
         if after is not None:
             for layer in caches[0].layers:
                 layer._set_length(after)
@@ -479,20 +492,16 @@ class LeanLlama:
         if self._native_calls(parts, sum(sizes)) is None or self._layer_args is None:
             return None
         pos = positions[0] if len(positions) == 1 else torch.cat(positions)
-        if int(pos.max()) < self.cos.shape[0]:
-            cos, sin = self.cos[pos], self.sin[pos]
-        else:
-            cos, sin = self._rotary(pos)
+        cos, sin = self._tables(pos)
         groups, after = [], []
         for cache, n, seen in zip(caches, sizes, visible):
             mask = seen.contiguous()
             group, length = self._own_attend(cache, n, self._fill(cache, n), mask, self._limits(mask[None, None]))
             groups.append(group)
             after.append(length)
-        norms = [p[k]._parameters["weight"] for p in parts for k in (0, 5)]
         panels, width, _ = kernels.native_args(head)
         logits, hidden = self.layers_kernel.draft_depth(
-            *inputs, norms, self.eps, *self._layer_args, self.heads, self.kv_heads, cos.contiguous(), sin.contiguous(),
+            *inputs, _norms(parts), self.eps, *self._layer_args, self.heads, self.kv_heads, cos, sin,
             *_grouped(groups, [0, *itertools.accumulate(sizes)]), self.head_dim ** -0.5,
             self.base.norm._parameters["weight"], panels, width, picked)
         for cache, length in zip(caches, after):
@@ -603,11 +612,7 @@ class LeanLlama:
         else:
             x = inputs_embeds[0] if len(inputs_embeds) == 1 else torch.cat(inputs_embeds)
         pos = positions[0] if len(positions) == 1 else torch.cat(positions)
-        if int(pos.max()) < self.cos.shape[0]:
-            cos, sin = self.cos[pos], self.sin[pos]
-        else:
-            cos, sin = self._rotary(pos)
-        cos, sin = cos.contiguous(), sin.contiguous()  # [R, head dim]: one row per token, the same for every head
+        cos, sin = self._tables(pos)
         heads, kv, hd = self.heads, self.kv_heads, self.head_dim
         want = {self.n_layers if i == -1 else i for i in features}
         kept = {0: x} if 0 in want else {}
